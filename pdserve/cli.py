@@ -1,0 +1,121 @@
+"""Command line: `pdserve generate | convert` (serve, bench, diagnose and calc arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+import typing
+from typing import Any
+
+from pdserve.config import EngineConfig
+
+_HELP = {
+    "model": "model name (smollm2-135m), a .gguf file or a Hugging Face directory",
+    "dtype": "float32 | bfloat16 (bf16 is faster on CPUs with AVX-512 bf16)",
+    "kv_cache_memory": "KV cache size, e.g. 2GiB (ignored when --num-kv-blocks is given)",
+    "num_kv_blocks": "number of KV blocks (overrides --kv-cache-memory)",
+    "block_size": "tokens per KV block",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
+    "enable_chunked_prefill": "split long prompts over several steps (on by default)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (on by default)",
+    "num_threads": "torch intra-op threads (default: torch's choice)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, so every engine option is on every command line."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if hints[f.name] is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
+        else:
+            conv: Any = int if "int" in str(hints[f.name]) and f.name != "kv_cache_memory" else str
+            parser.add_argument(flag, type=conv, default=default, help=_HELP.get(f.name))
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                        help="same as --no-enable-chunked-prefill")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.llm import LLM
+    from pdserve.sampling_params import SamplingParams
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(**dataclasses.asdict(cfg))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample,
+                            max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos)
+    prompts = [llm.engine.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    for out in outs:
+        m = out.metrics
+        comp = out.outputs[0]
+        print(comp.text)
+        timing = {k: (round(v * 1000, 2) if isinstance(v, float) else v) for k, v in m.as_dict().items()}
+        print(json.dumps({"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
+                          "output_tokens": len(comp.token_ids), "cached_tokens": out.num_cached_tokens,
+                          "finish_reason": comp.finish_reason, "times_ms": timing}, ensure_ascii=False),
+              file=sys.stderr)
+    total = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"# {len(outs)} requests, {total} output tokens in {wall:.2f}s ({total / wall:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from pdserve.config import parse_dtype
+    from pdserve.model.loader import convert_gguf_to_hf, resolve_model_path
+
+    src = resolve_model_path(args.gguf)
+    convert_gguf_to_hf(src, args.out_dir, dtype=parse_dtype(args.dtype))
+    print(f"wrote {args.out_dir} from {src}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    gen = sub.add_parser("generate", help="run prompts offline and print text and phase timings")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_cmd_generate)
+
+    conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
+    conv.add_argument("gguf", help="a .gguf file or smollm2-135m")
+    conv.add_argument("out_dir")
+    conv.add_argument("--dtype", default="bfloat16")
+    conv.set_defaults(func=_cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Paged KV cache bookkeeping: blocks, ref counts, automatic prefix caching with LRU eviction.
+
+Only block *ids* live here; the K/V tensors live in the model runner. Block `b` holds the K/V of token slots
+`b * block_size ... b * block_size + block_size - 1` in every layer's cache, so a request's `block_table`
+(list of block ids) plus a token position gives its slot: `block_table[pos // bs] * bs + pos % bs`.
+
+Block states (invariant checked by `check_integrity`):
+
+    used   ref_cnt > 0, held by >= 1 request (ref_cnt == number of holders); may carry a prefix hash
+    free   ref_cnt == 0, in `free_queue` (LRU order: evict from the front); may still carry a hash
+           ("cached": a later request with the same prefix can take it back without recompute)
+
+    num_used + len(free_queue) == num_blocks, always.
+
+Prefix hashes are chained over *full* blocks: hash_i = hash((hash_{i-1}, tokens of block i)). A lookup is
+confirmed by comparing the stored parent hash and tokens, so a hash collision can never return wrong K/V.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.engine.request import Request
+
+
+@dataclass
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    parent_hash: int | None = None  # hash of the previous block in the chain (None for the first)
+    token_ids: tuple[int, ...] = ()  # tokens of a full, hashed block; used to confirm a hit
+
+    def reset_hash(self) -> None:
+        self.block_hash, self.parent_hash, self.token_ids = None, None, ()
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    # ints and tuples of ints hash identically in every Python process (no PYTHONHASHSEED), which keeps
+    # hashes comparable across instances for KV hand-off.
+    return hash((parent_hash, tuple(token_ids)))
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    def reset(self) -> PrefixCacheStats:
+        snap = PrefixCacheStats(self.queries, self.hits)
+        self.queries = self.hits = 0
+        return snap
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}  # block_hash -> block holding that prefix
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}  # request_id -> its block table
+        self.req_num_hashed: dict[str, int] = {}  # request_id -> number of its leading blocks hashed
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks matching the request's tokens, capped at num_tokens - 1 tokens so
+        the last token is always computed (its logits are needed). Does not take references."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = hash_block(parent, chunk)
+            blk = self.cached.get(h)
+            if blk is None or blk.parent_hash != parent or blk.token_ids != chunk:
+                break
+            hits.append(blk)
+            parent = h
+        self.stats.queries += len(tokens)
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register hashes of the request's blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid, [])
+        n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        done = self.req_num_hashed.get(rid, 0)
+        parent = blocks[done - 1].block_hash if done > 0 else None
+        tokens = request.all_token_ids
+        for i in range(done, n_full):
+            blk = blocks[i]
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = hash_block(parent, chunk)
+            if blk.block_hash is None:
+                blk.block_hash, blk.parent_hash, blk.token_ids = h, parent, chunk
+                self.cached.setdefault(h, blk)  # keep the first copy if two requests computed the same prefix
+            parent = blk.block_hash
+        self.req_num_hashed[rid] = max(done, n_full)
+
+    # ---- allocation ----------------------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+        """Make the request's block table cover num_computed_tokens (+ computed_blocks) + num_new_tokens tokens.
+        All or nothing: returns False and changes nothing when too few blocks can be had."""
+        rid = request.request_id
+        held = self.req_blocks.get(rid, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
+        # computed blocks that sit in the free queue are revived, so they do not count as free for new ones
+        revive = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(need, 0) > self.num_free_blocks - revive:
+            return False
+        table = self.req_blocks.setdefault(rid, held)
+        for blk in computed_blocks:
+            self._touch(blk)
+            table.append(blk)
+        if computed_blocks:
+            self.req_num_hashed[rid] = len(table)
+        for _ in range(max(need, 0)):
+            table.append(self._pop_free())
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references. Blocks keep their hash; tail blocks are queued first so they are
+        evicted before the (more shareable) head of the prefix."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self.req_num_hashed.pop(request_id, None)
+        for blk in reversed(blocks):
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                if blk.block_hash is None or not self.enable_prefix_caching:
+                    self.free_queue[blk.block_id] = blk
+                    self.free_queue.move_to_end(blk.block_id, last=False)  # uncached: reuse first
+                else:
+                    self.free_queue[blk.block_id] = blk
+
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> int:
+        """Share the parent's full, computed blocks with a new request (copy-free, for parallel sampling).
+        Returns the number of tokens the child may treat as computed; a partial last block is never shared
+        (the child recomputes it), so a shared block is never written again."""
+        if child_id in self.req_blocks:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        parent_blocks = self.req_blocks.get(parent_id, [])
+        shared = parent_blocks[:min(num_computed_tokens // self.block_size, len(parent_blocks))]
+        for blk in shared:
+            self._touch(blk)
+        self.req_blocks[child_id] = list(shared)
+        self.req_num_hashed[child_id] = min(len(shared), self.req_num_hashed.get(parent_id, 0))
+        return len(shared) * self.block_size
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all hashes of free blocks; returns how many were dropped."""
+        dropped = 0
+        for blk in self.free_queue.values():
+            if blk.block_hash is not None:
+                self._drop_hash(blk)
+                dropped += 1
+        return dropped
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _touch(self, blk: KVCacheBlock) -> None:
+        if blk.ref_cnt == 0:
+            del self.free_queue[blk.block_id]
+        blk.ref_cnt += 1
+
+    def _pop_free(self) -> KVCacheBlock:
+        _, blk = self.free_queue.popitem(last=False)  # least recently freed: the LRU victim
+        if blk.block_hash is not None:
+            self._drop_hash(blk)
+        blk.ref_cnt = 1
+        return blk
+
+    def _drop_hash(self, blk: KVCacheBlock) -> None:
+        assert blk.block_hash is not None
+        if self.cached.get(blk.block_hash) is blk:
+            del self.cached[blk.block_hash]
+        blk.reset_hash()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any bookkeeping invariant is broken (used by tests)."""
+        holders: dict[int, int] = {}
+        for rid, table in self.req_blocks.items():
+            assert len({b.block_id for b in table}) == len(table), f"{rid} holds a block twice"
+            for b in table:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for blk in self.blocks:
+            in_free = blk.block_id in self.free_queue
+            assert blk.ref_cnt == holders.get(blk.block_id, 0), f"block {blk.block_id} ref_cnt mismatch"
+            assert in_free == (blk.ref_cnt == 0), f"block {blk.block_id} free-queue membership wrong"
+        assert self.num_used_blocks + len(self.free_queue) == self.num_blocks
+        for h, blk in self.cached.items():
+            assert blk.block_hash == h, "cached map points at a block with another hash"
+        for rid, n in self.req_num_hashed.items():
+            table = self.req_blocks.get(rid, [])
+            assert n <= len(table)
+            assert all(b.block_hash is not None for b in table[:n]) or not self.enable_prefix_caching
+
+    def is_at_baseline(self) -> bool:
+        """No request holds blocks: every block is free (cached or not)."""
+        return not self.req_blocks and self.num_free_blocks == self.num_blocks
+

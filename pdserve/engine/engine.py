@@ -1,0 +1,247 @@
+"""LLMEngine: add requests, step (schedule -> run -> postprocess), abort. Single-threaded; the async front
+(server) drives it from its own thread.
+
+Postprocess is the only place that appends tokens, finishes requests and frees blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.config import EngineConfig, parse_size
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
+from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.runner import ModelRunner
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("pdserve.engine")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class RequestRejected(ValueError):
+    """The request can never be served (too long for the model or the KV cache, bad token ids, ...)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class StepStats:
+    """What one step did, for metrics and the live roofline."""
+
+    kind: str  # prefill | decode | mixed | idle
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    duration: float  # seconds spent in the model step (schedule + run + postprocess)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, tokenizer: Any = None) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        loaded = model if model is not None else load_model(config.model, dtype=config.torch_dtype)
+        self.arch = loaded.arch
+        self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer()
+        self.model_name = config.model or "smollm2-135m"
+        self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks(config)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, self.num_blocks,
+                                  config.block_size, self.max_model_len, config.attention_backend)
+        self.eos_token_ids = self._eos_ids()
+        self._ids = itertools.count()
+        self.last_step: StepStats | None = None
+        logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
+                    self.model_name, config.dtype, self.num_blocks, self.block_size,
+                    self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len)
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        per_block = config.block_size * self.arch.kv_bytes_per_token(config.torch_dtype)
+        n = parse_size(config.kv_cache_memory) // per_block
+        if n < 1:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no block of {per_block} bytes")
+        return int(n)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        eos = self.arch.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(eos)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+        """Render a conversation with the model's own chat template; returns a token-id prompt."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        # the template writes its own special tokens, so the tokenizer must not add a BOS again
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue one sequence. Raises RequestRejected (before taking any KV block) if it can
+        never be served."""
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        max_tokens = self._validate(token_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time)
+        req.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+        self.scheduler.add_request(req)
+        return req
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
+        n = len(token_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty", "prompt")
+        vocab = self.arch.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "prompt")
+        limit = self.max_model_len
+        if n >= limit:
+            raise RequestRejected(f"the prompt has {n} tokens; this model's maximum context length is {limit} "
+                                  f"tokens, which must also hold at least one output token", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise RequestRejected(f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
+                                  f"tokens exceed this model's maximum context length of {limit}", "max_tokens")
+        need = self.block_manager.blocks_needed(n + max_tokens)
+        if need > self.num_blocks:
+            raise RequestRejected(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks "
+                                  f"of {self.block_size} tokens but the whole cache has {self.num_blocks}",
+                                  "max_tokens")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise RequestRejected(f"the prompt has {n} tokens; with chunked prefill off a prompt may have at most "
+                                  f"max_num_batched_tokens={self.config.max_num_batched_tokens}", "prompt")
+        return max_tokens
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Finish requests as aborted and free their blocks at once."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outs = []
+        for rid in ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                outs.append(self._output(req, [], ""))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one iteration -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            self.last_step = StepStats("idle", 0, 0, len(sched.preempted), time.perf_counter() - t0)
+            return []
+        try:
+            sample_reqs, sampled = self.runner.execute(sched, self.block_manager)
+        except Exception as exc:  # a failed forward fails the requests in it, not the engine
+            logger.exception("model step failed")
+            return [self._fail(r, f"model step failed: {exc!r}") for r, _ in sched.scheduled]
+        outs = self._postprocess(sched, sample_reqs, sampled.token_ids, sampled.logprobs)
+        self.last_step = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens,
+                                   len(sched.preempted), time.perf_counter() - t0)
+        return outs
+
+    def _postprocess(self, sched: SchedulerOutput, sample_reqs: list[Request], tokens: list[int],
+                     logprobs: list[Any]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        for req, n in sched.scheduled:
+            if not is_decode(req, n):
+                req.times.prefill_chunks.append((now, n))
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+        outs = []
+        for req, tok, lp in zip(sample_reqs, tokens, logprobs):
+            try:
+                outs.append(self._append_token(req, tok, lp, now))
+            except Exception as exc:  # e.g. a detokenizer failure: fail this request only
+                logger.exception("postprocess failed for request %s", req.request_id)
+                outs.append(self._fail(req, f"postprocess failed: {exc!r}"))
+        return outs
+
+    def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> RequestOutput:
+        req.append_output_token(tok)
+        req.times.token_times.append(now)
+        if req.times.first_token is None:
+            req.times.first_token = now
+        if lp is not None:
+            req.logprobs.append(lp)
+        status = self._check_stop(req, tok)
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+        assert req.detokenizer is not None
+        delta = req.detokenizer.get_delta(finished=req.is_finished)
+        return self._output(req, [tok], delta)
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.sampling_params
+        assert req.detokenizer is not None
+        stop_str = req.detokenizer.update([tok])
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        req.error = message
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        return self._output(req, [], "")
+
+    def _output(self, req: Request, new_tokens: list[int], delta: str) -> RequestOutput:
+        det = req.detokenizer
+        comp = CompletionOutput(
+            index=0, text=det.output_text if det is not None else "", token_ids=list(req.output_token_ids),
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            delta_text=delta, delta_token_ids=new_tokens)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, req.times,
+                             max(req.num_cached_tokens, 0), req.error)

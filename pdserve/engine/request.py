@@ -1,0 +1,151 @@
+"""A request's state: token counters, status and phase timestamps.
+
+Whether a step does prefill or decode work for a request follows from the counters alone:
+`num_computed_tokens < num_tokens - 1` means prompt (or recompute) tokens are still pending; a request whose
+only pending token is its newest output token is decoding. Chunked prefill and prefix-cache hits are just
+different advances of `num_computed_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its blocks freed; will recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+             RequestStatus.FINISHED_ERROR}
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic timestamps (time.perf_counter seconds) of one request's life, for phase metrics.
+
+    queue = first_scheduled - arrival; prefill = first_token - first_scheduled; TTFT = first_token - arrival;
+    decode = finished - first_token; ITL = diffs of token_times.
+    """
+
+    arrival: float
+    first_scheduled: float | None = None
+    prefill_chunks: list[tuple[float, int]] = field(default_factory=list)  # (end time of step, tokens computed)
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token
+    preemptions: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token is None or self.first_scheduled is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.finished is None or self.first_token is None:
+            return None
+        return self.finished - self.first_token
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean decode time per output token after the first: (E2E - TTFT) / (n - 1)."""
+        n = len(self.token_times)
+        if n < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"queue_time": self.queue_time, "prefill_time": self.prefill_time, "ttft": self.ttft,
+                "decode_time": self.decode_time, "e2e": self.e2e, "tpot": self.tpot,
+                "num_prefill_chunks": len(self.prefill_chunks), "num_preemptions": len(self.preemptions)}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int], max_tokens: int, prompt: str | None = None,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens  # resolved: never None
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)  # prompt + output, kept in step
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 before that
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
+        self.logprobs: list[dict[int, float]] = []  # per output token: {token_id: logprob} incl. sampled
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,73 @@
+"""Offline API in vLLM's shape: `LLM(model=..., **engine options).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine, PromptType
+from pdserve.model.loader import LoadedModel
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, loaded_model: LoadedModel | None = None, tokenizer: Any = None,
+                 **engine_options: Any) -> None:
+        unknown = set(engine_options) - set(EngineConfig.option_names())
+        if unknown:
+            raise TypeError(f"unknown engine options {sorted(unknown)}; known: {EngineConfig.option_names()}")
+        self.config = EngineConfig(model=model, **engine_options)
+        self.engine = LLMEngine(self.config, model=loaded_model, tokenizer=tokenizer)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; results in input order. A prompt is a string,
+        a list of token ids or {"prompt_token_ids": [...]}; `n > 1` yields n outputs per prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("need one SamplingParams per prompt, or a single one for all")
+        # fan out n > 1 into child sequences; the prefix cache shares their prompt blocks
+        children: list[tuple[int, int, str]] = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for j in range(params.n):
+                child = params if params.n == 1 else dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + j)
+                req = self.engine.add_request(prompt, child, request_id=f"offline-{i}-{j}")
+                children.append((i, j, req.request_id))
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        results: list[RequestOutput] = []
+        for i, j, rid in children:
+            out = finals[rid]
+            out.outputs[0].index = j
+            if j == 0:
+                out.request_id = str(i)
+                results.append(out)
+            else:
+                results[-1].outputs.append(out.outputs[0])
+        return results
+
+    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs: list[ChatMessages] = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        prompts: list[PromptType] = [self.engine.encode_chat(c, add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params)

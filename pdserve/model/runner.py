@@ -1,0 +1,103 @@
+"""ModelRunner: owns the weights and the KV cache; turns a SchedulerOutput into batch tensors, runs the model and
+samples. Batch tensors (input_ids, positions, slot_mapping, block tables, masks) are built once per step and
+shared by all layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.config import ModelArchConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.sampler import Sampler, SamplerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat-batch rows whose logits are sampled
+    sample_requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, arch: ModelArchConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
+                 num_blocks: int, block_size: int, max_model_len: int, attention_backend: str = "sdpa") -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.block_size = block_size
+        with torch.device("meta"):
+            model = LlamaForCausalLM(arch, max_positions=1)
+        model = model.to_empty(device="cpu")
+        model.rotary = type(model.rotary)(arch, max_model_len)  # meta tensors cannot hold the table
+        if arch.tie_word_embeddings:  # to_empty() allocates each parameter anew, which unties them
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_hf_state_dict(state_dict)
+        self.model = model.to(dtype).eval()
+        self.backend = get_attention_backend(attention_backend)
+        self.sampler = Sampler()
+        self.kv_cache = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
+                                    arch.head_dim, dtype=dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def prepare(self, sched: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        decodes = sched.scheduled[:sched.num_decode_tokens]
+        prefills = sched.scheduled[sched.num_decode_tokens:]
+
+        decode_tables = decode_mask = None
+        if decodes:
+            tables = [block_manager.get_block_ids(r.request_id) for r, _ in decodes]
+            width = max(len(t) for t in tables)
+            decode_tables = torch.zeros(len(decodes), width, dtype=torch.long)
+            for i, t in enumerate(tables):
+                decode_tables[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+            dpos = torch.tensor([r.num_computed_tokens for r, _ in decodes], dtype=torch.long)
+            slots.append(decode_tables.gather(1, (dpos // bs).unsqueeze(1)).squeeze(1) * bs + dpos % bs)
+            decode_mask = (torch.arange(width * bs).unsqueeze(0) <= dpos.unsqueeze(1))[:, None, None, :]
+            for i, (r, _) in enumerate(decodes):
+                ids.append(r.all_token_ids[r.num_computed_tokens])
+                sample_rows.append(i)
+                sample_reqs.append(r)
+            pos.extend(dpos.tolist())
+
+        chunks: list[PrefillChunk] = []
+        for r, n in prefills:
+            start, c = len(ids), r.num_computed_tokens
+            table = torch.tensor(block_manager.get_block_ids(r.request_id), dtype=torch.long)
+            p = torch.arange(c, c + n)
+            slots.append(table[p // bs] * bs + p % bs)
+            ids.extend(r.all_token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            chunks.append(PrefillChunk(start, n, c, table[:-(-(c + n) // bs)]))
+            if c + n == r.num_tokens:  # the chunk reaches the newest token: sample the next one
+                sample_rows.append(start + n - 1)
+                sample_reqs.append(r)
+
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=len(decodes),
+                                 decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=chunks)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+                          sample_rows, sample_reqs)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[list[Request], SamplerOutput]:
+        inp = self.prepare(sched, block_manager)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend)
+        if not inp.sample_rows:
+            return [], SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        return inp.sample_requests, self.sampler(logits, inp.sample_requests)

@@ -1,0 +1,93 @@
+"""Shared fixtures: the real SmolLM2 tokenizer, tiny random Llama models built in memory, engine factories."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: uses the real default model (SmolLM2-135M)")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The default model's tokenizer (vocab 49152), cached on disk after the first build."""
+    from pdserve.model.loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> Any:
+    """A small random transformers model with the SmolLM2 vocabulary. Weights are scaled up so next-token
+    distributions are peaked: greedy comparisons then do not hinge on float rounding between near-ties."""
+    import transformers
+
+    kw: dict[str, Any] = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                              rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 16)
+    cfg = cls_cfg(**kw)
+    torch.manual_seed(seed)
+    model = cls_model(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.35 if "embed" in name else 0.25)
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def loaded_from_hf(model: Any) -> Any:
+    from pdserve.config import ModelArchConfig
+    from pdserve.model.loader import LoadedModel
+
+    cfg = model.config.to_dict()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        sd.pop("lm_head.weight", None)
+    return LoadedModel(arch=ModelArchConfig.from_hf_config(cfg), hf_config=cfg, state_dict=sd, source="<memory>")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model() -> Any:
+    return make_tiny_hf_model()
+
+
+@pytest.fixture
+def make_llm(tiny_hf_model: Any, tokenizer: Any) -> Callable[..., Any]:
+    """Factory for a pdserve.LLM on the tiny model (fp32 by default), engine options as keywords."""
+    from pdserve.llm import LLM
+
+    def factory(hf_model: Any = None, **options: Any) -> Any:
+        options.setdefault("dtype", "float32")
+        options.setdefault("num_kv_blocks", 256)
+        return LLM(loaded_model=loaded_from_hf(hf_model or tiny_hf_model), tokenizer=tokenizer, **options)
+
+    return factory
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy tokens from transformers' generate (no EOS stop: fixed length)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                                                                   dtype=torch.long),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
