@@ -68,7 +68,9 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                   "qwen3": "Qwen3ForCausalLM"}
+        archs = cfg.get("architectures") or [by_type.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")]
         arch = archs[0]
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
@@ -95,7 +97,7 @@ class ModelArchConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),  # Qwen2: always
             qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),

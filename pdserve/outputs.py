@@ -11,7 +11,7 @@ from pdserve.model.sampler import TokenLogprobs
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
+    text: str  # the full output text, filled in when the request finishes; stream with delta_text
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it

@@ -132,6 +132,13 @@ def test_incomplete_tail_flushed_like_decode(tok: Any) -> None:
     assert d.get_delta(True) == FFFD
 
 
+def test_prompt_ending_mid_character(tok: Any) -> None:
+    ids = enc(tok, "hi 界")
+    prompt, out = ids[:-1], ids[-1:] + enc(tok, "ok")  # the prompt ends with the first bytes of 界
+    d, deltas, _ = stream(tok, prompt, out)
+    assert "".join(deltas) == tok.decode(out) == FFFD + "ok"
+
+
 # ---------------------------------------------------------------- stop strings
 
 
@@ -229,6 +236,18 @@ def test_stop_found_in_flushed_tail(tok: Any) -> None:
     assert stop == "xy" and d.output_text == "a" and d.get_delta(True) == "a"
 
 
+def test_min_tokens_defers_stop_strings(tok: Any) -> None:
+    out = enc(tok, "ab 世界 cd 世界 ef")
+    n_first = len(enc(tok, "ab 世界"))
+    # The first occurrence completes at token n_first: ignored below min_tokens, the second one then matches.
+    d, deltas, s = stream(tok, [], out, stop=["世界"], min_tokens=n_first + 1)
+    assert s == "世界" and "".join(deltas) == d.output_text == "ab 世界 cd "
+    d, deltas, s = stream(tok, [], out, stop=["世界"], min_tokens=n_first)
+    assert s == "世界" and d.output_text == "ab "
+    d, deltas, s = stream(tok, [], out, stop=["世界"], min_tokens=len(out) + 1)
+    assert s is None and "".join(deltas) == tok.decode(out)
+
+
 def test_empty_and_single_char_stops(tok: Any) -> None:
     d, deltas, s = stream(tok, [], enc(tok, "a,b;c"), stop=["", ";"])
     assert s == ";" and d.output_text == "a,b" and "".join(deltas) == "a,b"
@@ -273,6 +292,20 @@ def test_property_concat_equals_decode(
     assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=skip)
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ids=st.lists(st.one_of(st.integers(0, 2), st.integers(100, 400), st.integers(0, 49151)), max_size=60),
+    prompt=st.lists(st.integers(100, 400), max_size=8),
+    step=st.integers(1, 3),
+    skip=st.booleans(),
+)
+def test_property_random_ids(tok: Any, ids: list[int], prompt: list[int], step: int, skip: bool) -> None:
+    # Arbitrary ids (ids 100..400 are mostly single-byte tokens: long invalid UTF-8 runs, characters split
+    # at random, a prompt ending mid-character): tokenizer.decode still rules, U+FFFD included.
+    d, deltas, _ = stream(tok, prompt, ids, step=step, skip_special_tokens=skip)
+    assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=skip)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=_texts, stop_from=st.integers(0, 40), stop_len=st.integers(1, 4), include=st.booleans(), data=st.data())
 def test_property_stop_never_leaks(
@@ -280,7 +313,9 @@ def test_property_stop_never_leaks(
 ) -> None:
     stop = text[stop_from : stop_from + stop_len] or data.draw(_texts.filter(bool))
     out = enc(tok, text)
-    d, deltas, s = stream(tok, [], out, step=data.draw(st.integers(1, 3)), stop=[stop], include_stop_str_in_output=include)
+    d, deltas, s = stream(
+        tok, [], out, step=data.draw(st.integers(1, 3)), stop=[stop], include_stop_str_in_output=include
+    )
     streamed = "".join(deltas)
     assert streamed == d.output_text
     decoded = tok.decode(out)

@@ -55,7 +55,8 @@ class IncrementalDetokenizer:
         skip_special_tokens=...)`` for tokenizers whose decoder is context-free at the window start (byte-level
         BPE such as GPT-2/Llama-3/SmolLM2; no ``clean_up_tokenization_spaces``, like vLLM).
       * With a stop match, ``output_text`` ends right before the earliest stop string occurrence (or right after
-        it with include_stop_str_in_output); tokens after that are ignored.
+        it with include_stop_str_in_output); tokens after that are ignored. No match is reported (nor text cut)
+        before the output has ``min_tokens`` tokens.
     """
 
     def __init__(
@@ -66,8 +67,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.skip_special_tokens = skip_special_tokens
+        # Stop strings only count once the output has >= min_tokens tokens (the engine ignores them before, so
+        # the text must not be cut either); occurrences completed earlier are not matched later (as vLLM).
+        self.min_tokens = min_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop: tuple[str, ...] = tuple(s for s in stop if s)  # "" would match everywhere
         max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -86,9 +91,14 @@ class IncrementalDetokenizer:
 
         # Window state: ids[prefix_offset:read_offset] already emitted (context), ids[read_offset:] pending.
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:]) if _PROMPT_CONTEXT else []
+        self._prefix_text = self._decode(self._ids)
+        # A prompt ending in an incomplete character would swallow the output's first bytes: drop such tokens
+        # from the context, so the output decodes on its own (as tokenizer.decode(output_ids) does).
+        while self._ids and self._prefix_text.endswith("\ufffd"):
+            self._ids.pop()
+            self._prefix_text = self._decode(self._ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
 
         self._chunks: list[str] = []  # confirmed output text, joined lazily by output_text
         self._unsent = ""  # suffix of the confirmed text not yet returned by get_delta
@@ -202,7 +212,7 @@ class IncrementalDetokenizer:
                 i = region.find(s, max(0, len(ctx) - len(s) + 1))
                 if i != -1 and (best_i == -1 or i < best_i):  # earliest start wins; ties: first listed
                     best_i, best_s = i, s
-            if best_i != -1:
+            if best_i != -1 and self.num_output_tokens >= self.min_tokens:
                 cut = best_i + len(best_s) if self.include_stop_str_in_output else best_i
                 self._push(new)
                 self._truncate(len(region) - cut)

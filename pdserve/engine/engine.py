@@ -123,7 +123,7 @@ class LLMEngine:
         req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time)
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output)
+            include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         self.scheduler.add_request(req)
         return req
 
@@ -239,7 +239,9 @@ class LLMEngine:
     def _output(self, req: Request, new_tokens: list[int], delta: str) -> RequestOutput:
         det = req.detokenizer
         comp = CompletionOutput(
-            index=0, text=det.output_text if det is not None else "", token_ids=list(req.output_token_ids),
+            # the full text costs O(length) to join, so it is filled in once, when the request finishes
+            index=0, text=det.output_text if det is not None and req.is_finished else "",
+            token_ids=list(req.output_token_ids),
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             delta_text=delta, delta_token_ids=new_tokens)

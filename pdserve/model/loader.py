@@ -1,8 +1,9 @@
 """Model loading: GGUF files and Hugging Face directories -> Hugging Face-named fp tensors + config.json dict.
 
 Invariants of every `LoadedModel`:
-  * `state_dict` uses Hugging Face parameter names (`model.embed_tokens.weight`, `model.layers.N.self_attn.q_proj.weight`,
-    ...), row-major in Hugging Face orientation (`[out_features, in_features]`), every tensor in the requested dtype.
+  * `state_dict` uses Hugging Face parameter names (`model.embed_tokens.weight`,
+    `model.layers.N.self_attn.q_proj.weight`, ...), row-major in Hugging Face orientation
+    (`[out_features, in_features]`), every tensor in the requested dtype.
   * `lm_head.weight` is present iff `hf_config["tie_word_embeddings"]` is false.
   * GGUF q/k projections of `llama`/`mistral` are un-permuted (llama.cpp permutes them for its RoPE layout), so the
     weights are exactly what `transformers` would load from the original checkpoint (up to quantization error).
@@ -21,6 +22,7 @@ import shutil
 import struct
 import tempfile
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +273,27 @@ _GGUF_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5:
             7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
 
+class _StringArray(Sequence[str]):
+    """A GGUF string array decoded lazily from the memory map (the 49k-entry vocabularies are rarely read)."""
+
+    def __init__(self, buf: memoryview, bounds: list[tuple[int, int]]) -> None:
+        self._buf, self._bounds = buf, bounds
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        a, b = self._bounds[i]
+        return str(self._buf[a:b], "utf-8", errors="replace")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(frozen=True)
 class GGUFTensorInfo:
     """One tensor of a GGUF file: `ne` in ggml order (innermost first); `data` the raw memmapped bytes/values laid
@@ -334,6 +357,13 @@ class GGUFFile:
                     dt = np.dtype(_GGUF_NP[itype]).newbyteorder("<")
                     arr = np.frombuffer(mm, dtype=dt, count=count, offset=off)
                     return arr.tolist(), off + count * dt.itemsize
+                if itype == 8:  # string array (vocab, merges): find the bounds now, decode on access
+                    starts = []
+                    for _ in range(count):
+                        (n,) = struct.unpack_from("<Q", mm, off)
+                        starts.append((off + 8, off + 8 + n))
+                        off += 8 + n
+                    return _StringArray(mv, starts), off
                 items = []
                 for _ in range(count):
                     item, off = read_value(itype, off)
@@ -388,7 +418,7 @@ class GGUFFile:
         return self.fields.get(key.format(arch=self.arch), default)
 
 
-def _rope_scaling_from_gguf(meta: _GGUFMeta, rope_freqs: np.ndarray | None, theta: float, head_dim: int,
+def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta: float, head_dim: int,
                             ctx: int) -> dict[str, Any] | None:
     stype = meta.get("{arch}.rope.scaling.type")
     factor = meta.get("{arch}.rope.scaling.factor")
@@ -415,14 +445,15 @@ def _rope_scaling_from_gguf(meta: _GGUFMeta, rope_freqs: np.ndarray | None, thet
     raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
 
 
-def _gguf_hf_config(meta: _GGUFMeta, tensors: dict[str, Any], rope_freqs: np.ndarray | None) -> dict[str, Any]:
+def _gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, Any]:
+    tensors = meta.tensors
     arch = meta.arch
     architecture = _GGUF_ARCHS[arch]
     hidden = int(meta.get("{arch}.embedding_length"))
     n_head = int(meta.get("{arch}.attention.head_count"))
     n_kv = int(meta.get("{arch}.attention.head_count_kv", n_head))
     n_layers = int(meta.get("{arch}.block_count"))
-    q_rows = int(tensors["blk.0.attn_q.weight"].shape[-1]) if "blk.0.attn_q.weight" in tensors else None
+    q_rows = tensors["blk.0.attn_q.weight"].hf_shape[0] if "blk.0.attn_q.weight" in tensors else None
     head_dim = meta.get("{arch}.attention.key_length")
     if head_dim is None and arch in _PERMUTED_QK_ARCHS:
         head_dim = meta.get("{arch}.rope.dimension_count")
@@ -431,14 +462,14 @@ def _gguf_hf_config(meta: _GGUFMeta, tensors: dict[str, Any], rope_freqs: np.nda
     head_dim = int(head_dim)
     if q_rows is not None and q_rows != n_head * head_dim:
         raise ValueError(f"attn_q has {q_rows} rows but metadata says {n_head} heads x {head_dim}")
-    ne = tensors["token_embd.weight"].shape  # ne order: [hidden, vocab]
+    embd_rows = tensors["token_embd.weight"].hf_shape[0]
     vocab = meta.get("{arch}.vocab_size")
     if vocab is None:
-        tokens = meta.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else int(ne[1])
-    if int(vocab) != int(ne[1]):
-        logger.warning("GGUF vocab_size %s != token_embd rows %s; using the embedding size", vocab, ne[1])
-        vocab = int(ne[1])
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else embd_rows
+    if int(vocab) != embd_rows:
+        logger.warning("GGUF vocab_size %s != token_embd rows %s; using the embedding size", vocab, embd_rows)
+        vocab = embd_rows
     theta = _f32(meta.get("{arch}.rope.freq_base", 10000.0))
     ctx = int(meta.get("{arch}.context_length", 4096))
     ffn = meta.get("{arch}.feed_forward_length")
@@ -486,12 +517,11 @@ def _gguf_hf_config(meta: _GGUFMeta, tensors: dict[str, Any], rope_freqs: np.nda
     return cfg
 
 
-def _dequantize(t: Any, dtype: torch.dtype) -> torch.Tensor:
-    """One GGUF tensor -> torch tensor in HF (row-major, reversed-ne) shape, float32 unless already `dtype`."""
+def _dequantize(t: GGUFTensorInfo) -> torch.Tensor:
+    """One GGUF tensor -> float torch tensor in HF shape (F16/BF16 keep their dtype, quantized types -> float32)."""
     import gguf
 
-    qtype = t.tensor_type
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    qtype, shape = t.qtype, t.hf_shape
     q = gguf.GGMLQuantizationType
     if qtype in (q.F32, q.F16):
         return torch.from_numpy(np.array(t.data, copy=True)).reshape(shape)
@@ -507,30 +537,27 @@ def _dequantize(t: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a single-file GGUF (llama / mistral / qwen2 / qwen3), dequantizing every tensor to `dtype`."""
-    import gguf
-
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
-    reader = gguf.GGUFReader(path)
-    meta = _GGUFMeta(reader)
+    meta = GGUFFile(path)
     if meta.arch not in _GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {meta.arch!r} in {path}; supported: {sorted(_GGUF_ARCHS)}")
     if int(meta.get("split.count", 1)) > 1:
         raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = meta.tensors
     unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n) is None)
     if unknown:
         raise ValueError(f"unsupported tensors in {path}: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
     rope_freqs = None
     if "rope_freqs.weight" in tensors:
-        rope_freqs = _dequantize(tensors["rope_freqs.weight"], torch.float32).numpy()
-    hf_config = _gguf_hf_config(meta, tensors, rope_freqs)
+        rope_freqs = _dequantize(tensors["rope_freqs.weight"]).float().numpy()
+    hf_config = _gguf_hf_config(meta, rope_freqs)
     n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     permuted = meta.arch in _PERMUTED_QK_ARCHS
 
-    def convert(t: Any) -> tuple[str, torch.Tensor]:
-        w = _dequantize(t, dtype)
+    def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor]:
+        w = _dequantize(t)
         if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
             w = reverse_permute_qk(w, n_head if ".attn_q." in t.name else n_kv)
         return gguf_to_hf_name(t.name), w.to(dtype).contiguous()  # type: ignore[return-value]
@@ -539,7 +566,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     # numpy dequantization releases the GIL in its vector ops; a small pool overlaps the per-tensor Python overhead.
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         state_dict = dict(pool.map(convert, items))
-    del reader, tensors, items
+    del meta, tensors, items
     expected = _expected_param_names(hf_config)
     missing = sorted(expected - state_dict.keys())
     if missing:
@@ -686,8 +713,9 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.
 
 
 def _portable_tokenizer_config(out_dir: str) -> None:
-    """transformers>=5 names the class TokenizersBackend, unknown to transformers 4.x (and vLLM builds on it);
-    PreTrainedTokenizerFast loads the same tokenizer.json in both."""
+    """Make the saved tokenizer loadable by transformers 4.x too (vLLM may run on it): transformers>=5 writes the
+    class name TokenizersBackend (4.x: PreTrainedTokenizerFast reads the same tokenizer.json) and keeps the chat
+    template only in chat_template.jinja (old versions read tokenizer_config.json's chat_template)."""
     p = os.path.join(out_dir, "tokenizer_config.json")
     if not os.path.isfile(p):
         return
@@ -695,5 +723,10 @@ def _portable_tokenizer_config(out_dir: str) -> None:
         tc = json.load(f)
     if tc.get("tokenizer_class") in (None, "TokenizersBackend"):
         tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-        with open(p, "w") as f:
-            json.dump(tc, f, indent=2, ensure_ascii=False)
+    jinja = os.path.join(out_dir, "chat_template.jinja")
+    if "chat_template" not in tc and os.path.isfile(jinja):
+        with open(jinja) as f:
+            tc["chat_template"] = f.read()
+    tc.pop("is_local", None)
+    with open(p, "w") as f:
+        json.dump(tc, f, indent=2, ensure_ascii=False)

@@ -72,7 +72,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
         if (top_p < 1).any():
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
             before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-            drop |= before > top_p.unsqueeze(1)  # the first token always stays (before == 0)
+            drop |= before >= top_p.unsqueeze(1)  # smallest set reaching top_p; the best token always stays
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if (min_p > 0).any():

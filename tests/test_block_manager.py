@@ -1,0 +1,175 @@
+"""Block manager: prefix caching rules, LRU eviction, and a stateful property test of its invariants."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), eos_token_ids={2}, max_tokens=8)
+
+
+def admit(bm: BlockManager, req: Request) -> bool:
+    """What the scheduler does for a waiting request: prefix lookup, then allocate the rest."""
+    blocks, n_cached = bm.get_computed_blocks(req)
+    ok = bm.allocate_slots(req, req.num_tokens - n_cached, blocks)
+    if ok:
+        req.num_computed_tokens = req.num_tokens
+        bm.cache_full_blocks(req)
+    return ok
+
+
+def test_hit_capped_at_prompt_minus_one() -> None:
+    bm = BlockManager(16, BS)
+    a = make_request("a", list(range(8)))  # exactly two full blocks
+    assert admit(bm, a)
+    bm.free("a")
+    b = make_request("b", list(range(8)))
+    blocks, n = bm.get_computed_blocks(b)
+    assert n == 4 and len(blocks) == 1  # the last token must be computed, so the second block is not reused
+    c = make_request("c", list(range(9)))
+    assert bm.get_computed_blocks(c)[1] == 8
+
+
+def test_hit_confirmed_by_tokens_not_hash_alone() -> None:
+    bm = BlockManager(16, BS)
+    a = make_request("a", [5, 6, 7, 8, 9])
+    assert admit(bm, a)
+    blk = bm.req_blocks["a"][0]
+    blk.token_ids = (0, 0, 0, 0)  # simulate a hash collision: same hash, other tokens
+    assert bm.get_computed_blocks(make_request("b", [5, 6, 7, 8, 1]))[1] == 0
+
+
+def test_chained_hash_depends_on_prefix() -> None:
+    bm = BlockManager(16, BS)
+    assert admit(bm, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    # same second block, different first block: no hit at all
+    assert bm.get_computed_blocks(make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9]))[1] == 0
+    assert bm.get_computed_blocks(make_request("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]))[1] == 8
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru() -> None:
+    bm = BlockManager(4, BS)
+    assert admit(bm, make_request("a", list(range(100, 109))))  # 3 blocks, 2 full+hashed
+    bm.free("a")
+    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    assert bm.get_computed_blocks(make_request("a2", list(range(100, 109))))[1] == 8
+    # a request that needs 3 fresh blocks evicts the uncached block first, then the LRU cached ones
+    assert admit(bm, make_request("b", list(range(200, 209))))
+    assert bm.get_computed_blocks(make_request("a3", list(range(100, 109))))[1] < 8
+    bm.check_integrity()
+
+
+def test_allocation_is_all_or_nothing() -> None:
+    bm = BlockManager(3, BS)
+    req = make_request("a", list(range(20)))  # needs 5 blocks
+    assert not bm.allocate_slots(req, 20)
+    assert bm.num_free_blocks == 3 and "a" not in bm.req_blocks
+    bm.check_integrity()
+
+
+def test_fork_shares_full_blocks_only() -> None:
+    bm = BlockManager(8, BS)
+    a = make_request("a", list(range(10)))
+    assert admit(bm, a)
+    shared = bm.fork("a", "child", a.num_computed_tokens)
+    assert shared == 8
+    assert bm.get_block_ids("child") == bm.get_block_ids("a")[:2]
+    assert all(b.ref_cnt == 2 for b in bm.req_blocks["a"][:2])
+    bm.free("a")
+    bm.free("child")
+    assert bm.is_at_baseline()
+    bm.check_integrity()
+
+
+def test_two_requests_share_prefix_blocks() -> None:
+    bm = BlockManager(16, BS)
+    assert admit(bm, make_request("a", list(range(13))))
+    b = make_request("b", list(range(12)) + [99, 98])
+    assert admit(bm, b)
+    assert bm.get_block_ids("a")[:3] == bm.get_block_ids("b")[:3]
+    assert bm.stats.hits == 12
+    bm.free("a")
+    bm.check_integrity()
+    bm.free("b")
+    assert bm.is_at_baseline()
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free / evict sequences keep every invariant, and freeing everything
+    returns the pool to baseline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=24, block_size=BS, enable_prefix_caching=True)
+        self.live: dict[str, Request] = {}
+        self.n = 0
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]]),
+          tail=st.lists(st.integers(3, 12), min_size=1, max_size=14))
+    def allocate(self, prefix: list[int], tail: list[int]) -> None:
+        self.n += 1
+        req = make_request(f"r{self.n}", prefix + tail)
+        before = self.bm.num_free_blocks
+        if admit(self.bm, req):
+            self.live[req.request_id] = req
+            assert self.bm.num_free_blocks <= before
+        else:
+            assert req.request_id not in self.bm.req_blocks
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def append(self, data: st.DataObject, k: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        req = self.live[rid]
+        if self.bm.allocate_slots(req, req.num_tokens + k - req.num_computed_tokens):  # pending + k new
+            for t in range(k):
+                req.append_output_token(20 + t)
+            req.num_computed_tokens = req.num_tokens
+            self.bm.cache_full_blocks(req)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        parent = self.live[rid]
+        self.n += 1
+        child = make_request(f"r{self.n}", list(parent.all_token_ids))
+        child.num_computed_tokens = self.bm.fork(rid, child.request_id, parent.num_computed_tokens)
+        self.live[child.request_id] = child
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.bm.free(rid)
+        del self.live[rid]
+
+    @rule()
+    def evict_all_cached(self) -> None:
+        self.bm.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self) -> None:
+        self.bm.check_integrity()
+        for rid, req in self.live.items():
+            table = self.bm.req_blocks[rid]
+            assert len(table) * BS >= req.num_computed_tokens
+
+    def teardown(self) -> None:
+        for rid in list(self.live):
+            self.bm.free(rid)
+        self.bm.check_integrity()
+        assert self.bm.is_at_baseline()
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

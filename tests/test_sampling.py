@@ -1,0 +1,142 @@
+"""Sampling: seeds reproduce whatever the batch, top_k=1 is greedy, stop strings cut exactly, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.model.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+
+PROMPT = "Once upon a time, in a land far away,"
+
+
+def _text(llm: Any, prompt: Any, **kw: Any) -> Any:
+    return llm.generate(prompt, SamplingParams(**kw))[0].outputs[0]
+
+
+def test_seeded_sampling_reproduces_alone_and_in_batch(make_llm: Any) -> None:
+    llm = make_llm()
+    kw = dict(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _text(llm, PROMPT, **kw).token_ids
+    assert _text(llm, PROMPT, **kw).token_ids == alone
+    rng = random.Random(1)
+    others = [{"prompt_token_ids": [rng.randrange(3, 49152) for _ in range(rng.randrange(5, 90))]} for _ in range(9)]
+    params = [SamplingParams(temperature=0.8, max_tokens=rng.randrange(4, 30), ignore_eos=True) for _ in others]
+    outs = llm.generate(others[:5] + [PROMPT] + others[5:], params[:5] + [SamplingParams(**kw)] + params[5:])
+    assert outs[5].outputs[0].token_ids == alone
+    assert _text(llm, PROMPT, **{**kw, "seed": 99}).token_ids != alone
+
+
+def test_top_k_1_equals_greedy(make_llm: Any) -> None:
+    llm = make_llm()
+    greedy = _text(llm, PROMPT, temperature=0, max_tokens=24, ignore_eos=True).token_ids
+    assert _text(llm, PROMPT, temperature=1.3, top_k=1, max_tokens=24, ignore_eos=True).token_ids == greedy
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_cuts_text_exactly(make_llm: Any, include: bool) -> None:
+    llm = make_llm()
+    full = _text(llm, PROMPT, temperature=0, max_tokens=40, ignore_eos=True).text
+    stop = full[15:19]
+    cut = full.find(stop)
+    out = _text(llm, PROMPT, temperature=0, max_tokens=40, ignore_eos=True, stop=[stop, "\x00never"],
+                include_stop_str_in_output=include)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == (full[:cut + len(stop)] if include else full[:cut])
+    assert llm.engine.block_manager.is_at_baseline()
+
+
+def test_stop_token_ids_and_max_tokens(make_llm: Any) -> None:
+    llm = make_llm()
+    greedy = _text(llm, PROMPT, temperature=0, max_tokens=20, ignore_eos=True)
+    assert greedy.finish_reason == "length" and len(greedy.token_ids) == 20
+    tok = greedy.token_ids[5]
+    first = greedy.token_ids.index(tok)
+    out = _text(llm, PROMPT, temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[tok])
+    assert out.finish_reason == "stop" and out.stop_reason == tok and out.token_ids == greedy.token_ids[:first + 1]
+    # min_tokens bans the stop token until enough tokens exist
+    out = _text(llm, PROMPT, temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[tok],
+                min_tokens=first + 2)
+    assert len(out.token_ids) >= first + 2
+
+
+def test_n_outputs_and_seeds(make_llm: Any) -> None:
+    llm = make_llm()
+    out = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    again = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_logprobs_match_model_distribution(make_llm: Any, tiny_hf_model: Any, tokenizer: Any) -> None:
+    llm = make_llm()
+    ids = tokenizer.encode(PROMPT)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, logprobs=5,
+                                                                 ignore_eos=True))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 3
+    with torch.no_grad():
+        ref = tiny_hf_model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0] and first.rank == 1
+    assert len(first.top) == 5 and first.top[0][0] == first.token_id
+    vals, idx = ref.topk(5)
+    assert [t for t, _ in first.top] == idx.tolist()
+    assert all(math.isclose(a, b, abs_tol=1e-4) for (_, a), b in zip(first.top, vals.tolist()))
+    assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
+
+
+def _req(output: list[int], prompt: list[int] | None = None, **kw: Any) -> Request:
+    r = Request("x", prompt or [0], SamplingParams(**kw), eos_token_ids={2}, max_tokens=100)
+    for t in output:
+        r.append_output_token(t)
+    return r
+
+
+def test_penalties_formulae() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    apply_penalties(logits, [_req([0, 0, 1], prompt=[2], repetition_penalty=2.0)])
+    assert logits.tolist() == [[1.0, -4.0, 0.5, 0.5]]  # seen (prompt or output): positive / 2, negative * 2
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    apply_penalties(logits, [_req([0, 0, 1], frequency_penalty=0.5, presence_penalty=0.25)])
+    assert logits.tolist() == [[2.0 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 1.0, 0.5]]
+
+
+def test_top_k_top_p_min_p_masks() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    kept = lambda x: torch.isfinite(x)[0].tolist()  # noqa: E731
+    one, half, zero = torch.tensor([1.0]), torch.tensor([0.45]), torch.tensor([0.0])
+    assert kept(apply_top_k_top_p_min_p(logits, torch.tensor([2]), one, zero)) == [True, True, False, False]
+    assert kept(apply_top_k_top_p_min_p(logits, torch.tensor([0]), torch.tensor([0.7]), zero)) == [True, True,
+                                                                                                    False, False]
+    assert kept(apply_top_k_top_p_min_p(logits, torch.tensor([0]), torch.tensor([0.85]), zero)) == [True, True,
+                                                                                                     True, False]
+    assert kept(apply_top_k_top_p_min_p(logits, torch.tensor([0]), one, torch.tensor([0.25]))) == [True, True,
+                                                                                                    True, False]
+    assert kept(apply_top_k_top_p_min_p(logits, torch.tensor([0]), half, zero)) == [True, False, False, False]
+
+
+def test_min_tokens_bans_eos_and_seeded_distribution() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[0.0, 0.0, 10.0, 1.0]])  # EOS (id 2) dominates
+    assert sampler(logits.clone(), [_req([], temperature=0)]).token_ids == [2]
+    assert sampler(logits.clone(), [_req([], temperature=0, min_tokens=1)]).token_ids == [3]
+    # the exponential race samples from softmax(logits / T): check frequencies with a seeded generator
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    req = _req([], temperature=1.0, seed=0)
+    draws = [sampler(logits.clone(), [req]).token_ids[0] for _ in range(4000)]
+    assert abs(sum(draws) / 4000 - 0.75) < 0.03
+
+
+def test_invalid_sampling_params() -> None:
+    for kw in [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0), dict(n=0),
+               dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(presence_penalty=3)]:
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
