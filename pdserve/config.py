@@ -44,7 +44,7 @@ def parse_size(value: str | int) -> int:
 class ModelArchConfig:
     """Shape of a Llama-family decoder, in Hugging Face config.json terms."""
 
-    architecture: str = "LlamaForCausalLM"  # LlamaForCausalLM | MistralForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM
+    architecture: str = "LlamaForCausalLM"  # or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008

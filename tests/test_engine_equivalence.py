@@ -6,8 +6,8 @@ import random
 from typing import Any
 
 import pytest
-
 from conftest import hf_greedy, loaded_from_hf, make_tiny_hf_model
+
 from pdserve import SamplingParams
 
 NEW = 32

