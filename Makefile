@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 serve: install
-	$(VENV)/bin/pdserve generate --chat --prompt "你好！请用一句话介绍你自己。" --max-tokens 64
+	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q

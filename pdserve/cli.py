@@ -1,4 +1,4 @@
-"""Command line: `pdserve generate | convert` (serve, bench, diagnose and calc arrive with their issues)."""
+"""Command line: `pdserve serve | generate | convert`."""
 
 from __future__ import annotations
 
@@ -82,6 +82,25 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.server.app import ServerConfig, create_app
+
+    cfg = engine_config_from_args(args)
+    engine = LLMEngine(cfg)
+    name = args.served_model_name or engine.model_name
+    app = create_app(engine, ServerConfig(served_model_name=name, api_key=args.api_key,
+                                          max_waiting_requests=args.max_waiting_requests,
+                                          max_body_bytes=args.max_body_bytes))
+    # SIGTERM/SIGINT: uvicorn stops accepting, lets open requests finish for up to the grace period, then the
+    # app's shutdown aborts what is left and frees its blocks.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_grace)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -98,6 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model name)")
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="answer 429 when this many requests wait for their first step")
+    srv.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="reject larger request bodies (413)")
+    srv.add_argument("--shutdown-grace", type=float, default=30.0,
+                     help="seconds open requests may run after SIGTERM before they are aborted")
+    srv.add_argument("--log-level", default="info")
+    srv.set_defaults(func=_cmd_serve)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
     conv.add_argument("gguf", help="a .gguf file or smollm2-135m")

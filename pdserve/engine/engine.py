@@ -112,10 +112,10 @@ class LLMEngine:
         # the template writes its own special tokens, so the tokenizer must not add a BOS again
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
-    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Validate and queue one sequence. Raises RequestRejected (before taking any KV block) if it can
-        never be served."""
+    def make_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Tokenize and validate; raises RequestRejected if the request can never be served. Touches no engine
+        state, so a server thread may call it while the engine thread steps."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
@@ -124,6 +124,12 @@ class LLMEngine:
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
+        return req
+
+    def add_request(self, prompt: PromptType | Request, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Queue one sequence (a prompt, or a Request from make_request)."""
+        req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id, arrival_time)
         self.scheduler.add_request(req)
         return req
 

@@ -1,0 +1,190 @@
+"""AsyncEngine: the engine loop in its own thread, per-request output streams for asyncio handlers.
+
+HTTP work (parsing, tokenizing, JSON, SSE writes) happens on the event-loop thread; the engine thread only drains
+a command queue (adds, aborts) and steps. Torch kernels release the GIL, so the event loop keeps serving clients
+while a step runs. An abort (client gone) is applied before the next step starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.engine.engine import LLMEngine, PromptType
+from pdserve.engine.request import Request
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.metrics import Metrics
+
+logger = logging.getLogger("pdserve.async_engine")
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    request: Request
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
+                 max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting_requests = max_waiting_requests
+        self._cmds: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams between the event loop and the engine thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self.dead: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever still runs and stop the engine thread."""
+        for rid in list(self._streams):
+            self.abort(rid)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return sum(1 for s in self._streams.values() if s.request.times.first_scheduled is None)
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def make_request(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Request:
+        return self.engine.make_request(prompt, params, request_id)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Submit a validated request and yield its outputs until it finishes. Cancelling the consumer (client
+        disconnect) aborts the request."""
+        if self.dead is not None:
+            raise EngineDead(f"engine loop died: {self.dead!r}")
+        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
+            raise QueueFull(f"too many waiting requests ({self.max_waiting_requests}); retry later")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request)
+        rid = request.request_id
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"duplicate request id {rid!r}")
+            self._streams[rid] = stream
+        self._cmds.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- engine thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not eng.has_unfinished_requests():
+                    self._observe_idle()
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outs = eng.step()
+                self._observe_step()
+                for out in outs:
+                    self._dispatch(out)
+        except BaseException as exc:  # a bug in the engine: fail every open request, refuse new ones
+            logger.exception("engine loop died")
+            self.dead = exc
+            with self._lock:
+                streams = list(self._streams.values())
+                self._streams.clear()
+            for s in streams:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDead(f"engine loop died: {exc!r}"))
+
+    def _drain_commands(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                kind, arg = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                assert isinstance(arg, Request)
+                if arg.request_id in self._streams:  # not aborted while queued
+                    eng.add_request(arg)
+            else:
+                assert isinstance(arg, str)
+                for out in eng.abort_request(arg):
+                    self._dispatch(out)
+                with self._lock:
+                    self._streams.pop(arg, None)
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+        if self.metrics is not None and stream is not None:
+            req = stream.request
+            if out.outputs[0].delta_token_ids:
+                self.metrics.observe_token(req)
+            if out.finished:
+                self.metrics.observe_finished(req)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _observe_step(self) -> None:
+        eng, m = self.engine, self.metrics
+        if m is None or eng.last_step is None:
+            return
+        bm = eng.block_manager
+        m.observe_step(eng.last_step, eng.scheduler.num_running, eng.scheduler.num_waiting, bm.usage,
+                       bm.stats.queries, bm.stats.hits, eng.scheduler.num_preemptions)
+
+    def _observe_idle(self) -> None:
+        if self.metrics is not None and self.engine.last_step is not None:
+            self._observe_step()
+            self.engine.last_step = None
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until no request is open (for tests and shutdown)."""
+        deadline = time.monotonic() + timeout
+        while self._streams or self.engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True

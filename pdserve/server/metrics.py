@@ -1,0 +1,109 @@
+"""Prometheus metrics, split by phase, under vLLM's names with a `pdserve:` prefix and a `model_name` label.
+
+Per-request histograms are derived from the request's timestamps when it finishes (queue, prefill, decode, TTFT,
+E2E, TPOT) or as tokens arrive (ITL). TPOT is one number per request: (E2E - TTFT) / (output tokens - 1), the mean
+decode pace. ITL is one sample per gap between two streamed tokens, so its tail shows decode stalls (a long prefill
+chunk in the same step, a preemption) that a request's mean hides.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.engine.engine import StepStats
+from pdserve.engine.request import Request
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+
+ERROR_KINDS = ("bad_request", "context_length", "not_found", "unauthorized", "rate_limited", "payload_too_large",
+               "internal", "engine")
+
+
+class Metrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, m, lbl = self.registry, model_name, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pdserve:{name}", doc, lbl, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token (queue + prefill).", _LATENCY)
+        self.itl = hist("inter_token_latency_seconds", "Gap between two consecutive output tokens.", _ITL)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: (E2E - TTFT) / (output tokens - 1).", _ITL)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled (waiting).", _LATENCY)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token (prefill).", _LATENCY)
+        self.decode = hist("request_decode_time_seconds", "First token to finish (decode).", _LATENCY)
+        self.prompt_hist = hist("request_prompt_tokens", "Prompt tokens per request.", _TOKENS)
+        self.gen_hist = hist("request_generation_tokens", "Output tokens per request.", _TOKENS)
+        self.iter_tokens = hist("iteration_tokens_total", "Tokens computed per engine step.", _TOKENS)
+        self.step_time = Histogram("pdserve:engine_step_time_seconds", "Duration of one engine step by kind.",
+                                   ["model_name", "step_kind"], buckets=_STEP, registry=r)
+        self.running = Gauge("pdserve:num_requests_running", "Requests in the running batch.", lbl, registry=r)
+        self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting (incl. preempted).", lbl, registry=r)
+        self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lbl, registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests.", lbl, registry=r)
+        self.gen_tokens = Counter("pdserve:generation_tokens", "Generated tokens.", lbl, registry=r)
+        self.prefix_queries = Counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      lbl, registry=r)
+        self.prefix_hits = Counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lbl,
+                                   registry=r)
+        self.preemptions = Counter("pdserve:num_preemptions", "Preemptions (recompute).", lbl, registry=r)
+        self.success = Counter("pdserve:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.errors = Counter("pdserve:request_errors", "Failed requests by kind.", ["model_name", "kind"],
+                              registry=r)
+        self.model_name = m
+        for kind in ERROR_KINDS:
+            self.errors.labels(m, kind)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(m, reason)
+        self._children = {name: getattr(self, name).labels(m) for name in (
+            "ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "prompt_hist", "gen_hist", "iter_tokens",
+            "running", "waiting", "kv_usage", "prompt_tokens", "gen_tokens", "prefix_queries", "prefix_hits",
+            "preemptions")}
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+
+    def observe_step(self, step: StepStats, num_running: int, num_waiting: int, kv_usage: float,
+                     prefix_queries: int, prefix_hits: int, num_preemptions: int) -> None:
+        c = self._children
+        if step.kind != "idle":
+            self.step_time.labels(self.model_name, step.kind).observe(step.duration)
+            c["iter_tokens"].observe(step.num_prefill_tokens + step.num_decode_tokens)
+        c["running"].set(num_running)
+        c["waiting"].set(num_waiting)
+        c["kv_usage"].set(kv_usage)
+        q0, h0 = self._last_prefix
+        c["prefix_queries"].inc(prefix_queries - q0)
+        c["prefix_hits"].inc(prefix_hits - h0)
+        self._last_prefix = (prefix_queries, prefix_hits)
+        c["preemptions"].inc(num_preemptions - self._last_preemptions)
+        self._last_preemptions = num_preemptions
+
+    def observe_token(self, req: Request) -> None:
+        c = self._children
+        c["gen_tokens"].inc()
+        t = req.times.token_times
+        if len(t) >= 2:
+            c["itl"].observe(t[-1] - t[-2])
+
+    def observe_finished(self, req: Request) -> None:
+        c, t = self._children, req.times
+        reason = req.status.finish_reason or "error"
+        self.success.labels(self.model_name, reason).inc()
+        c["prompt_tokens"].inc(req.num_prompt_tokens)
+        c["prompt_hist"].observe(req.num_prompt_tokens)
+        c["gen_hist"].observe(req.num_output_tokens)
+        for name, value in (("ttft", t.ttft), ("e2e", t.e2e), ("queue", t.queue_time), ("prefill", t.prefill_time),
+                            ("decode", t.decode_time), ("tpot", t.tpot)):
+            if value is not None:
+                c[name].observe(value)
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(self.model_name, kind).inc()
