@@ -6,9 +6,10 @@ import random
 from typing import Any
 
 import pytest
-from conftest import hf_greedy, loaded_from_hf, make_tiny_hf_model
 
 from pdserve import SamplingParams
+
+from conftest import hf_greedy, loaded_from_hf, make_tiny_hf_model
 
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

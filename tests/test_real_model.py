@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import hf_greedy
 
 from pdserve import SamplingParams
+
+from conftest import hf_greedy
 
 pytestmark = pytest.mark.slow
 NEW = 32
