@@ -213,6 +213,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                     if isinstance(item, EngineDead):
                         raise APIError(500, str(item), "internal_error", kind="engine")
                     raise item
+                elif item.outputs[0].finish_reason == "error":
+                    raise APIError(500, item.error or "request failed", "internal_error", kind="engine")
                 else:
                     yield idx, item
         finally:
@@ -235,11 +237,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                 task.cancel()
                 raise APIError(499, "client disconnected", kind="bad_request")
         task.result()
-        outs = [finals[i] for i in range(len(reqs))]
-        for out in outs:
-            if out.outputs[0].finish_reason == "error":
-                raise APIError(500, out.error or "request failed", "internal_error", kind="engine")
-        return outs
+        return [finals[i] for i in range(len(reqs))]
 
     def usage(reqs: list[EngineRequest]) -> dict[str, Any]:
         per_prompt = {r.request_id.rsplit("-", 1)[0]: r for r in reqs}.values()  # n samples share one prompt

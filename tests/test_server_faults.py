@@ -1,0 +1,98 @@
+"""Faults inside the engine fail the affected requests (500 with an OpenAI error body), never the server.
+Runs the real app under uvicorn in a thread, on a tiny in-memory model, so faults can be injected."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from conftest import loaded_from_hf
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.server.app import ServerConfig, create_app
+from server_utils import free_port
+
+
+@pytest.fixture(scope="module")
+def app_server(tiny_hf_model: Any, tokenizer: Any) -> Iterator[tuple[str, LLMEngine]]:
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=128), model=loaded_from_hf(tiny_hf_model),
+                       tokenizer=tokenizer)
+    app = create_app(engine, ServerConfig(served_model_name="tiny"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base, engine
+    server.should_exit = True
+    thread.join(10)
+
+
+def _poison(engine: LLMEngine, marker: str) -> None:
+    """Requests whose prompt contains `marker` blow up in postprocess (the detokenizer)."""
+    original = engine.make_request
+
+    def make_request(prompt: Any, params: Any = None, request_id: Any = None, arrival_time: Any = None) -> Any:
+        req = original(prompt, params, request_id, arrival_time)
+        if isinstance(prompt, str) and marker in prompt:
+            def boom(*_: Any, **__: Any) -> None:
+                raise RuntimeError("poisoned request")
+            req.detokenizer.update = boom  # type: ignore[union-attr, method-assign]
+        return req
+
+    engine.make_request = make_request  # type: ignore[method-assign]
+
+
+def test_request_failure_is_isolated(app_server: tuple[str, LLMEngine]) -> None:
+    base, engine = app_server
+    _poison(engine, "FAIL_ME")
+    r = httpx.post(base + "/v1/completions", json={"prompt": "FAIL_ME please", "max_tokens": 5}, timeout=30)
+    assert r.status_code == 500
+    assert "poisoned" in r.json()["error"]["message"] and r.json()["error"]["type"] == "internal_error"
+    with httpx.stream("POST", base + "/v1/completions", json={"prompt": "FAIL_ME", "max_tokens": 5, "stream": True},
+                      timeout=30) as resp:
+        events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert any("error" in json.loads(e) for e in events[:-1])
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "fine", "max_tokens": 5, "ignore_eos": True},
+                    timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+    assert engine.block_manager.is_at_baseline()
+
+
+def test_failed_model_step_fails_its_requests_only(app_server: tuple[str, LLMEngine]) -> None:
+    base, engine = app_server
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_execute(*args)
+
+    engine.runner.execute = flaky  # type: ignore[method-assign]
+    try:
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        engine.runner.execute = real_execute  # type: ignore[method-assign]
+    assert httpx.get(base + "/health").status_code == 200
+    assert engine.block_manager.is_at_baseline()
+    metrics = httpx.get(base + "/metrics").text
+    assert 'pdserve:request_success_total{finished_reason="error",model_name="tiny"} 3.0' in metrics
