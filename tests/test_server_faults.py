@@ -13,10 +13,11 @@ import httpx
 import pytest
 import uvicorn
 
-from conftest import loaded_from_hf
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.server.app import ServerConfig, create_app
+
+from conftest import loaded_from_hf
 from server_utils import free_port
 
 

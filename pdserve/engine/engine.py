@@ -72,7 +72,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step: StepStats | None = None
         logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
-                    self.model_name, config.dtype, self.num_blocks, self.block_size,
+                    self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len)
 
     def _num_blocks(self, config: EngineConfig) -> int:
