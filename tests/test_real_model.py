@@ -74,3 +74,37 @@ def test_bf16_chat_streams_whole_characters() -> None:
                     SamplingParams(temperature=0, max_tokens=24))
     for o in outs:
         assert o.outputs[0].token_ids and "\ufffd" not in o.outputs[0].text
+
+
+def test_cli_generate_and_convert(tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "pdserve.cli"]
+    gen = subprocess.run(run + ["generate", "--prompt", "The capital of France is", "--prompt", "你好", "--max-tokens",
+                                "6", "--dtype", "float32", "--kv-cache-memory", "64MiB"],
+                         capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    records = [json.loads(ln) for ln in gen.stderr.splitlines() if ln.startswith("{")]
+    assert len(records) == 2 and all(r["output_tokens"] == 6 for r in records)
+    assert {"queue_time", "prefill_time", "ttft", "decode_time", "tpot", "e2e"} <= set(records[0]["times_ms"])
+    out_dir = tmp_path / "hf"
+    conv = subprocess.run(run + ["convert", "smollm2-135m", str(out_dir), "--dtype", "float32"], capture_output=True,
+                          text=True, timeout=300)
+    assert conv.returncode == 0, conv.stderr
+    from pdserve.llm import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    from_dir = LLM(model=str(out_dir), dtype="float32", kv_cache_memory="64MiB").generate("Hello, I am", params)
+    from_gguf = LLM(dtype="float32", kv_cache_memory="64MiB").generate("Hello, I am", params)
+    assert from_dir[0].outputs[0].token_ids == from_gguf[0].outputs[0].token_ids
+
+
+def test_missing_model_error_names_the_install_command(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--model", str(tmp_path / "nope.gguf"),
+                        "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "nope.gguf" in r.stderr
