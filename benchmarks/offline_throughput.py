@@ -327,8 +327,16 @@ def machine_info(threads: int) -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "threads": threads,
-            "python": platform.python_version()}
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), ":").split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return {"cpu": model, "cores": os.cpu_count(), "isa": isa,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "threads": threads, "python": platform.python_version()}
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
@@ -383,16 +391,22 @@ def main() -> None:
     reqs = Workload(args.seed, vocab).requests(args.num_prompts, args.min_input, args.max_input, args.min_output,
                                               args.max_output)
     # the same fresh-prompt stream for both engines (warm-up, batch-1 and prefill prompts)
+    loadavg = [os.getloadavg()[0]]  # other processes on the machine skew both engines; record it
     pd = bench_pdserve(args, Workload(args.seed + 1, vocab), reqs)
+    loadavg.append(os.getloadavg()[0])
     hf = None if args.skip_hf else bench_hf(args, Workload(args.seed + 1, vocab), reqs)
+    if hf:
+        loadavg.append(os.getloadavg()[0])
     agree = greedy_agreement(pd["_outputs"], hf["_outputs"]) if hf else None
 
     n_in = sum(len(ids) for ids, _ in reqs)
     n_out = sum(n for _, n in reqs)
     print(f"\n## Offline throughput ({date})\n")
     print(f"Command: `{command}`\n")
-    print(f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
-          f"{args.threads} threads, {args.dtype}" + (f", transformers {hf['version']}" if hf else "") + "\n")
+    print(f"Machine: {machine['cpu']}, {machine['cores']} cores ({', '.join(machine['isa'])}; torch CPU capability "
+          f"{machine['torch_cpu_capability']}), torch {machine['torch']}, {args.threads} threads, {args.dtype}"
+          + (f", transformers {hf['version']}" if hf else "")
+          + f"; 1-min load average before/between/after: {' / '.join(f'{x:.2f}' for x in loadavg)}\n")
     print(f"Workload: {args.num_prompts} requests, prompts {args.min_input}-{args.max_input} tokens "
           f"({n_in} total), outputs {args.min_output}-{args.max_output} tokens ({n_out} total), seed {args.seed}, "
           f"greedy, ignore_eos. pdserve: one generate(), max_num_seqs={args.max_num_seqs}, "
@@ -413,7 +427,7 @@ def main() -> None:
               f"{agree['mean_common_prefix_fraction']:.2f}")
 
     if args.json:
-        results = {"date": date, "command": command, "machine": machine, "args": vars(args),
+        results = {"date": date, "command": command, "machine": machine, "loadavg_1min": loadavg, "args": vars(args),
                    "pdserve": {k: v for k, v in pd.items() if not k.startswith("_")},
                    "transformers": {k: v for k, v in hf.items() if not k.startswith("_")} if hf else None,
                    "ratio": {k: pd[k] / hf[k] for k in ("output_tok_s", "total_tok_s", "decode_b1_ms_per_token",

@@ -1,4 +1,4 @@
-"""Command line: `pdserve serve | generate | convert`."""
+"""Command line: `pdserve serve | generate | bench | calc | convert`."""
 
 from __future__ import annotations
 
@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds open requests may run after SIGTERM before they are aborted")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_cmd_serve)
+
+    from pdserve.bench import add_bench_parser
+    from pdserve.roofline import add_calc_parser
+
+    add_bench_parser(sub)
+    add_calc_parser(sub)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
     conv.add_argument("gguf", help="a .gguf file or smollm2-135m")

@@ -136,7 +136,7 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedM
 # GGUF
 # --------------------------------------------------------------------------------------------------------------------
 
-_GGUF_ARCHS = {
+GGUF_ARCHS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -345,10 +345,10 @@ def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta
     raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
 
 
-def _gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, Any]:
+def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, Any]:
     tensors = meta.tensors
     arch = meta.arch
-    architecture = _GGUF_ARCHS[arch]
+    architecture = GGUF_ARCHS[arch]
     hidden = int(meta.get("{arch}.embedding_length"))
     n_head = int(meta.get("{arch}.attention.head_count"))
     n_kv = int(meta.get("{arch}.attention.head_count_kv", n_head))
@@ -441,8 +441,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     meta = GGUFFile(path)
-    if meta.arch not in _GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {meta.arch!r} in {path}; supported: {sorted(_GGUF_ARCHS)}")
+    if meta.arch not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {meta.arch!r} in {path}; supported: {sorted(GGUF_ARCHS)}")
     if int(meta.get("split.count", 1)) > 1:
         raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
     tensors = meta.tensors
@@ -452,7 +452,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     rope_freqs = None
     if "rope_freqs.weight" in tensors:
         rope_freqs = _dequantize(tensors["rope_freqs.weight"]).float().numpy()
-    hf_config = _gguf_hf_config(meta, rope_freqs)
+    hf_config = gguf_hf_config(meta, rope_freqs)
     n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     permuted = meta.arch in _PERMUTED_QK_ARCHS
 
