@@ -370,7 +370,7 @@ def main() -> None:
     ap.add_argument("--min-output", type=int, default=64)
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 with native CPU bf16, else float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true", help="run pdserve only")

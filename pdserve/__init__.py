@@ -1,8 +1,14 @@
 """pdserve: an LLM inference server that schedules, measures and deploys prefill and decode separately."""
 
-from pdserve.config import EngineConfig
-from pdserve.outputs import CompletionOutput, RequestOutput
-from pdserve.sampling_params import SamplingParams
+import os
+
+# pdserve never downloads from a model hub: models come from local files or installed packages. Without this,
+# transformers retries network look-ups for a name it does not find locally before failing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pdserve.config import EngineConfig  # noqa: E402
+from pdserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

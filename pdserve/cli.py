@@ -133,9 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_cmd_serve)
 
     from pdserve.bench import add_bench_parser
+    from pdserve.bench.diagnose import add_diagnose_parser
     from pdserve.roofline import add_calc_parser
 
     add_bench_parser(sub)
+    add_diagnose_parser(sub)
     add_calc_parser(sub)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call drowns bench output
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
