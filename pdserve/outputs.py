@@ -11,13 +11,14 @@ from pdserve.model.sampler import TokenLogprobs
 @dataclass
 class CompletionOutput:
     index: int
-    text: str  # the full output text, filled in when the request finishes; stream with delta_text
+    text: str  # full output, filled in once the request finishes (as token_ids and logprobs); stream the deltas
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None
     delta_text: str = ""  # text new since the previous output of this request (for streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -243,13 +243,15 @@ class LLMEngine:
         return self._output(req, [], "")
 
     def _output(self, req: Request, new_tokens: list[int], delta: str) -> RequestOutput:
-        det = req.detokenizer
+        """Deltas on every step; the full text, token ids and logprobs (O(length) to copy) only once finished."""
+        det, done = req.detokenizer, req.is_finished
+        want_lp = req.sampling_params.logprobs is not None
         comp = CompletionOutput(
-            # the full text costs O(length) to join, so it is filled in once, when the request finishes
-            index=0, text=det.output_text if det is not None and req.is_finished else "",
-            token_ids=list(req.output_token_ids),
+            index=0, text=det.output_text if det is not None and done else "",
+            token_ids=list(req.output_token_ids) if done else [],
             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-            delta_text=delta, delta_token_ids=new_tokens)
+            logprobs=list(req.logprobs) if want_lp and done else None,
+            delta_text=delta, delta_token_ids=new_tokens,
+            delta_logprobs=req.logprobs[len(req.logprobs) - len(new_tokens):] if want_lp and new_tokens else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, req.times,
                              max(req.num_cached_tokens, 0), req.error)

@@ -361,8 +361,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                         started.add(i)
                         text = echo_text(i) + text
                     lps = None
-                    if body.logprobs is not None and c.delta_token_ids and c.logprobs:
-                        lps = completion_logprobs(c.logprobs[-len(c.delta_token_ids):], 0)
+                    if body.logprobs is not None and c.delta_logprobs:
+                        lps = completion_logprobs(c.delta_logprobs, 0)
                     if not text and not c.finished and lps is None:
                         continue
                     yield {"id": rid, "object": "text_completion", "created": created, "model": cfg.served_model_name,
@@ -409,8 +409,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                 async for i, out in stream_all(reqs, tenant):
                     c = out.outputs[0]
                     lps = None
-                    if body.logprobs and c.delta_token_ids and c.logprobs:
-                        lps = chat_logprobs(c.logprobs[-len(c.delta_token_ids):])
+                    if body.logprobs and c.delta_logprobs:
+                        lps = chat_logprobs(c.delta_logprobs)
                     if not c.delta_text and not c.finished and lps is None:
                         continue
                     delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
