@@ -174,6 +174,10 @@ def test_decode_bound_from_output_length_and_from_concurrency() -> None:
     b = [decode_run(128, 20.0), decode_run(512, 26.0), decode_run(2048, 41.0)]
     verdict, _, findings, _ = analyze([], b, [], TH)
     assert verdict == Verdict.DECODE and any("grows 2.05×" in f.text for f in findings)
+    # the shortest output runs again last: when it is slower too, the machine got busier, decode did not slow down
+    drift = [decode_run(128, 20.0), decode_run(512, 25.0), decode_run(2048, 31.0)]
+    assert analyze([], drift, [], TH)[0] == Verdict.DECODE
+    assert analyze([], [*drift, decode_run(128, 24.0)], [], TH)[0] == Verdict.HEALTHY
     # concurrency: ITL triples while TTFT stays normal, latency linear (no knee)
     sweep = [level(1, 100, 1300, itl=20), level(2, 110, 2500, itl=38), level(4, 120, 5000, itl=75)]
     verdict, knee, findings, _ = analyze([], [], sweep, TH)
@@ -245,6 +249,9 @@ def test_cli_options() -> None:
     assert cfg.scale == 0.25 and cfg.experiments == ("a", "c") and cfg.concurrency_levels == (1, 2, 8)
     assert cfg.slo_ttft_ms == 500.0 and cfg.out_dir == "x" and cfg.scaled(2048, 4) == 512
     assert parse().func.__name__ == "run_diagnose_cli"
+    assert cfg.thresholds == Thresholds(slo_ttft_ms=500.0)
+    assert DiagnoseConfig(rules=Thresholds(itl_factor=2.0), slo_tpot_ms=30).thresholds == Thresholds(
+        itl_factor=2.0, slo_tpot_ms=30.0)
     for bad in (dict(experiments=("d",)), dict(scale=0.0), dict(concurrency_levels=(0, 2)),
                 dict(slo_tpot_ms=-1.0)):
         with pytest.raises(BenchError):
@@ -312,4 +319,6 @@ def test_healthy_small_load(long_prompt_server: ServerProc, tmp_path: Path) -> N
     res = run_diagnose(long_prompt_server, tmp_path / "healthy", scale=1 / 32, concurrency_levels=(1, 2))
     assert res.verdict == Verdict.HEALTHY, res.findings
     assert res.knee_concurrency is None and res.findings[-1].startswith("[info] (-) healthy: worst TTFT")
-    assert [len(res.shapes), len(res.output_lengths), len(res.sweep)] == [3, 3, 2]
+    assert [r.label for r in res.output_lengths] == ["(b) output 4", "(b) output 16", "(b) output 64",
+                                                      "(b) output 4 again"]
+    assert [len(res.shapes), len(res.sweep)] == [3, 2] and all(r.failed == 0 for r in res.sweep)

@@ -29,7 +29,8 @@ high -> capacity; a sudden knee in the sweep -> KV capacity). Every number is a 
       TTFT is >= 1.5 × the 1×T run's, the extra is itself over the TTFT limit, and its queue share is >= 0.5
       (splitting the same tokens into requests costs time: the scheduler serializes them).
   (b) decode-bound: median ITL of the longest output >= 1.5 × that of the shortest and >= 5 ms more (decode slows
-      as the KV cache grows), or median TPOT > slo_tpot_ms.
+      as the KV cache grows), or median TPOT > slo_tpot_ms. The shortest runs first and again last; the slower of
+      the two is the baseline (a machine that got busier meanwhile is not decode slowing down).
   (c) knee: a level where a latency (median TTFT, p99 TTFT, median E2EL, p99 ITL: waiting for admission shows in
       TTFT, a preemption's recompute stall in the ITL tail and E2EL) rises, from the level below, by more than
       3 × the trend's rise, by more than 50 ms, and to at least 1.5 × the level below. The trend is the slope of
@@ -123,6 +124,7 @@ class DiagnoseConfig:
     out_dir: str | None = None  # None: ./diagnose-<date>
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    rules: Thresholds = field(default_factory=Thresholds)  # the judging thresholds; the SLOs above override its
     seed: int = 0
     request_timeout: float = 600.0
 
@@ -149,7 +151,8 @@ class DiagnoseConfig:
 
     @property
     def thresholds(self) -> Thresholds:
-        return Thresholds(slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms)
+        slos = {k: v for k, v in (("slo_ttft_ms", self.slo_ttft_ms), ("slo_tpot_ms", self.slo_tpot_ms)) if v}
+        return dataclasses.replace(self.rules, **slos)
 
 
 # ---- the numbers of one run -------------------------------------------------------------------------------------
@@ -350,11 +353,15 @@ def analyze_output_lengths(runs: Sequence[RunStats], itl_ref: float | None, th: 
     ok = sorted((r for r in runs if r.completed and r.output_len > 1), key=lambda r: r.output_len)
     if not ok:
         return [Finding(None, "no successful run; nothing to judge", "b")]
-    per = ", ".join(f"{r.output_len} tok: TPOT {_ms(r.median_tpot_ms)}, ITL {_ms(r.median_itl_ms)} "
-                    f"(p99 {_ms(r.p99_itl_ms)}), {r.output_throughput:.1f} tok/s" for r in ok)
+    per = ", ".join(f"{r.output_len} tok{' (again)' if r.label.endswith('again') else ''}: TPOT "
+                    f"{_ms(r.median_tpot_ms)}, ITL {_ms(r.median_itl_ms)} (p99 {_ms(r.p99_itl_ms)}), "
+                    f"{r.output_throughput:.1f} tok/s" for r in ok)
     findings = [Finding(None, f"single stream — {per}", "b")]
-    short, long_ = ok[0], ok[-1]
-    if long_ is not short and short.median_itl_ms > 0:
+    # the shortest output may run twice (first and last): the slower one is the baseline, so a machine that got
+    # busier while the long outputs ran does not read as decode slowing down with its KV cache
+    short = max((r for r in ok if r.output_len == ok[0].output_len), key=lambda r: r.median_itl_ms)
+    long_ = ok[-1]
+    if long_.output_len > short.output_len and short.median_itl_ms > 0:
         growth = long_.median_itl_ms / short.median_itl_ms
         if growth >= th.tpot_growth and long_.median_itl_ms - short.median_itl_ms >= th.tpot_growth_min_ms:
             findings.append(Finding(
@@ -464,8 +471,9 @@ def _knee_finding(ok: Sequence[RunStats], k: int, attr: str, th: Thresholds) -> 
     if not knee.has_server_metrics:
         return Finding(Verdict.KV_CAPACITY, f"{at}: {jump}; the server exports no /metrics, so preemption or "
                        "queueing is unconfirmed (a knee is the seeds' sign of KV capacity)", "c", knee.concurrency)
-    return Finding(None, f"{at}: {jump}, but no preemption, full KV pool or queue jump behind it (noise or "
-                   f"compute); {_level_line(knee)}", "c", knee.concurrency)
+    return Finding(None, f"{at}: {jump}, but no preemption, full KV pool or queue-time jump at that level: compute "
+                   f"contention or noise (e.g. prefills mixed into decode steps, for an ITL tail); "
+                   f"{_level_line(knee)}", "c", knee.concurrency)
 
 
 def _top_level_findings(r: RunStats, itl_ref: float | None, th: Thresholds) -> list[Finding]:
@@ -625,7 +633,7 @@ async def _server_info(cfg: DiagnoseConfig) -> tuple[str, int | None]:
         model = cfg.model or await discover_model(http, cfg.base_url)
         try:
             data = (await http.get(cfg.base_url + "/v1/models", timeout=30.0)).json().get("data") or []
-            entry = next((d for d in data if d.get("id") == model), {})
+            entry: dict[str, Any] = next((d for d in data if d.get("id") == model), {})
             max_len = entry.get("max_model_len")
         except (httpx.HTTPError, ValueError, AttributeError):
             max_len = None
@@ -648,9 +656,11 @@ async def run_shapes(s: _Session) -> list[RunStats]:
 async def run_output_lengths(s: _Session) -> list[RunStats]:
     c = s.cfg
     runs = []
-    for n in c.decode_output_lens:
+    lengths = sorted(c.decode_output_lens)
+    for i, n in enumerate([*lengths, lengths[0]] if len(lengths) > 1 else lengths):
         plen, olen = s.fit(c.scaled(c.decode_prompt_len, 8), c.scaled(n, 4))
-        runs.append(await s.run(f"(b) output {olen}", 1, plen, olen, 1))
+        again = " again" if i == len(lengths) else ""  # the shortest, repeated last: a baseline against drift
+        runs.append(await s.run(f"(b) output {olen}{again}", 1, plen, olen, 1))
     return runs
 
 
@@ -720,18 +730,21 @@ def _plot_output_lengths(runs: Sequence[RunStats], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    runs = sorted(runs, key=lambda r: r.output_len)  # the repeated shortest output sits next to the first
     x = [r.output_len for r in runs]
     ax.plot(x, [r.median_tpot_ms for r in runs], "o-", label="TPOT (median)")
     ax.plot(x, [r.median_itl_ms for r in runs], "s--", label="ITL (median)")
-    ax.plot(x, [r.p99_itl_ms for r in runs], ":", label="ITL (p99)")
+    ax.plot(x, [r.p99_itl_ms for r in runs], "^:", label="ITL (p99)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(x)), [str(v) for v in sorted(set(x))])
     ax.set_ylim(bottom=0)
     ax.set(title="(b) single stream: decode pace vs output length", xlabel="output tokens", ylabel="ms")
     ax.legend(fontsize="small")
     return _save(fig, path)
 
 
-def _plot_sweep(runs: Sequence[RunStats], knee: int | None, path: Path) -> Path:
+def _plot_sweep(runs: Sequence[RunStats], knee: dict[str, Any] | None, path: Path) -> Path:
+    """`knee`: the knee finding (evidence form); red when it has a verdict, grey when it is an unexplained jump."""
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -745,7 +758,9 @@ def _plot_sweep(runs: Sequence[RunStats], knee: int | None, path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(v) for v in x])
         if knee is not None:
-            ax.axvline(knee, color="#e15759", linestyle="--", label=f"knee (c={knee})")
+            c, kind = knee["knee_concurrency"], knee["kind"]
+            ax.axvline(c, color="#e15759" if kind else "#999999", linestyle="--",
+                       label=f"knee (c={c}): {kind}" if kind else f"jump (c={c}), unexplained")
         ax.set_xlabel("concurrency")
         ax.legend(fontsize="small")
     ax1.set_yscale("log")
@@ -785,7 +800,8 @@ def report_markdown(res: DiagnoseResult, plots: dict[str, str]) -> str:
     lines = [f"# pdserve diagnose: {ev.get('model')}", "",
              f"Server {ev.get('base_url')}, max_model_len {ev.get('max_model_len')}, scale {ev.get('scale')}, "
              f"{ev.get('date')}, {ev.get('duration_s', 0):.0f} s. ITL_ref (unloaded decode step) "
-             f"{_ms(ev.get('itl_ref_ms'))}; TTFT counts as high above {_ms(ev.get('ttft_limit_ms'))}.", ""]
+             f"{_ms(ev.get('itl_ref_ms'))}; TTFT counts as high above {_ms(ev.get('ttft_limit_ms'))}.", "",
+             f"Verdict: **{res.verdict.value}** (its evidence is at the end).", ""]
     if res.shapes:
         lines += ["## (a) Same total prompt tokens: 1 long, 2 medium, 4 short", "",
                   _table(["shape", "ok/failed", "TTFT mean", "TTFT max", "server queue", "server prefill",
@@ -797,7 +813,8 @@ def report_markdown(res: DiagnoseResult, plots: dict[str, str]) -> str:
         lines += ["## (b) Output length, one stream", "",
                   _table(["output tokens", "ok/failed", "TTFT", "TPOT p50", "ITL p50", "ITL p99", "E2EL",
                           "out tok/s"],
-                         [[r.output_len, f"{r.completed}/{r.failed}", r.median_ttft_ms, r.median_tpot_ms,
+                         [[r.label.removeprefix("(b) output "), f"{r.completed}/{r.failed}", r.median_ttft_ms,
+                           r.median_tpot_ms,
                            r.median_itl_ms, r.p99_itl_ms, r.median_e2el_ms, r.output_throughput]
                           for r in res.output_lengths]), "", f"![TPOT vs output length]({plots['b']})", ""]
     if res.sweep:
@@ -836,15 +853,13 @@ def write_report(res: DiagnoseResult, out_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     out_dir.mkdir(parents=True, exist_ok=True)
-    k = _knee(res)
-    knee_plot = k["knee_concurrency"] if k else None
     plots: dict[str, str] = {}
     if res.shapes:
         plots["a"] = _plot_shapes(res.shapes, out_dir / "a_prompt_shapes.png").name
     if res.output_lengths:
         plots["b"] = _plot_output_lengths(res.output_lengths, out_dir / "b_output_length.png").name
     if res.sweep:
-        plots["c"] = _plot_sweep(res.sweep, knee_plot, out_dir / "c_concurrency.png").name
+        plots["c"] = _plot_sweep(res.sweep, _knee(res), out_dir / "c_concurrency.png").name
     (out_dir / "diagnose.json").write_text(
         json.dumps({"verdict": res.verdict.value, "knee_concurrency": res.knee_concurrency,
                     "findings": res.findings, "evidence": res.evidence}, ensure_ascii=False, indent=2),
