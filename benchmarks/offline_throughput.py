@@ -144,13 +144,16 @@ def bench_pdserve(args: argparse.Namespace, wl: Workload, reqs: list[tuple[list[
 
     # throughput: one generate over everything
     rec = StepRecorder(llm)
+    cpu0 = time.process_time()
     wall, outs = _pd_generate(llm, reqs)
+    cpu_share = (time.process_time() - cpu0) / (wall * args.threads)
     rec.detach()
     n_in = sum(len(ids) for ids, _ in reqs)
     n_out = sum(n for _, n in reqs)
     ttfts = [o.metrics.ttft for o in outs]
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
-    print(f"[pdserve] throughput run: {n_out} output tokens in {wall:.1f}s", file=sys.stderr)
+    print(f"[pdserve] throughput run: {n_out} output tokens in {wall:.1f}s ({n_out / wall:.1f} tok/s, "
+          f"cpu share {cpu_share:.2f})", file=sys.stderr)
 
     # batch-1 decode: (129 tokens - 1 token) / 128, each run on a fresh prompt
     t_long, t_short, tpot_b1 = [], [], []
@@ -172,6 +175,7 @@ def bench_pdserve(args: argparse.Namespace, wl: Workload, reqs: list[tuple[list[
         "engine": "pdserve",
         "load_s": load_s,
         "wall_s": wall,
+        "cpu_share": cpu_share,
         "input_tokens": n_in,
         "output_tokens": n_out,
         "output_tok_s": n_out / wall,
@@ -253,6 +257,7 @@ def bench_hf(args: argparse.Namespace, wl: Workload, reqs: list[tuple[list[int],
     # throughput: static batches in arrival order
     bs = args.hf_batch_size
     wall, generated, outputs, batches = 0.0, 0, [], []
+    cpu0 = time.process_time()
     for start in range(0, len(reqs), bs):
         batch = reqs[start:start + bs]
         m = max(n for _, n in batch)
@@ -263,8 +268,11 @@ def bench_hf(args: argparse.Namespace, wl: Workload, reqs: list[tuple[list[int],
         batches.append({"size": len(batch), "max_input": max(len(ids) for ids, _ in batch), "max_new_tokens": m,
                         "seconds": w})
         print(f"[transformers] batch {len(batches)}: {len(batch)} x {m} new tokens in {w:.1f}s", file=sys.stderr)
+    cpu_share = (time.process_time() - cpu0) / (wall * args.threads)
     n_in = sum(len(ids) for ids, _ in reqs)
     n_out = sum(n for _, n in reqs)
+    print(f"[transformers] throughput run: {n_out} useful output tokens in {wall:.1f}s ({n_out / wall:.1f} tok/s, "
+          f"cpu share {cpu_share:.2f})", file=sys.stderr)
 
     # batch-1 decode: same prompt for both lengths (transformers keeps no cache between calls)
     t_long, t_short = [], []
@@ -292,6 +300,7 @@ def bench_hf(args: argparse.Namespace, wl: Workload, reqs: list[tuple[list[int],
         "load_s": load_s,
         "batch_size": bs,
         "wall_s": wall,
+        "cpu_share": cpu_share,
         "input_tokens": n_in,
         "output_tokens": n_out,
         "generated_tokens_incl_waste": generated,
@@ -384,6 +393,8 @@ def main() -> None:
     command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     machine = machine_info(args.threads)
+    resolved_dtype = str(parse_dtype(args.dtype)).removeprefix("torch.")  # "auto" depends on the CPU
+    dtype_desc = args.dtype if args.dtype == resolved_dtype else f"{args.dtype} -> {resolved_dtype}"
 
     # vocabulary size from the model's config, so the ids are valid for it
     vocab = load_model(args.model, dtype=parse_dtype(args.dtype)).hf_config["vocab_size"]
@@ -392,19 +403,36 @@ def main() -> None:
                                               args.max_output)
     # the same fresh-prompt stream for both engines (warm-up, batch-1 and prefill prompts)
     loadavg = [os.getloadavg()[0]]  # other processes on the machine skew both engines; record it
+
+    def write_json(pd: dict[str, Any], hf: dict[str, Any] | None, agree: dict[str, float] | None) -> None:
+        if not args.json:
+            return
+        results = {"date": date, "command": command, "machine": machine, "dtype": resolved_dtype,
+                   "loadavg_1min": loadavg, "args": vars(args),
+                   "pdserve": {k: v for k, v in pd.items() if not k.startswith("_")},
+                   "transformers": {k: v for k, v in hf.items() if not k.startswith("_")} if hf else None,
+                   "ratio": {k: pd[k] / hf[k] for k in ("output_tok_s", "total_tok_s", "decode_b1_ms_per_token",
+                                                        "prefill_512_ms")} if hf else None,
+                   "greedy_agreement": agree}
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
     pd = bench_pdserve(args, Workload(args.seed + 1, vocab), reqs)
     loadavg.append(os.getloadavg()[0])
+    write_json(pd, None, None)  # a partial result survives if the transformers half dies
+    print(markdown(pd, None), file=sys.stderr)
     hf = None if args.skip_hf else bench_hf(args, Workload(args.seed + 1, vocab), reqs)
     if hf:
         loadavg.append(os.getloadavg()[0])
     agree = greedy_agreement(pd["_outputs"], hf["_outputs"]) if hf else None
+    write_json(pd, hf, agree)
 
     n_in = sum(len(ids) for ids, _ in reqs)
     n_out = sum(n for _, n in reqs)
     print(f"\n## Offline throughput ({date})\n")
     print(f"Command: `{command}`\n")
     print(f"Machine: {machine['cpu']}, {machine['cores']} cores ({', '.join(machine['isa'])}; torch CPU capability "
-          f"{machine['torch_cpu_capability']}), torch {machine['torch']}, {args.threads} threads, {args.dtype}"
+          f"{machine['torch_cpu_capability']}), torch {machine['torch']}, {args.threads} threads, dtype {dtype_desc}"
           + (f", transformers {hf['version']}" if hf else "")
           + f"; 1-min load average before/between/after: {' / '.join(f'{x:.2f}' for x in loadavg)}\n")
     print(f"Workload: {args.num_prompts} requests, prompts {args.min_input}-{args.max_input} tokens "
@@ -417,6 +445,13 @@ def main() -> None:
               f"output tok/s counts only each request's requested tokens ({n_out}), not the "
               f"{hf['generated_tokens_incl_waste']} it generated." if hf else "") + "\n")
     print(markdown(pd, hf))
+    if hf:
+        print("\nRatios are pdserve / transformers: above 1 is better for tok/s, below 1 is better for ms.")
+    shares = [r["cpu_share"] for r in (pd, hf) if r]
+    print(f"\nCPU share of the throughput runs (process CPU time / (wall x threads)): "
+          f"{' / '.join(f'{x:.2f}' for x in shares)}"
+          + ("  **WARNING: other processes competed for the cores; these timings are not trustworthy**"
+             if min(shares) < 0.9 else ""))
     print(f"\npdserve: {pd['wall_s']:.1f}s wall, mean TTFT {pd['mean_ttft_s']:.2f}s, mean TPOT "
           f"{pd['mean_tpot_ms']:.1f} ms, batch-1 TPOT metric {pd['decode_b1_tpot_metric_ms']:.1f} ms, "
           f"512 prefill metric {pd['prefill_512_metric_ms']:.1f} ms, steps {json.dumps(pd['steps'])}")
@@ -425,16 +460,6 @@ def main() -> None:
               f"incl. waste, 512 forward {hf['prefill_512_forward_ms']:.1f} ms")
         print(f"greedy agreement: {agree['identical_requests']}/{agree['requests']} identical, mean common prefix "
               f"{agree['mean_common_prefix_fraction']:.2f}")
-
-    if args.json:
-        results = {"date": date, "command": command, "machine": machine, "loadavg_1min": loadavg, "args": vars(args),
-                   "pdserve": {k: v for k, v in pd.items() if not k.startswith("_")},
-                   "transformers": {k: v for k, v in hf.items() if not k.startswith("_")} if hf else None,
-                   "ratio": {k: pd[k] / hf[k] for k in ("output_tok_s", "total_tok_s", "decode_b1_ms_per_token",
-                                                        "prefill_512_ms")} if hf else None,
-                   "greedy_agreement": agree}
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":
