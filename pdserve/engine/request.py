@@ -19,6 +19,7 @@ from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.detokenizer import IncrementalDetokenizer
+    from pdserve.model.sampler import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -120,7 +121,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
-        self.logprobs: list[dict[int, float]] = []  # per output token: {token_id: logprob} incl. sampled
+        self.logprobs: list[TokenLogprobs] = []  # per output token, when sampling_params.logprobs is set
         self.detokenizer: IncrementalDetokenizer | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
