@@ -7,7 +7,7 @@ Configs validate themselves in `__post_init__` so a bad option fails at start-up
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -166,14 +166,3 @@ class EngineConfig:
     def option_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = True
-    # filled in by the engine once the cache is sized
-    num_kv_blocks: int = 0
-    block_size: int = 16
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -179,12 +178,3 @@ class AsyncEngine:
         if self.metrics is not None and self.engine.last_step is not None:
             self._observe_step()
             self.engine.last_step = None
-
-    def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Block until no request is open (for tests and shutdown)."""
-        deadline = time.monotonic() + timeout
-        while self._streams or self.engine.has_unfinished_requests():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
