@@ -520,8 +520,171 @@ def add_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def run_calc(args: argparse.Namespace) -> int:
-    device = measure_device(args.threads) if args.measure else device_preset(args.device)
+    if args.measure:
+        threads = args.threads or len(os.sched_getaffinity(0))
+        device = measure_device(threads)
+        path = save_measured_device(device, threads)  # the engine's live roofline (--device-peaks auto) uses it
+        if not args.json:
+            print(f"# measured peaks saved to {path}")
+    else:
+        device = device_preset(args.device)
     result = calc(args.model, device, args.prompt_len, args.batch, args.context, args.dtype, args.kv_dtype,
                   args.weight_bits, args.params, args.reserve)
     print(json.dumps(result_json(result), indent=2) if args.json else format_report(result))
     return 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Live roofline: what each engine step had to compute and move, against this machine's peaks
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """FLOPs and bytes one engine step needs, from the model shape: the work the step asks for, not what the kernels
+    happen to do (a gather copy or padding is inefficiency, not work). Per step of T tokens over sequences that had
+    `c` tokens cached and compute `n` new ones:
+
+      * FLOPs = 2 · (decoder-layer weights) · T + 2 · (lm_head weights) · S (S = rows sampled; pdserve computes logits
+        only for those) + 4 · layers · heads · head_dim · Σ keys each query meets (causal: n·c + n(n+1)/2).
+      * Bytes = every decoder-layer weight once + lm_head once if anything is sampled + T embedding rows
+        + Σ c tokens of KV read + T tokens of KV written. Activations are ignored (as in `calc`).
+    """
+
+    layer_params: int  # matmul weights of all decoder layers
+    lm_head_params: int
+    layer_weight_bytes: int
+    lm_head_bytes: int
+    embed_row_bytes: int
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int  # 4 · layers · heads · head_dim
+
+    @classmethod
+    def for_model(cls, arch: ModelArchConfig, layer_params: int, layer_weight_bytes: int, lm_head_params: int,
+                  lm_head_bytes: int, embed_row_bytes: int, kv_dtype_bytes: int) -> StepCostModel:
+        return cls(layer_params, lm_head_params, layer_weight_bytes, lm_head_bytes, embed_row_bytes,
+                   kv_bytes_per_token(arch, kv_dtype_bytes),
+                   4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim)
+
+    def cost(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> tuple[float, float]:
+        """(FLOPs, bytes) of a step computing `n` new tokens after `c` cached ones for each (c, n) in `seqs`."""
+        tokens = sum(n for _, n in seqs)
+        if tokens == 0:
+            return 0.0, 0.0
+        pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
+        context = sum(c for c, _ in seqs)
+        flops = (2 * self.layer_params * tokens + 2 * self.lm_head_params * num_sampled
+                 + self.attn_flops_per_pair * pairs)
+        nbytes = (self.layer_weight_bytes + (self.lm_head_bytes if num_sampled else 0) + tokens * self.embed_row_bytes
+                  + (context + tokens) * self.kv_bytes_per_token)
+        return float(flops), float(nbytes)
+
+
+@dataclass
+class PhaseTotals:
+    steps: int = 0
+    seconds: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+class RooflineMeter:
+    """Sums model time, FLOPs and bytes per step kind (prefill | decode | mixed) and turns them into achieved FLOP/s
+    and B/s, MFU (FLOP/s over peak) and MBU (B/s over bandwidth). Decode reaching a high MBU while its MFU stays
+    low is the signature of a bandwidth-bound phase; prefill the other way round."""
+
+    def __init__(self, device: DeviceSpec | None, compute_dtype: torch.dtype) -> None:
+        self.device = device
+        self.peak_flops = self.peak_for(device, compute_dtype) if device else 0.0
+        self.totals: dict[str, PhaseTotals] = {}
+
+    @staticmethod
+    def peak_for(device: DeviceSpec, dtype: torch.dtype) -> float:
+        """The measured peak of the dtype the model computes in, when the device says; else its headline peak."""
+        name = str(dtype).removeprefix("torch.")
+        return dict(device.flops_by_dtype).get(name, device.peak_flops)
+
+    def utilization(self, flops: float, nbytes: float, seconds: float) -> tuple[float, float]:
+        """(MFU, MBU) of work done in `seconds`; (0, 0) without peaks."""
+        if self.device is None or seconds <= 0:
+            return 0.0, 0.0
+        return flops / seconds / self.peak_flops, nbytes / seconds / self.device.mem_bandwidth
+
+    def add(self, kind: str, seconds: float, flops: float, nbytes: float) -> None:
+        t = self.totals.setdefault(kind, PhaseTotals())
+        t.steps += 1
+        t.seconds += seconds
+        t.flops += flops
+        t.bytes += nbytes
+
+    def summary(self) -> dict[str, dict[str, float | int | str]]:
+        """Per step kind: steps, seconds, achieved FLOP/s and B/s, MFU, MBU and which roof is nearer."""
+        out: dict[str, dict[str, float | int | str]] = {}
+        for kind, t in sorted(self.totals.items()):
+            if t.seconds <= 0:
+                continue
+            mfu, mbu = self.utilization(t.flops, t.bytes, t.seconds)
+            row: dict[str, float | int | str] = {
+                "steps": t.steps, "seconds": round(t.seconds, 4), "flops_per_s": t.flops / t.seconds,
+                "bytes_per_s": t.bytes / t.seconds, "intensity": t.flops / t.bytes if t.bytes else 0.0}
+            if self.device is not None:
+                row.update(mfu=round(mfu, 4), mbu=round(mbu, 4), nearer_roof="compute" if mfu >= mbu else "bandwidth")
+            out[kind] = row
+        return out
+
+
+def _peaks_cache_file() -> str:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pdserve")
+    return os.path.join(root, "device-peaks.json")
+
+
+def _peaks_key(threads: int) -> str:
+    return f"{_cpu_name()}|{threads} threads|torch {torch.__version__}"
+
+
+def save_measured_device(device: DeviceSpec, threads: int) -> str:
+    """Remember a measurement for `resolve_device_peaks("auto")`; returns the file written (atomically)."""
+    path = _peaks_cache_file()
+    data: dict[str, Any] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        pass
+    data[_peaks_key(threads)] = asdict(device)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def resolve_device_peaks(spec: str, threads: int | None = None) -> DeviceSpec | None:
+    """Peaks for the live roofline. "auto": this machine with `threads` torch threads, from the cache that
+    `pdserve calc --measure` writes, else measured now (about two seconds, once) and cached; "off": none; a preset
+    name; or "FLOPS,BYTES_PER_S" (e.g. "170e9,17e9")."""
+    spec = spec.strip()
+    if spec.lower() in ("off", "none", ""):
+        return None
+    if "," in spec:
+        flops, bw = (float(x) for x in spec.split(",", 1))
+        return DeviceSpec("given peaks", flops, bw, 0.0)
+    if spec.lower() != "auto":
+        return device_preset(spec)
+    threads = threads or torch.get_num_threads()
+    try:
+        with open(_peaks_cache_file(), encoding="utf-8") as f:
+            cached = json.load(f).get(_peaks_key(threads))
+        if cached:
+            cached["flops_by_dtype"] = tuple(tuple(x) for x in cached.get("flops_by_dtype", ()))
+            return DeviceSpec(**cached)
+    except (OSError, ValueError, TypeError):
+        pass
+    device = measure_device(threads, budget_s=0.5)
+    try:
+        save_measured_device(device, threads)
+    except OSError:
+        pass
+    return device

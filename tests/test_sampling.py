@@ -135,6 +135,21 @@ def test_min_tokens_bans_eos_and_seeded_distribution() -> None:
     assert abs(sum(draws) / 4000 - 0.75) < 0.03
 
 
+def test_mixed_batch_rows_keep_their_own_mode() -> None:
+    """Greedy, unseeded and seeded rows in one batch: each row is drawn from its own distribution."""
+    sampler = Sampler()
+    row = [0.0, math.log(3.0), -1e9]
+    logits = torch.tensor([row, [5.0, 0.0, 0.0], row, row])
+    reqs = [_req([], temperature=1.0), _req([], temperature=0), _req([], temperature=1.0, seed=1),
+            _req([], temperature=0.5, top_k=1)]
+    counts = [0, 0, 0, 0]
+    for _ in range(3000):
+        toks = sampler(logits.clone(), reqs).token_ids
+        assert toks[1] == 0 and toks[3] == 1 and 2 not in toks
+        counts = [c + t for c, t in zip(counts, toks)]
+    assert abs(counts[0] / 3000 - 0.75) < 0.035 and abs(counts[2] / 3000 - 0.75) < 0.035
+
+
 def test_invalid_sampling_params() -> None:
     for kw in [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0), dict(n=0),
                dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(presence_penalty=3)]:

@@ -15,6 +15,7 @@ from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.sampler import Sampler, SamplerOutput
+from pdserve.roofline import StepCostModel
 
 
 @dataclass
@@ -47,7 +48,18 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in _weights(self.model))
+
+    def step_cost_model(self) -> StepCostModel:
+        """The live roofline's FLOP and byte counts, from the weights as stored (a 16-bit copy counts 2 bytes)."""
+        layers = [t for layer in self.model.layers for t in _weights(layer) if t.dim() == 2]
+        head = self.model.lm_head.weight
+        emb = self.model.embed_tokens.weight
+        return StepCostModel.for_model(
+            self.arch, layer_params=sum(t.numel() for t in layers),
+            layer_weight_bytes=sum(t.numel() * t.element_size() for t in layers),
+            lm_head_params=head.numel(), lm_head_bytes=head.numel() * head.element_size(),
+            embed_row_bytes=emb.shape[1] * emb.element_size(), kv_dtype_bytes=self.kv_cache.element_size())
 
     def prepare(self, sched: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
         bs = self.block_size
@@ -101,3 +113,14 @@ class ModelRunner:
             return [], SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         return inp.sample_requests, self.sampler(logits, inp.sample_requests)
+
+
+def _weights(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers, each storage once (a tied lm_head is the embedding)."""
+    seen: set[int] = set()
+    out = []
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out.append(t)
+    return out
