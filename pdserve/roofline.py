@@ -628,7 +628,7 @@ class RooflineMeter:
                 "steps": t.steps, "seconds": round(t.seconds, 4), "flops_per_s": t.flops / t.seconds,
                 "bytes_per_s": t.bytes / t.seconds, "intensity": t.flops / t.bytes if t.bytes else 0.0}
             if self.device is not None:
-                row.update(mfu=round(mfu, 4), mbu=round(mbu, 4), nearer_roof="compute" if mfu >= mbu else "bandwidth")
+                row.update(mfu=mfu, mbu=mbu, nearer_roof="compute" if mfu >= mbu else "bandwidth")
             out[kind] = row
         return out
 

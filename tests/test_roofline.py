@@ -16,6 +16,9 @@ from pdserve.config import ModelArchConfig
 from pdserve.roofline import (
     DEVICE_PRESETS,
     Cost,
+    DeviceSpec,
+    RooflineMeter,
+    StepCostModel,
     add_calc_parser,
     count_params,
     decode_compute_bound_batch,
@@ -27,6 +30,7 @@ from pdserve.roofline import (
     model_params,
     model_shape_from,
     prefill_cost,
+    resolve_device_peaks,
 )
 
 SEED_PARAMS = 7_000_000_000
@@ -202,3 +206,81 @@ def test_cli_rejects_unknown_device_and_dtype() -> None:
         run_cli("--device", "abacus")
     with pytest.raises(ValueError, match="unknown dtype"):
         run_cli("--model", "seed-7b", "--dtype", "int3")
+
+
+# ---- live roofline ---------------------------------------------------------------------------------------------
+
+
+def test_step_cost_agrees_with_calc(seed: ModelArchConfig) -> None:
+    """A whole-prompt prefill and a uniform decode step cost what `calc` says, once the lm_head is split out."""
+    head = seed.vocab_size * seed.hidden_size
+    layers = count_params(seed) - 2 * head - seed.hidden_size  # untied embeddings + lm_head, final norm
+    layers -= seed.num_hidden_layers * 2 * seed.hidden_size  # per-layer norms are not matmul weights
+    model = StepCostModel.for_model(seed, layers, 2 * layers, head, 2 * head, 0, kv_dtype_bytes=2)
+    n = 512
+    flops, nbytes = model.cost([(0, n)], num_sampled=1)
+    pre = prefill_cost(seed, n, weight_bytes=2 * (layers + head), kv_dtype_bytes=2, params=layers + head)
+    assert flops == pre.attn_flops + 2 * layers * n + 2 * head  # logits only for the sampled row
+    assert nbytes == pre.bytes
+    b, ctx = 8, 300
+    flops, nbytes = model.cost([(ctx, 1)] * b, num_sampled=b)
+    dec = decode_cost(seed, b, ctx, weight_bytes=2 * (layers + head), kv_dtype_bytes=2, params=layers + head)
+    assert flops == dec.flops + dec.attn_flops and nbytes == dec.bytes
+    assert model.cost([], 0) == (0.0, 0.0)
+    # a chunk after a cached prefix: queries meet the prefix plus the causal part of the chunk
+    chunk, _ = model.cost([(100, 10)], num_sampled=0)
+    assert chunk == 2 * layers * 10 + model.attn_flops_per_pair * (10 * 100 + 55)
+
+
+def test_roofline_meter_mfu_mbu() -> None:
+    dev = DeviceSpec("test", 1e11, 1e10, 0.0, (("float32", 2e11), ("bfloat16", 1e11)))
+    meter = RooflineMeter(dev, torch.float32)
+    assert meter.peak_flops == 2e11  # the compute dtype's own peak
+    assert meter.utilization(2e10, 1e9, 0.5) == (0.2, 0.2)
+    meter.add("decode", 0.1, 1e9, 5e8)
+    meter.add("decode", 0.1, 1e9, 5e8)
+    meter.add("prefill", 1.0, 1e11, 1e9)
+    s = meter.summary()
+    assert s["decode"]["steps"] == 2 and s["decode"]["mfu"] == pytest.approx(0.05)
+    assert s["decode"]["mbu"] == pytest.approx(0.5) and s["decode"]["nearer_roof"] == "bandwidth"
+    assert s["prefill"]["mfu"] == pytest.approx(0.5) and s["prefill"]["nearer_roof"] == "compute"
+    assert "mfu" not in RooflineMeter(None, torch.float32).summary().get("decode", {})
+
+
+def test_resolve_device_peaks(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pdserve.roofline as rl
+
+    assert resolve_device_peaks("off") is None
+    given = resolve_device_peaks("1.5e11, 2e10")
+    assert given is not None and (given.peak_flops, given.mem_bandwidth) == (1.5e11, 2e10)
+    h100 = resolve_device_peaks("H100")
+    assert h100 is not None and h100.peak_flops == 989e12
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_measure(threads: int, **kw: object) -> DeviceSpec:
+        calls.append(threads)
+        return DeviceSpec("fake", 1e11, 1e10, 1.0, (("float32", 1e11),))
+
+    monkeypatch.setattr(rl, "measure_device", fake_measure)
+    first = resolve_device_peaks("auto", threads=2)
+    second = resolve_device_peaks("auto", threads=2)  # from the cache file
+    assert calls == [2] and first == second and (tmp_path / "device-peaks.json").exists()
+    resolve_device_peaks("auto", threads=1)  # another thread count is another measurement
+    assert calls == [2, 1]
+
+
+def test_engine_reports_live_roofline(make_llm) -> None:  # type: ignore[no-untyped-def]
+    from pdserve import SamplingParams
+
+    llm = make_llm(device_peaks="1e11,1e10")
+    llm.generate(["Hello there", "你好，世界"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    eng = llm.engine
+    s = eng.roofline.summary()
+    assert set(s) >= {"prefill", "decode"}
+    for row in s.values():
+        assert row["mfu"] == pytest.approx(row["flops_per_s"] / 1e11, rel=1e-3)
+        assert row["mbu"] == pytest.approx(row["bytes_per_s"] / 1e10, rel=1e-3)
+    last = eng.last_step
+    assert last is not None and last.kind == "decode" and last.flops > 0 and 0 < last.model_time <= last.duration
+    assert last.mfu == pytest.approx(last.flops / last.model_time / 1e11)

@@ -14,6 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.roofline import StepCostModel, model_shape_from
+
 from server_utils import ServerProc, start_server
 
 pytestmark = pytest.mark.slow
@@ -208,9 +210,11 @@ def test_metrics_match_requests(server: ServerProc, client: openai.OpenAI) -> No
     before = metrics(server)
     prompts = ["One", "Two three", "你好，世界"]
     total_prompt = total_gen = 0
+    prompt_lens = []
     for i, p in enumerate(prompts):
         r = client.completions.create(model=MODEL, prompt=p, max_tokens=5 + i, temperature=0, extra_body={
             "ignore_eos": True}, user="tenant-a")
+        prompt_lens.append(r.usage.prompt_tokens)
         total_prompt += r.usage.prompt_tokens
         total_gen += r.usage.completion_tokens
     wait_baseline(server)
@@ -231,6 +235,26 @@ def test_metrics_match_requests(server: ServerProc, client: openai.OpenAI) -> No
     assert delta("pdserve:request_time_per_output_token_seconds_count") == 3
     assert any(k.startswith("pdserve:engine_step_time_seconds_count{step_kind=decode") for k in after)
     assert "pdserve:prefix_cache_queries_total" in after and "pdserve:num_preemptions_total" in after
+    # live roofline: the FLOPs and bytes the steps needed, from the model shape (sequential requests: one prefill
+    # step each, then one decode step per further token)
+    arch = model_shape_from(None)
+    h, i_size, hd = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
+    layer_params = arch.num_hidden_layers * (2 * h * q + 2 * h * kv + 3 * h * i_size)
+    cost = StepCostModel.for_model(arch, layer_params=layer_params, layer_weight_bytes=0,
+                                   lm_head_params=arch.vocab_size * h, lm_head_bytes=0, embed_row_bytes=0,
+                                   kv_dtype_bytes=4)
+    want = {"prefill": 0.0, "decode": 0.0}
+    for n_prompt, n_gen in zip(prompt_lens, [5, 6, 7]):
+        want["prefill"] += cost.cost([(0, n_prompt)], 1)[0]
+        want["decode"] += sum(cost.cost([(n_prompt + k, 1)], 1)[0] for k in range(n_gen - 1))
+    for kind, flops in want.items():
+        assert delta(f"pdserve:model_flops_total{{step_kind={kind}}}") == pytest.approx(flops, rel=1e-9)
+        assert delta(f"pdserve:model_bytes_total{{step_kind={kind}}}") > 0
+        assert delta(f"pdserve:model_time_seconds_total{{step_kind={kind}}}") > 0
+        # peaks are known (measured or cached), so every step has an MFU and an MBU sample
+        assert delta(f"pdserve:step_mfu_count{{step_kind={kind}}}") == (3 if kind == "prefill" else 4 + 5 + 6)
+    assert after["pdserve:device_peak_flops"] > 1e9 and after["pdserve:device_peak_bandwidth_bytes"] > 1e9
     # one JSON log line per request with the tenant and phase times
     lines = [json.loads(ln.split("pdserve.requests: ", 1)[1]) for ln in server.log().splitlines()
              if "pdserve.requests: " in ln]

@@ -23,6 +23,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
 from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.roofline import RooflineMeter, resolve_device_peaks
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdserve.engine")
@@ -47,6 +48,11 @@ class StepStats:
     num_decode_tokens: int
     num_preempted: int
     duration: float  # seconds spent in the model step (schedule + run + postprocess)
+    model_time: float = 0.0  # seconds in the forward pass and sampling alone
+    flops: float = 0.0  # work the step needed, from the model shape (roofline.StepCostModel)
+    bytes: float = 0.0
+    mfu: float = 0.0  # flops / model_time / peak FLOP/s (0 when no peaks are known)
+    mbu: float = 0.0  # bytes / model_time / memory bandwidth
 
 
 class LLMEngine:
@@ -67,9 +73,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, self.num_blocks,
-                                  config.block_size, self.max_model_len, config.attention_backend)
+                                  config.block_size, self.max_model_len, config.attention_backend,
+                                  config.quantization)
         self.eos_token_ids = self._eos_ids()
         self._ids = itertools.count()
+        self.step_cost = self.runner.step_cost_model()
+        self.roofline = RooflineMeter(resolve_device_peaks(config.device_peaks), config.torch_dtype)
+        self.kv: Any = None  # PD disaggregation: pdserve.disagg.manager.KVTransferManager for prefill/decode roles
+        if config.kv_role != "both":
+            from pdserve.disagg.manager import KVTransferManager
+
+            self.kv = KVTransferManager(config, self.block_manager, self.scheduler, self.runner.kv_cache)
+            self.scheduler.kv = self.kv
         self.last_step: StepStats | None = None
         logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
@@ -172,21 +187,35 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Stop background parts (the KV connector's threads and sockets)."""
+        if self.kv is not None:
+            self.kv.close()
+
     # ---- one iteration -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        kv_failed = [self._fail(r, msg) for r, msg in self.kv.poll()] if self.kv is not None else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.kv is not None and self.kv.num_loading and not kv_failed:
+                self.kv.wait(0.01)  # only KV pulls in flight: sleep until one lands instead of spinning
             self.last_step = StepStats("idle", 0, 0, len(sched.preempted), time.perf_counter() - t0)
-            return []
+            return kv_failed
+        seqs = [(r.num_computed_tokens, n) for r, n in sched.scheduled]  # before postprocess advances them
         try:
+            t_run = time.perf_counter()
             sample_reqs, sampled = self.runner.execute(sched, self.block_manager)
+            t_run = time.perf_counter() - t_run
         except Exception as exc:  # a failed forward fails the requests in it, not the engine
             logger.exception("model step failed")
-            return [self._fail(r, f"model step failed: {exc!r}") for r, _ in sched.scheduled]
-        outs = self._postprocess(sched, sample_reqs, sampled.token_ids, sampled.logprobs)
+            return kv_failed + [self._fail(r, f"model step failed: {exc!r}") for r, _ in sched.scheduled]
+        outs = kv_failed + self._postprocess(sched, sample_reqs, sampled.token_ids, sampled.logprobs)
+        flops, nbytes = self.step_cost.cost(seqs, len(sample_reqs))
+        self.roofline.add(sched.kind, t_run, flops, nbytes)
+        mfu, mbu = self.roofline.utilization(flops, nbytes, t_run)
         self.last_step = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens,
-                                   len(sched.preempted), time.perf_counter() - t0)
+                                   len(sched.preempted), time.perf_counter() - t0, t_run, flops, nbytes, mfu, mbu)
         return outs
 
     def _postprocess(self, sched: SchedulerOutput, sample_reqs: list[Request], tokens: list[int],

@@ -26,6 +26,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its blocks freed; will recompute
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # PD disaggregation: blocks held, KV being pulled
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -123,6 +124,10 @@ class Request:
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.logprobs: list[TokenLogprobs] = []  # per output token, when sampling_params.logprobs is set
         self.detokenizer: IncrementalDetokenizer | None = None
+        # PD disaggregation (pdserve.disagg): the request's `kv_transfer_params` as sent by the router, and what
+        # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
+        self.kv_transfer_params: dict[str, Any] | None = None
+        self.kv_transfer_result: dict[str, Any] | None = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
@@ -56,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # total, for metrics
+        self.kv: Any = None  # pdserve.disagg.manager.KVTransferManager when this engine hands KV over (PD roles)
 
     # ---- admission / removal -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -78,7 +80,8 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.block_manager.free(request.request_id)
+        if self.kv is None or not self.kv.on_finish(request, status):  # the KV manager may keep the blocks
+            self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
@@ -90,7 +93,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + (self.kv.num_loading if self.kv is not None else 0)
 
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -118,9 +121,18 @@ class Scheduler:
                 budget -= num_new
 
         # 2. waiting requests in arrival order, unless this step had to preempt (memory is tight)
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        num_loading = self.kv.num_loading if self.kv is not None else 0
+        while (self.waiting and not out.preempted and budget > 0
+               and len(self.running) + num_loading < self.max_num_seqs):
             req = self.waiting[0]
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
+            if self.kv is not None and self.kv.wants_remote_load(req, num_cached):
+                # PD decode side: hold blocks, pull the prompt's KV in a connector thread (no token budget)
+                if not self.kv.start_load(req, computed_blocks, num_cached, now):
+                    break
+                self.waiting.popleft()
+                num_loading += 1
+                continue
             remaining = req.num_tokens - num_cached
             if not self.enable_chunked_prefill and remaining > budget:
                 break

@@ -14,6 +14,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.quant import quantize_model
 from pdserve.model.sampler import Sampler, SamplerOutput
 from pdserve.roofline import StepCostModel
 
@@ -29,7 +30,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 num_blocks: int, block_size: int, max_model_len: int, attention_backend: str = "sdpa") -> None:
+                 num_blocks: int, block_size: int, max_model_len: int, attention_backend: str = "sdpa",
+                 quantization: str | None = None) -> None:
         self.arch = arch
         self.dtype = dtype
         self.block_size = block_size
@@ -41,6 +43,8 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
+        if quantization:
+            quantize_model(self.model, quantization)
         self.backend = get_attention_backend(attention_backend)
         self.sampler = Sampler()
         self.kv_cache = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
@@ -51,14 +55,14 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in _weights(self.model))
 
     def step_cost_model(self) -> StepCostModel:
-        """The live roofline's FLOP and byte counts, from the weights as stored (a 16-bit copy counts 2 bytes)."""
+        """The live roofline's FLOP and byte counts, from the weights as stored (int8 weights count 1 byte)."""
         layers = [t for layer in self.model.layers for t in _weights(layer) if t.dim() == 2]
-        head = self.model.lm_head.weight
+        head = _weights(self.model.lm_head)
         emb = self.model.embed_tokens.weight
         return StepCostModel.for_model(
             self.arch, layer_params=sum(t.numel() for t in layers),
             layer_weight_bytes=sum(t.numel() * t.element_size() for t in layers),
-            lm_head_params=head.numel(), lm_head_bytes=head.numel() * head.element_size(),
+            lm_head_params=max(t.numel() for t in head), lm_head_bytes=sum(t.numel() * t.element_size() for t in head),
             embed_row_bytes=emb.shape[1] * emb.element_size(), kv_dtype_bytes=self.kv_cache.element_size())
 
     def prepare(self, sched: SchedulerOutput, block_manager: BlockManager) -> StepInputs:

@@ -102,7 +102,13 @@ class _Guard:
 
 def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     metrics = Metrics(cfg.served_model_name)
+    if engine.roofline.device is not None:
+        metrics.set_peaks(engine.roofline.peak_flops, engine.roofline.device.mem_bandwidth)
     aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests)
+    if engine.kv is not None:  # PD disaggregation role: KV hand-off metrics
+        from pdserve.disagg.metrics import KVTransferMetrics
+
+        KVTransferMetrics(metrics.registry, cfg.served_model_name, engine.kv)
     tok = engine.tokenizer
 
     @asynccontextmanager
@@ -154,7 +160,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     def token_text(token_id: int) -> str:
         return str(tok.decode([token_id]))
 
-    def make_children(prompts: list[PromptType], params: SamplingParams, base_id: str) -> list[EngineRequest]:
+    def make_children(prompts: list[PromptType], params: SamplingParams, base_id: str,
+                      kv_params: dict[str, Any] | None = None) -> list[EngineRequest]:
+        if kv_params and (len(prompts) > 1 or params.n > 1):
+            raise APIError(400, "kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
         reqs = []
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
@@ -165,7 +174,16 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                     code = "context_length_exceeded" if "context length" in str(e) or "KV blocks" in str(e) else None
                     raise APIError(400, str(e), param=e.param, code=code,
                                    kind="context_length" if code else "bad_request") from e
+        if kv_params and engine.kv is not None:
+            reqs[0].kv_transfer_params = kv_params
         return reqs
+
+    def kv_response(reqs: list[EngineRequest]) -> dict[str, Any]:
+        """A prefill instance's hand-off params for the router (vLLM's response field kv_transfer_params)."""
+        r = reqs[0]
+        if r.kv_transfer_params and r.kv_transfer_params.get("do_remote_decode") and r.kv_transfer_result:
+            return {"kv_transfer_params": r.kv_transfer_result}
+        return {}
 
     def to_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         try:
@@ -175,11 +193,19 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
 
     def log_finished(req: EngineRequest, tenant: str | None) -> None:
         t = req.times
-        rec = {"request_id": req.request_id, "tenant": tenant, "prompt_tokens": req.num_prompt_tokens,
+        rec: dict[str, Any] = {"request_id": req.request_id, "tenant": tenant, "prompt_tokens": req.num_prompt_tokens,
                "output_tokens": req.num_output_tokens, "cached_tokens": max(req.num_cached_tokens, 0),
                "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
                "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
                "finish_reason": req.status.finish_reason, "error": req.error}
+        if engine.kv is not None:  # PD roles: which instances served it, and the hand-off
+            rec["engine_id"] = engine.kv.engine_id
+            res = req.kv_transfer_result or {}
+            if res.get("do_remote_prefill"):  # prefill side: pinned for a decode instance
+                rec["kv_transfer"] = {"pinned_blocks": len(res["remote_block_ids"])}
+            elif res:  # decode side: the pull
+                rec["kv_transfer"] = {k: res.get(k) for k in ("remote_engine_id", "ok", "bytes", "seconds",
+                                                              "num_cached_tokens", "error")}
         request_log.info(json.dumps(rec, ensure_ascii=False))
 
     async def stream_all(reqs: list[EngineRequest], tenant: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -302,7 +328,9 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         bm = engine.block_manager
         return {"num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
                 "num_used_blocks": bm.num_used_blocks, "num_cached_blocks": len(bm.cached),
-                "num_requests_holding_blocks": len(bm.req_blocks), "open_requests": aengine.num_unfinished}
+                "num_requests_holding_blocks": len(bm.req_blocks), "open_requests": aengine.num_unfinished,
+                "num_pinned_blocks": engine.kv.num_pinned_blocks if engine.kv is not None else 0,
+                "num_requests_loading_kv": engine.kv.num_loading if engine.kv is not None else 0}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -344,7 +372,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = make_children(prompts, params, rid)
+        reqs = make_children(prompts, params, rid, body.kv_transfer_params)
         created, tenant = int(time.time()), tenant_of(body, raw)
 
         def echo_text(i: int) -> str:
@@ -383,7 +411,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
             choices.append({"index": i, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
         resp: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                "model": cfg.served_model_name, "choices": choices, "usage": usage(reqs)}
+                                "model": cfg.served_model_name, "choices": choices, "usage": usage(reqs),
+                                **kv_response(reqs)}
         if body.return_timings:
             resp["pdserve_timings"] = timings(reqs)
         return JSONResponse(resp)
@@ -397,7 +426,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        reqs = make_children([prompt], params, rid)
+        reqs = make_children([prompt], params, rid, body.kv_transfer_params)
         created, tenant = int(time.time()), tenant_of(body, raw)
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.served_model_name}
 
@@ -429,7 +458,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
                             "logprobs": chat_logprobs(c.logprobs or []) if body.logprobs else None,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         resp = {"id": rid, "object": "chat.completion", "created": created, "model": cfg.served_model_name,
-                "choices": choices, "usage": usage(reqs)}
+                "choices": choices, "usage": usage(reqs), **kv_response(reqs)}
         if body.return_timings:
             resp["pdserve_timings"] = timings(reqs)
         return JSONResponse(resp)

@@ -14,7 +14,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pdserve.engine.engine import LLMEngine, PromptType
+from pdserve.engine.engine import LLMEngine, PromptType, StepStats
 from pdserve.engine.request import Request
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -51,6 +51,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self.dead: BaseException | None = None
+        if engine.kv is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
+            engine.kv.wakeup = self._wake.set
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -63,6 +65,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     @property
     def num_unfinished(self) -> int:
@@ -117,6 +120,8 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not eng.has_unfinished_requests():
+                    if eng.kv is not None:
+                        eng.kv.poll_pins()  # free released / expired KV pins while idle
                     self._observe_idle()
                     self._wake.wait(0.5)
                     self._wake.clear()
@@ -167,14 +172,17 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     def _observe_step(self) -> None:
+        """Record the engine's last step once (it is consumed), and refresh the gauges."""
         eng, m = self.engine, self.metrics
         if m is None or eng.last_step is None:
             return
         bm = eng.block_manager
         m.observe_step(eng.last_step, eng.scheduler.num_running, eng.scheduler.num_waiting, bm.usage,
                        bm.stats.queries, bm.stats.hits, eng.scheduler.num_preemptions)
+        eng.last_step = None
 
     def _observe_idle(self) -> None:
-        if self.metrics is not None and self.engine.last_step is not None:
+        """Refresh the gauges while idle (aborts applied between steps change them), recording no step."""
+        if self.metrics is not None:
+            self.engine.last_step = StepStats("idle", 0, 0, 0, 0.0)
             self._observe_step()
-            self.engine.last_step = None

@@ -18,6 +18,7 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 
 _ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+_UTIL = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 ERROR_KINDS = ("bad_request", "context_length", "not_found", "unauthorized", "rate_limited", "payload_too_large",
                "internal", "engine")
@@ -44,6 +45,22 @@ class Metrics:
         self.iter_tokens = hist("iteration_tokens_total", "Tokens computed per engine step.", _TOKENS)
         self.step_time = Histogram("pdserve:engine_step_time_seconds", "Duration of one engine step by kind.",
                                    ["model_name", "step_kind"], buckets=_STEP, registry=r)
+        # live roofline (see roofline.StepCostModel): work each step needed vs this machine's peaks, by step kind
+        kind_lbl = ["model_name", "step_kind"]
+        self.step_mfu = Histogram("pdserve:step_mfu", "Per step: model FLOPs / model time / peak FLOP/s.", kind_lbl,
+                                  buckets=_UTIL, registry=r)
+        self.step_mbu = Histogram("pdserve:step_mbu", "Per step: bytes (weights + KV read/written) / model time / "
+                                  "memory bandwidth.", kind_lbl, buckets=_UTIL, registry=r)
+        self.model_flops = Counter("pdserve:model_flops", "FLOPs the model steps needed (2 x weights x tokens + "
+                                   "attention).", kind_lbl, registry=r)
+        self.model_bytes = Counter("pdserve:model_bytes", "Bytes the model steps needed to move.", kind_lbl,
+                                   registry=r)
+        self.model_time = Counter("pdserve:model_time_seconds", "Time in the forward pass and sampling.", kind_lbl,
+                                  registry=r)
+        self.peak_flops = Gauge("pdserve:device_peak_flops", "Peak FLOP/s that MFU is measured against.", lbl,
+                                registry=r)
+        self.peak_bandwidth = Gauge("pdserve:device_peak_bandwidth_bytes", "Memory bandwidth (B/s) that MBU is "
+                                    "measured against.", lbl, registry=r)
         self.running = Gauge("pdserve:num_requests_running", "Requests in the running batch.", lbl, registry=r)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting (incl. preempted).", lbl, registry=r)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lbl, registry=r)
@@ -74,8 +91,15 @@ class Metrics:
                      prefix_queries: int, prefix_hits: int, num_preemptions: int) -> None:
         c = self._children
         if step.kind != "idle":
-            self.step_time.labels(self.model_name, step.kind).observe(step.duration)
+            m, k = self.model_name, step.kind
+            self.step_time.labels(m, k).observe(step.duration)
             c["iter_tokens"].observe(step.num_prefill_tokens + step.num_decode_tokens)
+            self.model_flops.labels(m, k).inc(step.flops)
+            self.model_bytes.labels(m, k).inc(step.bytes)
+            self.model_time.labels(m, k).inc(step.model_time)
+            if step.mfu or step.mbu:
+                self.step_mfu.labels(m, k).observe(step.mfu)
+                self.step_mbu.labels(m, k).observe(step.mbu)
         c["running"].set(num_running)
         c["waiting"].set(num_waiting)
         c["kv_usage"].set(kv_usage)
@@ -85,6 +109,10 @@ class Metrics:
         self._last_prefix = (prefix_queries, prefix_hits)
         c["preemptions"].inc(num_preemptions - self._last_preemptions)
         self._last_preemptions = num_preemptions
+
+    def set_peaks(self, peak_flops: float, bandwidth: float) -> None:
+        self.peak_flops.labels(self.model_name).set(peak_flops)
+        self.peak_bandwidth.labels(self.model_name).set(bandwidth)
 
     def observe_token(self, req: Request) -> None:
         c = self._children

@@ -37,6 +37,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_timings: bool = Field(False, description="pdserve extension: add per-phase timings to the response")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="PD disaggregation hand-off, as vLLM's NixlConnector: do_remote_decode (to a prefill "
+        "instance) or do_remote_prefill + remote_* (to a decode instance)")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,0 +1,103 @@
+"""Quality cost of pdserve's weight modes on a fixed text: perplexity, and KL / top-1 agreement against float32.
+
+    .venv/bin/python benchmarks/quant_quality.py [--model smollm2-135m] [--out out/quant_quality.json]
+
+Runs the model over the text below (English and Chinese) through pdserve's own runner, in chunks: chunks of 8 tokens
+take int8's small-batch path (int8 kernel, bf16 activations), chunks of 256 its large-batch path (fp32 GEMM on the
+dequantized weights). Every mode sees the same tokens; logits of every position are compared with float32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.model.attention import AttentionMetadata, PrefillChunk
+from pdserve.model.loader import load_model
+from pdserve.model.runner import ModelRunner
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a wooden screw press into a system that could produce books far faster than "
+    "scribes. Within fifty years, presses were running in more than two hundred European cities, and the price of "
+    "books fell sharply. Scholars could compare identical copies of a text, which made errors easier to find and "
+    "knowledge easier to share. The press also spread pamphlets, newspapers and religious tracts, and historians "
+    "still debate how much it contributed to the Reformation and the scientific revolution.\n\n"
+    "活字印刷术是中国古代四大发明之一。北宋时期，毕昇发明了泥活字印刷，比欧洲早了大约四百年。他先用胶泥刻成单个的字，"
+    "再用火烧硬，排版时把字按顺序放在铁板上，印完以后还可以拆下来重复使用。后来人们又发明了木活字和铜活字。"
+    "印刷术的发展大大降低了书籍的成本，让更多的人有机会读书学习，也促进了文化的传播和交流。\n\n"
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
+)
+
+
+def position_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
+    """log-softmax of the logits at every position, computed `chunk` tokens per forward pass."""
+    bs = runner.block_size
+    n = len(ids)
+    table = torch.arange(-(-n // bs), dtype=torch.long)
+    out = []
+    with torch.inference_mode():
+        for c in range(0, n, chunk):
+            m = min(chunk, n - c)
+            pos = torch.arange(c, c + m)
+            meta = AttentionMetadata(slot_mapping=pos.clone(), num_decodes=0, decode_block_tables=None,
+                                     decode_mask=None, prefills=[PrefillChunk(0, m, c, table[:-(-(c + m) // bs)])])
+            hidden = runner.model(torch.tensor(ids[c:c + m]), pos, runner.kv_cache, meta, runner.backend)
+            out.append(runner.model.compute_logits(hidden).log_softmax(-1))
+    return torch.cat(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = ap.parse_args()
+    modes = [("float32", None, 256), ("float32", "int8", 8), ("float32", "int8", 256), ("bfloat16", None, 256)]
+    tok = None
+    ref: torch.Tensor | None = None
+    rows = []
+    for dtype_name, quant, chunk in modes:
+        cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant)
+        loaded = load_model(cfg.model, dtype=cfg.torch_dtype)
+        tok = tok or loaded.tokenizer()
+        ids = tok.encode(TEXT)
+        runner = ModelRunner(loaded.arch, loaded.state_dict, cfg.torch_dtype, -(-len(ids) // 16) + 1, 16,
+                             len(ids) + 16, quantization=quant)
+        t0 = time.perf_counter()
+        lp = position_logprobs(runner, ids, chunk).float()
+        secs = time.perf_counter() - t0
+        target = torch.tensor(ids[1:])
+        nll = -lp[:-1].gather(1, target.unsqueeze(1)).mean().item()
+        row = {"mode": f"{dtype_name}" + (f"+{quant} (chunks of {chunk})" if quant else ""),
+               "weight_bytes": runner.weight_bytes, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
+               "seconds": round(secs, 2)}
+        if ref is None:
+            ref = lp
+        else:
+            kl = (ref.exp() * (ref - lp)).sum(-1)
+            row.update(mean_kl_vs_fp32=float(kl.mean()), max_kl_vs_fp32=float(kl.max()),
+                       top1_agreement_vs_fp32=float((lp.argmax(-1) == ref.argmax(-1)).float().mean()))
+        rows.append(row)
+        print(json.dumps(row, ensure_ascii=False), flush=True)
+    print("\n| mode | weight MB | perplexity | mean KL vs fp32 | max KL | top-1 agreement |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['weight_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} | "
+              f"{r.get('mean_kl_vs_fp32', 0):.5f} | {r.get('max_kl_vs_fp32', 0):.4f} | "
+              f"{r.get('top1_agreement_vs_fp32', 1):.2%} |")
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"text_tokens": rows[0]["tokens"], "rows": rows}, f, ensure_ascii=False, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Weight-only int8 quantization (`--quantization int8`) through PyTorch's own CPU kernel.
+
+Each linear layer's weight becomes int8 with one scale per output channel (symmetric, round to nearest). The scale
+is rounded to bfloat16 *before* quantizing, so the int8 kernel (which takes bf16 scales) and the dequantized copy
+below use exactly the same weights.
+
+Why two paths: a decode step at small batch is bandwidth-bound, so reading 1 byte per weight instead of 4 is what
+pays; `torch.ops.aten._weight_int8pack_mm` does that (activations cast to bf16, fp32 accumulation). At larger
+batches the step is compute-bound and that kernel is slower than an fp32 GEMM on CPUs without AVX-512, so rows
+above `INT8_MAX_ROWS` run an fp32 GEMM on the dequantized weights instead (int8 values x scale, kept in memory: the
+same weights, 4 more bytes per parameter of RAM). Quality is that of the int8 weights either way; the bf16
+activation rounding of the int8 path adds a little (BENCHMARKS.md, "Quantization quality").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATION_METHODS = ("int8",)
+INT8_MAX_ROWS = 12  # steps with at most this many tokens read the int8 weights (measured crossover: 8-16 rows)
+
+
+class Int8Linear(nn.Module):
+    """Drop-in for nn.Linear: int8 weight [out, in] + bf16 per-channel scale; optional bias in the compute dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)
+        q = torch.round(w / scale.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        self.out_features, self.in_features = w.shape
+        self.register_buffer("weight_int8", q.contiguous())
+        self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.compute_dtype = linear.weight.dtype
+        # not a buffer: the live roofline counts the int8 bytes a bandwidth-bound step reads
+        self.weight_dequant = (q.float() * scale.float().unsqueeze(1)).to(self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= INT8_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight_int8, self.scale)
+            y = y.to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight_dequant, self.bias)
+
+
+def quantize_model(model: nn.Module, method: str) -> nn.Module:
+    """Replace every decoder-layer projection and the lm_head by its quantized form, in place. The embedding table
+    stays in the compute dtype (a step reads only its own rows of it)."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
+    for layer in model.layers:  # type: ignore[union-attr]
+        layer.self_attn.qkv_proj = Int8Linear(layer.self_attn.qkv_proj)
+        layer.self_attn.o_proj = Int8Linear(layer.self_attn.o_proj)
+        layer.mlp.gate_up_proj = Int8Linear(layer.mlp.gate_up_proj)
+        layer.mlp.down_proj = Int8Linear(layer.mlp.down_proj)
+    model.lm_head = Int8Linear(model.lm_head)  # type: ignore[assignment]
+    return model
