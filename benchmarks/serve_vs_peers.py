@@ -53,8 +53,9 @@ from pdserve.bench.runner import run_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "pdserve-peers"))
-SERVERS = ("pdserve", "vllm", "llama")
-LABELS = {"pdserve": "pdserve", "vllm": "vLLM-CPU", "llama": "llama-server"}
+SERVERS = ("pdserve", "pdserve-int8", "vllm", "llama")
+LABELS = {"pdserve": "pdserve", "pdserve-int8": "pdserve int8", "vllm": "vLLM-CPU", "llama": "llama-server"}
+MINE = ("pdserve", "pdserve-int8")  # pdserve variants; pdserve-int8 adds --quantization int8
 TOKENIZER = "smollm2-135m"
 PERCENTILES = (50.0, 90.0, 99.0)
 # (column title, summary key, higher is better)
@@ -239,7 +240,7 @@ def _probe(cmd: list[str], timeout: float) -> tuple[int, str]:
     return out.returncode, (out.stdout + out.stderr).strip()
 
 
-def plan_pdserve(args: argparse.Namespace) -> list[Launch]:
+def plan_pdserve(args: argparse.Namespace, name: str = "pdserve") -> list[Launch]:
     from pdserve.model.loader import resolve_model_path
 
     try:
@@ -247,10 +248,10 @@ def plan_pdserve(args: argparse.Namespace) -> list[Launch]:
     except Exception as e:  # noqa: BLE001 - any set-up problem is a skip reason
         raise Skip(f"default model not installed: {e}") from None
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
-           *shlex.split(args.pdserve_args)]
+           *shlex.split(args.pdserve_args), *(["--quantization", "int8"] if name == "pdserve-int8" else [])]
     from pdserve import __version__ as version
 
-    return [Launch("pdserve", cmd, {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}, args.levels,
+    return [Launch(name, cmd, {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}, args.levels,
                    True, args.startup_timeout, version=f"pdserve {version}")]
 
 
@@ -452,17 +453,19 @@ def render(results: dict[str, Any]) -> str:
             out.append(f"| {c} | {LABELS[name]} | " + " | ".join(cells) + f" | {s['completed']}/{s['failed']} | "
                        f"{_fmt(e['server_cpu_pct'], 0)} | {_fmt(e['load_before'], 1)}–{_fmt(e['load_after'], 1)} |")
     peers = [p for p in ("vllm", "llama") if p in measured]
-    if "pdserve" in measured and peers:
+    mine_measured = [n for n in MINE if n in measured]
+    if mine_measured and peers:
         out += ["", "## Ratios pdserve / peer (throughput: > 1 is pdserve better; latencies: < 1 is pdserve better)",
                 "", "| c | ratio | " + " | ".join(t for t, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
         for c in levels:
-            mine = (servers["pdserve"]["levels"].get(c) or {}).get("summary")
-            for p in peers:
-                theirs = (servers[p]["levels"].get(c) or {}).get("summary")
-                if not mine or not theirs:
-                    continue
-                out.append(f"| {c} | pdserve / {LABELS[p]} | "
-                           + " | ".join(_ratio(mine[k], theirs[k]) for _, k, _ in COLUMNS) + " |")
+            for me in mine_measured:
+                mine = (servers[me]["levels"].get(c) or {}).get("summary")
+                for p in peers:
+                    theirs = (servers[p]["levels"].get(c) or {}).get("summary")
+                    if not mine or not theirs:
+                        continue
+                    out.append(f"| {c} | {LABELS[me]} / {LABELS[p]} | "
+                               + " | ".join(_ratio(mine[k], theirs[k]) for _, k, _ in COLUMNS) + " |")
     ttft_rows = [(n, servers[n]["ttft"]) for n in measured if servers[n].get("ttft")]
     if ttft_rows:
         out += ["", f"## TTFT of a {a['ttft_len']}-token prompt at concurrency 1 (ms, {a['ttft_reps']} distinct "
@@ -499,7 +502,8 @@ def _strip_raw(results: dict[str, Any]) -> dict[str, Any]:
 # ---- main --------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", default="pdserve,vllm,llama", help=f"comma-separated, from {','.join(SERVERS)}")
+    ap.add_argument("--servers", default="pdserve,pdserve-int8,vllm,llama",
+                    help=f"comma-separated, from {','.join(SERVERS)}")
     ap.add_argument("--concurrency", default="1,8,16,32", help="comma-separated concurrency levels")
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts per level (default: see --prompts-factor)")
     ap.add_argument("--prompts-factor", type=int, default=2, help="num_prompts = max(factor x c, --min-prompts)")
@@ -559,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_start": loadavg(), "order": args.order, "servers": {},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
-    planners = {"pdserve": lambda: plan_pdserve(args), "vllm": lambda: plan_vllm(args),
+    planners = {"pdserve": lambda: plan_pdserve(args), "pdserve-int8": lambda: plan_pdserve(args, "pdserve-int8"),
+                "vllm": lambda: plan_vllm(args),
                 "llama": lambda: plan_llama(args, gguf)}
     t_all = time.monotonic()
     if results["load_start"] > 0.5:

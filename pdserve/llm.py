@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, PromptType
@@ -68,6 +68,6 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        convs: list[ChatMessages] = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        convs = cast("list[ChatMessages]", [messages] if messages and isinstance(messages[0], dict) else list(messages))
         prompts: list[PromptType] = [self.engine.encode_chat(c, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params)

@@ -118,7 +118,7 @@ class LLMEngine:
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+        return None, [int(t) for t in prompt]
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
         """Render a conversation with the model's own chat template; returns a token-id prompt."""

@@ -8,6 +8,7 @@ loaded from Hugging Face parameter names; q/k/v and gate/up are fused into singl
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+    def rotate(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -109,7 +110,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        q, k = RotaryEmbedding.rotate(rope, q, k)
         o = backend.forward(q, k, v, layer_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -182,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.copy_(take("lm_head.weight"))
         elif "lm_head.weight" in sd:
             used.add("lm_head.weight")  # some checkpoints store the tied copy too
-        for i, layer in enumerate(self.layers):
+        layers = cast("list[DecoderLayer]", self.layers)
+        for i, layer in enumerate(layers):
             p = f"model.layers.{i}."
             att = layer.self_attn
             att.qkv_proj.weight.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))

@@ -14,9 +14,14 @@ activation rounding of the int8 path adds a little (BENCHMARKS.md, "Quantization
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from pdserve.model.llama import DecoderLayer, LlamaForCausalLM
 
 QUANTIZATION_METHODS = ("int8",)
 INT8_MAX_ROWS = 12  # steps with at most this many tokens read the int8 weights (measured crossover: 8-16 rows)
@@ -46,15 +51,14 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.weight_dequant, self.bias)
 
 
-def quantize_model(model: nn.Module, method: str) -> nn.Module:
+def quantize_model(model: LlamaForCausalLM, method: str) -> LlamaForCausalLM:
     """Replace every decoder-layer projection and the lm_head by its quantized form, in place. The embedding table
     stays in the compute dtype (a step reads only its own rows of it)."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
-    for layer in model.layers:  # type: ignore[union-attr]
-        layer.self_attn.qkv_proj = Int8Linear(layer.self_attn.qkv_proj)
-        layer.self_attn.o_proj = Int8Linear(layer.self_attn.o_proj)
-        layer.mlp.gate_up_proj = Int8Linear(layer.mlp.gate_up_proj)
-        layer.mlp.down_proj = Int8Linear(layer.mlp.down_proj)
-    model.lm_head = Int8Linear(model.lm_head)  # type: ignore[assignment]
+    for layer in cast("list[DecoderLayer]", model.layers):
+        att, mlp = layer.self_attn, layer.mlp
+        att.qkv_proj, att.o_proj = Int8Linear(att.qkv_proj), Int8Linear(att.o_proj)  # type: ignore[assignment]
+        mlp.gate_up_proj, mlp.down_proj = Int8Linear(mlp.gate_up_proj), Int8Linear(mlp.down_proj)  # type: ignore[assignment]
+    model.lm_head = Int8Linear(cast(nn.Linear, model.lm_head))  # type: ignore[assignment]
     return model
