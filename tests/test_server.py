@@ -92,7 +92,9 @@ def test_stream_equals_non_stream_with_seed(client: openai.OpenAI, kind: str) ->
                                                      stream_options={"include_usage": True}, **kw))
         streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert full == again == streamed and full
-    assert "\ufffd" not in streamed
+    # no broken character mid-text; only a max_tokens cut inside a multi-token character may end in U+FFFD
+    # (then the text equals tokenizer.decode of the tokens, as the non-streamed one does)
+    assert "\ufffd" not in streamed.rstrip("\ufffd")
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
