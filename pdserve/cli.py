@@ -24,6 +24,7 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts over several steps (on by default)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (on by default)",
     "num_threads": "torch intra-op threads (default: torch's choice)",
+    "linear_backend": "auto (oneDNN with pre-packed weights for float32 where available) | onednn | torch (F.linear)",
     "quantization": "weight-only quantization: int8 (per-channel; small-batch steps read int8 weights)",
     "device_peaks": "peaks for the live roofline (MFU/MBU): auto (this machine, measured once and cached; "
                     "`pdserve calc --measure` refreshes), a preset (h100, ...), 'FLOPS,BYTES_PER_S', or off",

@@ -147,6 +147,7 @@ class EngineConfig:
     # live roofline: peaks that MFU/MBU are measured against. "auto": this machine, measured once and cached
     # (`pdserve calc --measure` refreshes it); a preset (h100, ...); "FLOPS,BYTES_PER_S"; "off"
     device_peaks: str = "auto"
+    linear_backend: str = "auto"  # auto | onednn | torch: pre-packed oneDNN weights for float32 (model/cpu_linear.py)
     quantization: str | None = None  # weight-only: "int8" (model/quant.py); None keeps the weights in `dtype`
     # PD disaggregation (pdserve.disagg)
     kv_role: str = "both"  # both (colocated) | prefill | decode

@@ -11,7 +11,6 @@ from torch import nn
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.model import quant
 from pdserve.model.quant import Int8Linear
 
 
@@ -24,7 +23,7 @@ def test_int8_linear_paths_share_weights(bias: bool) -> None:
     deq = q.weight_int8.float() * q.scale.float().unsqueeze(1)
     assert torch.equal(deq, q.weight_dequant)
     assert (deq - lin.weight).abs().max() <= q.scale.float().max() / 2 + 1e-6  # round to nearest
-    big = torch.randn(quant.INT8_MAX_ROWS + 5, 96)
+    big = torch.randn(q.max_int8_rows + 5, 96)
     torch.testing.assert_close(q(big), F.linear(big, deq, lin.bias), rtol=0, atol=0)  # fp32 GEMM path: exact
     small = big[:3]
     ref = F.linear(small, deq, lin.bias)

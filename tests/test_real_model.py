@@ -86,8 +86,12 @@ def test_cli_generate_and_convert(tmp_path: Any) -> None:
                                 "6", "--dtype", "float32", "--kv-cache-memory", "64MiB"],
                          capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr
-    records = [json.loads(ln) for ln in gen.stderr.splitlines() if ln.startswith("{")]
+    lines = [json.loads(ln) for ln in gen.stderr.splitlines() if ln.startswith("{")]
+    records = [r for r in lines if "request_id" in r]
     assert len(records) == 2 and all(r["output_tokens"] == 6 for r in records)
+    roofline = [r["roofline"] for r in lines if "roofline" in r]  # live roofline per step kind, with MFU/MBU
+    assert len(roofline) == 1 and {"prefill", "decode"} <= set(roofline[0])
+    assert all(0 < row["mfu"] < 2 and 0 < row["mbu"] < 2 for row in roofline[0].values())
     assert {"queue_time", "prefill_time", "ttft", "decode_time", "tpot", "e2e"} <= set(records[0]["times_ms"])
     out_dir = tmp_path / "hf"
     conv = subprocess.run(run + ["convert", "smollm2-135m", str(out_dir), "--dtype", "float32"], capture_output=True,

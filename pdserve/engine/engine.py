@@ -74,7 +74,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, self.num_blocks,
                                   config.block_size, self.max_model_len, config.attention_backend,
-                                  config.quantization)
+                                  config.quantization, config.linear_backend)
         self.eos_token_ids = self._eos_ids()
         self._ids = itertools.count()
         self.step_cost = self.runner.step_cost_model()

@@ -13,6 +13,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from pdserve.model.cpu_linear import pack_model_linears, use_onednn
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.quant import quantize_model
 from pdserve.model.sampler import Sampler, SamplerOutput
@@ -31,7 +32,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_model_len: int, attention_backend: str = "sdpa",
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, linear_backend: str = "auto") -> None:
         self.arch = arch
         self.dtype = dtype
         self.block_size = block_size
@@ -44,7 +45,9 @@ class ModelRunner:
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
         if quantization:
-            quantize_model(self.model, quantization)
+            quantize_model(self.model, quantization, packed=use_onednn(linear_backend, dtype))
+        elif use_onednn(linear_backend, dtype):
+            pack_model_linears(self.model)
         self.backend = get_attention_backend(attention_backend)
         self.sampler = Sampler()
         self.kv_cache = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
