@@ -114,13 +114,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from pdserve.engine.engine import LLMEngine
     from pdserve.server.app import ServerConfig, create_app
+    from pdserve.server.async_engine import EngineThread
 
     cfg = engine_config_from_args(args)
-    engine = LLMEngine(cfg)
+    engine_thread = EngineThread()  # builds the engine and later runs its loop: one OpenMP team (async_engine.py)
+    engine = engine_thread.call(lambda: LLMEngine(cfg))
     name = args.served_model_name or engine.model_name
     app = create_app(engine, ServerConfig(served_model_name=name, api_key=args.api_key,
                                           max_waiting_requests=args.max_waiting_requests,
-                                          max_body_bytes=args.max_body_bytes))
+                                          max_body_bytes=args.max_body_bytes), engine_thread)
     # SIGTERM/SIGINT: uvicorn stops accepting, lets open requests finish for up to the grace period, then the
     # app's shutdown aborts what is left and frees its blocks.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

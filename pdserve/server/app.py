@@ -29,7 +29,7 @@ from pdserve.engine.engine import LLMEngine, PromptType, RequestRejected
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from pdserve.server.async_engine import AsyncEngine, EngineDead, EngineThread, QueueFull
 from pdserve.server.metrics import Metrics
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -100,11 +100,11 @@ class _Guard:
         await self.app(scope, limited_receive, send)
 
 
-def create_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
+def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
     metrics = Metrics(cfg.served_model_name)
     if engine.roofline.device is not None:
         metrics.set_peaks(engine.roofline.peak_flops, engine.roofline.device.mem_bandwidth)
-    aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests)
+    aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests, engine_thread)
     if engine.kv is not None:  # PD disaggregation role: KV hand-off metrics
         from pdserve.disagg.metrics import KVTransferMetrics
 
