@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/quant_quality.py [--model smollm2-135m] [--out out/quant_quality.json]
 
-Runs the model over the text below (English and Chinese) through pdserve's own runner, in chunks: chunks of 8 tokens
+Runs the model over the text below (English and Chinese) through pdserve's own runner, in chunks: chunks of 4 tokens
 take int8's small-batch path (int8 kernel, bf16 activations), chunks of 256 its large-batch path (fp32 GEMM on the
 dequantized weights). Every mode sees the same tokens; logits of every position are compared with float32's.
 """
@@ -59,7 +59,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
-    modes = [("float32", None, 256), ("float32", "int8", 8), ("float32", "int8", 256), ("bfloat16", None, 256)]
+    modes = [("float32", None, 256), ("float32", "int8", 4), ("float32", "int8", 256), ("bfloat16", None, 256)]
     tok = None
     ref: torch.Tensor | None = None
     rows = []
