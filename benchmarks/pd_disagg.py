@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,29 +31,12 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_utils import ServerProc, free_port  # noqa: E402
+from server_utils import ServerProc, free_port, start_pdserve  # noqa: E402
 
 
 def start(tmp: Path, name: str, args: list[str], cpus: str | None, url_port: int) -> ServerProc:
-    log = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", *args]
-    if cpus is not None:
-        cmd = ["taskset", "-c", cpus, *cmd]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
-    base = f"http://127.0.0.1:{url_port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return ServerProc(proc, base, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
+    return start_pdserve(tmp, name, args, f"http://127.0.0.1:{url_port}", 240,
+                         prefix=["taskset", "-c", cpus] if cpus is not None else None)
 
 
 MODEL: list[str] = []  # --model/--dtype passed through to the servers

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,22 +41,34 @@ class ServerProc:
         return int(self.proc.returncode)
 
 
-def start_server(tmp_dir: Path, *args: str, timeout: float = 180.0) -> ServerProc:
-    port = free_port()
-    log_path = tmp_dir / f"server-{port}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port), *args]
+def start_pdserve(tmp_dir: Path, name: str, cli_args: list[str], base_url: str, timeout: float = 180.0,
+                  prefix: list[str] | None = None, env: dict[str, str] | None = None,
+                  healthy: Callable[[], bool] | None = None) -> ServerProc:
+    """Run `[*prefix] python -m pdserve.cli *cli_args` (log in tmp_dir/name.log) and wait until it is healthy
+    (`healthy()`, default: GET base_url/health answers 200); raise with the log's tail if it exits or times out."""
+    log_path = tmp_dir / f"{name}.log"
+    cmd = [*(prefix or []), sys.executable, "-m", "pdserve.cli", *cli_args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+
+    def http_healthy() -> bool:
+        try:
+            return httpx.get(base_url + "/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1.0).status_code == 200:
-                return ServerProc(proc, base, log_path)
-        except httpx.HTTPError:
-            pass
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        if (healthy or http_healthy)():
+            return ServerProc(proc, base_url, log_path)
         time.sleep(0.25)
     proc.kill()
-    raise RuntimeError(f"server did not become healthy:\n{log_path.read_text()[-3000:]}")
+    raise RuntimeError(f"{name} did not become healthy:\n{log_path.read_text()[-3000:]}")
+
+
+def start_server(tmp_dir: Path, *args: str, timeout: float = 180.0) -> ServerProc:
+    port = free_port()
+    return start_pdserve(tmp_dir, f"server-{port}", ["serve", "--port", str(port), *args],
+                         f"http://127.0.0.1:{port}", timeout)

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from conftest import make_tiny_hf_model
-from server_utils import ServerProc, free_port, start_server
+from server_utils import ServerProc, free_port, start_pdserve, start_server
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 5,  # several KV blocks
@@ -43,24 +43,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
 
 def start_router(tmp: Path, prefill: list[str], decode: list[str], *args: str, timeout: float = 60.0) -> ServerProc:
     port = free_port()
-    log_path = tmp / f"router-{port}.log"
-    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--prefill", *prefill, "--decode",
-           *decode, "--poll-interval", "0.2", *args]
-    proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=1.0).status_code == 200:
-                return ServerProc(proc, base, log_path)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"router did not become healthy:\n{log_path.read_text()[-3000:]}")
+    return start_pdserve(tmp, f"router-{port}", ["router", "--port", str(port), "--prefill", *prefill, "--decode",
+                                                 *decode, "--poll-interval", "0.2", *args],
+                         f"http://127.0.0.1:{port}", timeout)
 
 
 @dataclass
@@ -313,21 +298,12 @@ def netns_pair() -> Iterator[tuple[str, str, str, str]]:
 
 
 def _start_in_ns(ns: str, tmp: Path, cmd: list[str], url: str, name: str, timeout: float = 90.0) -> ServerProc:
-    log_path = tmp / f"{name}.log"
-    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "pdserve.cli", *cmd],
-                            stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "NO_PROXY": "*", "no_proxy": "*"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited:\n{log_path.read_text()[-3000:]}")
-        r = _sh("ip", "netns", "exec", ns, sys.executable, "-c",
-                f"import httpx,sys; sys.exit(0 if httpx.get('{url}/health', timeout=1).status_code == 200 else 1)")
-        if r.returncode == 0:
-            return ServerProc(proc, url, log_path)
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{name} did not become healthy:\n{log_path.read_text()[-3000:]}")
+    def healthy() -> bool:  # asked from inside the namespace: only its own interfaces reach the server
+        probe = f"import httpx,sys; sys.exit(0 if httpx.get('{url}/health', timeout=1).status_code == 200 else 1)"
+        return _sh("ip", "netns", "exec", ns, sys.executable, "-c", probe).returncode == 0
+
+    return start_pdserve(tmp, name, cmd, url, timeout, prefix=["ip", "netns", "exec", ns],
+                         env={"NO_PROXY": "*", "no_proxy": "*"}, healthy=healthy)
 
 
 @pytest.mark.parametrize("connector", ["zmq", "nixl"])

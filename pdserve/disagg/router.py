@@ -279,20 +279,27 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
             b["kv_transfer_params"] = params
         return b
 
+    def next_decode(tried: set[Instance], tr: _Trace, params: dict[str, Any] | None) -> Instance | None:
+        """The next decode instance to try (least loaded, not tried yet), with the attempt recorded on `tr`."""
+        inst = decode_pool.pick(tried)
+        if inst is None:
+            return None
+        if tried:
+            metrics.retries.labels("decode").inc()
+        tried.add(inst)
+        tr.decode_url, tr.decode_attempts = inst.url, tr.decode_attempts + 1
+        tr.recomputed = tr.recomputed or not params
+        return inst
+
     async def run_decode_json(path: str, body: dict[str, Any], params: dict[str, Any] | None,
                               tr: _Trace) -> Response:
         client: httpx.AsyncClient = state["client"]
         tried: set[Instance] = set()
         last = "no decode instance"
         for _ in range(cfg.max_decode_attempts):
-            inst = decode_pool.pick(tried)
+            inst = next_decode(tried, tr, params)
             if inst is None:
                 break
-            if tried:
-                metrics.retries.labels("decode").inc()
-            tried.add(inst)
-            tr.decode_url, tr.decode_attempts = inst.url, tr.decode_attempts + 1
-            tr.recomputed = tr.recomputed or not params
             inst.inflight += 1
             try:
                 r = await client.post(inst.url + path, json=decode_body(body, params), headers=tr.headers)
@@ -322,14 +329,9 @@ def create_router_app(cfg: RouterConfig) -> FastAPI:
         emitted = False  # a token (not just the chat role chunk) reached the client
         sent_role = False
         for _ in range(cfg.max_decode_attempts):
-            inst = decode_pool.pick(tried)
+            inst = next_decode(tried, tr, params)
             if inst is None:
                 break
-            if tried:
-                metrics.retries.labels("decode").inc()
-            tried.add(inst)
-            tr.decode_url, tr.decode_attempts = inst.url, tr.decode_attempts + 1
-            tr.recomputed = tr.recomputed or not params
             inst.inflight += 1
             done = False
             last = f"decode {inst.url}: the stream ended without [DONE]"
