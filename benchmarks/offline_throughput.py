@@ -84,11 +84,12 @@ def _pd_params(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _pd_generate(llm: LLM, reqs: list[tuple[list[int], int]]) -> tuple[float, list[Any]]:
+def _pd_generate(llm: LLM, reqs: list[tuple[list[int], int]],
+                 rec: StepRecorder | None = None) -> tuple[float, list[Any]]:
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [_pd_params(n) for _, n in reqs]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, on_step=rec.add if rec is not None else None)
     wall = time.perf_counter() - t0
     for out, (_, n) in zip(outs, reqs):
         comp = out.outputs[0]
@@ -99,22 +100,13 @@ def _pd_generate(llm: LLM, reqs: list[tuple[list[int], int]]) -> tuple[float, li
 
 
 class StepRecorder:
-    """Wraps `llm.engine.step` (on the instance only) to collect each step's StepStats."""
+    """Collects each step's StepStats (pass `rec.add` as `LLM.generate(on_step=...)`)."""
 
-    def __init__(self, llm: LLM) -> None:
-        self.engine = llm.engine
-        self.inner = llm.engine.step
+    def __init__(self) -> None:
         self.stats: list[Any] = []
-        self.engine.step = self._step  # type: ignore[method-assign]
 
-    def _step(self) -> Any:
-        outs = self.inner()
-        if self.engine.last_step is not None:
-            self.stats.append(self.engine.last_step)
-        return outs
-
-    def detach(self) -> None:
-        self.engine.step = self.inner  # type: ignore[method-assign]
+    def add(self, stats: Any) -> None:
+        self.stats.append(stats)
 
     def summary(self) -> dict[str, Any]:
         kinds: dict[str, list[Any]] = {}
@@ -143,11 +135,10 @@ def bench_pdserve(args: argparse.Namespace, wl: Workload, reqs: list[tuple[list[
     _pd_generate(llm, [(wl.prompt(DECODE_PROMPT_LEN), 16)])
 
     # throughput: one generate over everything
-    rec = StepRecorder(llm)
+    rec = StepRecorder()
     cpu0 = time.process_time()
-    wall, outs = _pd_generate(llm, reqs)
+    wall, outs = _pd_generate(llm, reqs, rec)
     cpu_share = (time.process_time() - cpu0) / (wall * args.threads)
-    rec.detach()
     n_in = sum(len(ids) for ids, _ in reqs)
     n_out = sum(n for _, n in reqs)
     ttfts = [o.metrics.ttft for o in outs]

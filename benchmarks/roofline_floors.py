@@ -25,9 +25,8 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[str, 
         eng.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     steps = []
     while eng.has_unfinished_requests():
-        eng.step()
-        s = eng.last_step
-        if s is not None and s.kind != "idle":
+        s = eng.step().stats
+        if s.kind != "idle":
             steps.append((s.kind, s.model_time, s.flops, s.bytes))
     return steps
 

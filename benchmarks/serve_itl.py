@@ -39,9 +39,8 @@ def offline_decode_steps(args: argparse.Namespace, prompts: list[list[int]]) -> 
         eng.add_request({"prompt_token_ids": p}, params)
     steps: list[float] = []
     while eng.has_unfinished_requests():
-        eng.step()
-        s = eng.last_step
-        if s is not None and s.kind == "decode" and s.num_decode_tokens == args.clients:
+        s = eng.step().stats
+        if s.kind == "decode" and s.num_decode_tokens == args.clients:
             steps.append(s.duration)
     return steps
 

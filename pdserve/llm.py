@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import LLMEngine, PromptType
+from pdserve.engine.engine import LLMEngine, PromptType, StepStats
 from pdserve.model.loader import LoadedModel
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
@@ -28,9 +27,11 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_step: Callable[[StepStats], None] | None = None) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; results in input order. A prompt is a string,
-        a list of token ids or {"prompt_token_ids": [...]}; `n > 1` yields n outputs per prompt."""
+        a list of token ids or {"prompt_token_ids": [...]}; `n > 1` yields n outputs per prompt. `on_step`
+        receives each step's stats (benchmarks and the live roofline's tests read them)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -40,25 +41,24 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError("need one SamplingParams per prompt, or a single one for all")
-        # fan out n > 1 into child sequences; the prefix cache shares their prompt blocks
-        children: list[tuple[int, int, str]] = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            for j in range(params.n):
-                child = params if params.n == 1 else dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + j)
-                req = self.engine.add_request(prompt, child, request_id=f"offline-{i}-{j}")
-                children.append((i, j, req.request_id))
+        children = [req for i, (prompt, params) in enumerate(zip(prompt_list, params_list))
+                    for req in self.engine.make_requests([prompt], params, f"offline-{i}")]
+        for req in children:
+            self.engine.add_request(req)
         finals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            result = self.engine.step()
+            if on_step is not None:
+                on_step(result.stats)
+            for out in result.outputs:
                 if out.finished:
                     finals[out.request_id] = out
         results: list[RequestOutput] = []
-        for i, j, rid in children:
-            out = finals[rid]
-            out.outputs[0].index = j
-            if j == 0:
-                out.request_id = str(i)
+        for req in children:  # samples of one prompt are adjacent: fold them into the first one's output
+            out = finals[req.request_id]
+            out.outputs[0].index = req.sample_index
+            if req.sample_index == 0:
+                out.request_id = str(len(results))
                 results.append(out)
             else:
                 results[-1].outputs.append(out.outputs[0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.request import RequestTimes
+from pdserve.errors import ErrorCode
 from pdserve.model.sampler import TokenLogprobs
 
 
@@ -39,3 +40,4 @@ class RequestOutput:
     metrics: RequestTimes
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    error_code: ErrorCode | None = None

@@ -68,7 +68,7 @@ def settle(engine: LLMEngine, timeout: float = 10.0) -> None:
     """Let the engine apply releases that arrive on the side channel."""
     deadline = time.monotonic() + timeout
     while not engine.block_manager.is_at_baseline() and time.monotonic() < deadline:
-        engine.kv.poll()
+        engine.kv_transfer.poll()
         time.sleep(0.01)
 
 
@@ -101,21 +101,21 @@ def test_handoff_equals_colocated(make_engine: Callable[..., LLMEngine], connect
         p = prefill(pre, prompt, f"p{i}")
         params = p.kv_transfer_result
         assert params is not None and params["do_remote_prefill"] and params["kv_connector"] == connector
-        assert params["remote_port"] == pre.kv.connector.port and params["remote_block_ids"]
+        assert params["remote_port"] == pre.kv_transfer.connector.port and params["remote_block_ids"]
         assert not pre.block_manager.is_at_baseline()  # pinned until the decode side has pulled
-        assert pre.kv.num_pinned_blocks == len(pre.block_manager.get_block_ids(f"p{i}"))
+        assert pre.kv_transfer.num_pinned_blocks == len(pre.block_manager.get_block_ids(f"p{i}"))
         d = decode(dec, prompt, params, f"d{i}")
         assert d.output_token_ids == ref.output_token_ids, prompt
         res = d.kv_transfer_result
         assert res is not None and res["ok"], res
         if p.num_prompt_tokens > 1:
-            assert res["bytes"] > 0 and res["remote_engine_id"] == pre.kv.engine_id
+            assert res["bytes"] > 0 and res["remote_engine_id"] == pre.kv_transfer.engine_id
         settle(pre)
-        assert pre.block_manager.is_at_baseline() and pre.kv.num_pinned_blocks == 0
+        assert pre.block_manager.is_at_baseline() and pre.kv_transfer.num_pinned_blocks == 0
         assert dec.block_manager.is_at_baseline()
         pre.block_manager.check_integrity()
         dec.block_manager.check_integrity()
-    assert pre.kv.stats.pin_timeouts == 0 and dec.kv.stats.loads_failed == 0
+    assert pre.kv_transfer.stats.pin_timeouts == 0 and dec.kv_transfer.stats.loads_failed == 0
 
 
 def test_decode_prefix_cache_skips_cached_blocks(make_engine: Callable[..., LLMEngine]) -> None:
@@ -140,8 +140,8 @@ def test_unclaimed_pin_expires_and_decode_recomputes(make_engine: Callable[..., 
     prompt = PROMPTS[1]
     params = prefill(pre, prompt, "p0").kv_transfer_result or {}
     time.sleep(0.4)
-    pre.kv.poll()
-    assert pre.block_manager.is_at_baseline() and pre.kv.stats.pin_timeouts == 1
+    pre.kv_transfer.poll()
+    assert pre.block_manager.is_at_baseline() and pre.kv_transfer.stats.pin_timeouts == 1
     d = decode(dec, prompt, params, "d0")  # the pull is refused: policy recompute computes the prompt here
     ref = colo.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), "c")
     colo.add_request(ref)
@@ -149,7 +149,7 @@ def test_unclaimed_pin_expires_and_decode_recomputes(make_engine: Callable[..., 
     assert d.status == RequestStatus.FINISHED_LENGTH and d.output_token_ids == ref.output_token_ids
     res = d.kv_transfer_result or {}
     assert not res["ok"] and "no pinned KV blocks" in res["error"]
-    assert dec.kv.stats.loads_failed == 1 and dec.kv.stats.recomputed == 1
+    assert dec.kv_transfer.stats.loads_failed == 1 and dec.kv_transfer.stats.recomputed == 1
     assert dec.block_manager.is_at_baseline()
 
 
@@ -158,7 +158,8 @@ def test_failed_pull_with_policy_fail_errors(make_engine: Callable[..., LLMEngin
     dec = make_engine(kv_role="decode", kv_load_failure_policy="fail", kv_transfer_timeout=1.0)
     prompt = PROMPTS[0]
     params = dict(prefill(pre, prompt, "p0").kv_transfer_result or {})
-    params["remote_port"] = pre.kv.connector.port + 1 if pre.kv.connector.port < 65535 else 1  # nobody there
+    port = pre.kv_transfer.connector.port
+    params["remote_port"] = port + 1 if port < 65535 else 1  # nobody there
     t0 = time.monotonic()
     d = decode(dec, prompt, params, "d0")
     assert d.status == RequestStatus.FINISHED_ERROR and "KV transfer" in (d.error or "")
@@ -169,7 +170,7 @@ def test_failed_pull_with_policy_fail_errors(make_engine: Callable[..., LLMEngin
 def test_abort_during_pull_frees_blocks_after_pull(make_engine: Callable[..., LLMEngine]) -> None:
     pre = make_engine(kv_role="prefill")
     dec = make_engine(kv_role="decode")
-    conn = dec.kv.connector
+    conn = dec.kv_transfer.connector
     real_pull = conn._pull
 
     def slow_pull(job: Any) -> Any:
@@ -203,7 +204,7 @@ def test_mismatched_prompt_is_not_pulled(make_engine: Callable[..., LLMEngine]) 
     assert d.status == RequestStatus.FINISHED_LENGTH
     assert not (d.kv_transfer_result or {})["ok"]
     settle(pre)  # the decode side released the pin it did not use
-    assert pre.block_manager.is_at_baseline() and pre.kv.stats.pin_timeouts == 0
+    assert pre.block_manager.is_at_baseline() and pre.kv_transfer.stats.pin_timeouts == 0
 
 
 def test_router_pool_picks_least_loaded_with_round_robin_ties() -> None:

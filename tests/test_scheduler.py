@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.engine import RequestRejected
+from pdserve.errors import RequestRejected
 
 
 def ids(n: int, start: int = 100) -> dict[str, list[int]]:
@@ -18,7 +18,7 @@ def ids(n: int, start: int = 100) -> dict[str, list[int]]:
 def drain(engine: Any) -> list[Any]:
     outs = []
     while engine.has_unfinished_requests():
-        outs.extend(engine.step())
+        outs.extend(engine.step().outputs)
     engine.block_manager.check_integrity()
     assert engine.block_manager.is_at_baseline()
     return outs
@@ -51,8 +51,7 @@ def test_no_chunked_prefill_runs_prompt_in_one_step(make_llm: Any) -> None:
 def test_decodes_scheduled_before_prefills_and_step_kinds(make_llm: Any) -> None:
     eng = make_llm(max_num_batched_tokens=32).engine
     a = eng.add_request(ids(10), SamplingParams(max_tokens=20, ignore_eos=True))
-    eng.step()
-    assert eng.last_step.kind == "prefill" and a.num_output_tokens == 1
+    assert eng.step().stats.kind == "prefill" and a.num_output_tokens == 1
     b = eng.add_request(ids(100, 300), SamplingParams(max_tokens=2, ignore_eos=True))
     sched = eng.scheduler.schedule()
     assert [r.request_id for r, _ in sched.scheduled] == [a.request_id, b.request_id]

@@ -6,6 +6,7 @@ Postprocess is the only place that appends tokens, finishes requests and frees b
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +20,8 @@ from pdserve.config import EngineConfig, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput, is_decode
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
+from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
 from pdserve.outputs import CompletionOutput, RequestOutput
@@ -31,19 +33,11 @@ logger = logging.getLogger("pdserve.engine")
 PromptType = str | list[int] | dict[str, Any]
 
 
-class RequestRejected(ValueError):
-    """The request can never be served (too long for the model or the KV cache, bad token ids, ...)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass
 class StepStats:
     """What one step did, for metrics and the live roofline."""
 
-    kind: str  # prefill | decode | mixed | idle
+    kind: StepKind
     num_prefill_tokens: int
     num_decode_tokens: int
     num_preempted: int
@@ -53,6 +47,14 @@ class StepStats:
     bytes: float = 0.0
     mfu: float = 0.0  # flops / model_time / peak FLOP/s (0 when no peaks are known)
     mbu: float = 0.0  # bytes / model_time / memory bandwidth
+
+
+@dataclass
+class StepResult:
+    """What one call of `LLMEngine.step()` did: the outputs it produced and its stats."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats
 
 
 class LLMEngine:
@@ -79,13 +81,13 @@ class LLMEngine:
         self._ids = itertools.count()
         self.step_cost = self.runner.step_cost_model()
         self.roofline = RooflineMeter(resolve_device_peaks(config.device_peaks), config.torch_dtype)
-        self.kv: Any = None  # PD disaggregation: pdserve.disagg.manager.KVTransferManager for prefill/decode roles
+        # PD disaggregation (prefill/decode roles): pdserve.disagg.manager.KVTransferManager
+        self.kv_transfer: Any = None
         if config.kv_role != "both":
             from pdserve.disagg.manager import KVTransferManager
 
-            self.kv = KVTransferManager(config, self.block_manager, self.scheduler, self.runner.kv_cache)
-            self.scheduler.kv = self.kv
-        self.last_step: StepStats | None = None
+            self.kv_transfer = KVTransferManager(config, self.block_manager, self.scheduler, self.runner.kv_cache)
+            self.scheduler.kv_transfer = self.kv_transfer
         logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len)
@@ -141,6 +143,21 @@ class LLMEngine:
             include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         return req
 
+    def make_requests(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
+                      arrival_time: float | None = None) -> list[Request]:
+        """Fan one API request out into its sequences: `params.n` samples of each prompt, ids
+        `<parent_id>-<prompt index>-<sample index>`, sample j seeded with `seed + j`. The prefix cache shares the
+        samples' prompt blocks. Raises RequestRejected for the first child that can never be served."""
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                child = params if params.n == 1 else dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + j)
+                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time)
+                req.parent_id, req.prompt_index, req.sample_index = parent_id, i, j
+                reqs.append(req)
+        return reqs
+
     def add_request(self, prompt: PromptType | Request, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """Queue one sequence (a prompt, or a Request from make_request)."""
@@ -151,26 +168,29 @@ class LLMEngine:
     def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
         n = len(token_ids)
         if n == 0:
-            raise RequestRejected("the prompt is empty", "prompt")
+            raise RequestRejected("the prompt is empty", "prompt", ErrorCode.INVALID_PROMPT)
         vocab = self.arch.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "prompt")
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "prompt", ErrorCode.INVALID_PROMPT)
         limit = self.max_model_len
         if n >= limit:
             raise RequestRejected(f"the prompt has {n} tokens; this model's maximum context length is {limit} "
-                                  f"tokens, which must also hold at least one output token", "prompt")
+                                  f"tokens, which must also hold at least one output token", "prompt",
+                                  ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         if n + max_tokens > limit:
             raise RequestRejected(f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
-                                  f"tokens exceed this model's maximum context length of {limit}", "max_tokens")
+                                  f"tokens exceed this model's maximum context length of {limit}", "max_tokens",
+                                  ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         need = self.block_manager.blocks_needed(n + max_tokens)
         if need > self.num_blocks:
             raise RequestRejected(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks "
                                   f"of {self.block_size} tokens but the whole cache has {self.num_blocks}",
-                                  "max_tokens")
+                                  "max_tokens", ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise RequestRejected(f"the prompt has {n} tokens; with chunked prefill off a prompt may have at most "
-                                  f"max_num_batched_tokens={self.config.max_num_batched_tokens}", "prompt")
+                                  f"max_num_batched_tokens={self.config.max_num_batched_tokens}", "prompt",
+                                  ErrorCode.INVALID_PROMPT)
         return max_tokens
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -189,34 +209,39 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop background parts (the KV connector's threads and sockets)."""
-        if self.kv is not None:
-            self.kv.close()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     # ---- one iteration -------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
+        """Schedule, run and postprocess once; returns the outputs and what the step did."""
         t0 = time.perf_counter()
-        kv_failed = [self._fail(r, msg) for r, msg in self.kv.poll()] if self.kv is not None else []
+        kv = self.kv_transfer
+        kv_failed = [self._fail(r, msg, ErrorCode.KV_TRANSFER_FAILED) for r, msg in kv.poll()] if kv is not None else []
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if self.kv is not None and self.kv.num_loading and not kv_failed:
-                self.kv.wait(0.01)  # only KV pulls in flight: sleep until one lands instead of spinning
-            self.last_step = StepStats("idle", 0, 0, len(sched.preempted), time.perf_counter() - t0)
-            return kv_failed
+            if kv is not None and kv.num_loading and not kv_failed:
+                kv.wait(0.01)  # only KV pulls in flight: sleep until one lands instead of spinning
+            return StepResult(kv_failed, StepStats(StepKind.IDLE, 0, 0, len(sched.preempted),
+                                                   time.perf_counter() - t0))
         seqs = [(r.num_computed_tokens, n) for r, n in sched.scheduled]  # before postprocess advances them
+        stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.preempted), 0.0)
         try:
             t_run = time.perf_counter()
             sample_reqs, sampled = self.runner.execute(sched, self.block_manager)
             t_run = time.perf_counter() - t_run
         except Exception as exc:  # a failed forward fails the requests in it, not the engine
             logger.exception("model step failed")
-            return kv_failed + [self._fail(r, f"model step failed: {exc!r}") for r, _ in sched.scheduled]
+            failed = [self._fail(r, f"model step failed: {exc!r}", ErrorCode.MODEL_STEP_FAILED)
+                      for r, _ in sched.scheduled]
+            stats.duration = time.perf_counter() - t0
+            return StepResult(kv_failed + failed, stats)
         outs = kv_failed + self._postprocess(sched, sample_reqs, sampled.token_ids, sampled.logprobs)
-        flops, nbytes = self.step_cost.cost(seqs, len(sample_reqs))
-        self.roofline.add(sched.kind, t_run, flops, nbytes)
-        mfu, mbu = self.roofline.utilization(flops, nbytes, t_run)
-        self.last_step = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens,
-                                   len(sched.preempted), time.perf_counter() - t0, t_run, flops, nbytes, mfu, mbu)
-        return outs
+        stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sample_reqs))
+        self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
+        stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
+        stats.model_time, stats.duration = t_run, time.perf_counter() - t0
+        return StepResult(outs, stats)
 
     def _postprocess(self, sched: SchedulerOutput, sample_reqs: list[Request], tokens: list[int],
                      logprobs: list[Any]) -> list[RequestOutput]:
@@ -232,7 +257,7 @@ class LLMEngine:
                 outs.append(self._append_token(req, tok, lp, now))
             except Exception as exc:  # e.g. a detokenizer failure: fail this request only
                 logger.exception("postprocess failed for request %s", req.request_id)
-                outs.append(self._fail(req, f"postprocess failed: {exc!r}"))
+                outs.append(self._fail(req, f"postprocess failed: {exc!r}", ErrorCode.POSTPROCESS_FAILED))
         return outs
 
     def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> RequestOutput:
@@ -266,8 +291,8 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _fail(self, req: Request, message: str) -> RequestOutput:
-        req.error = message
+    def _fail(self, req: Request, message: str, code: ErrorCode) -> RequestOutput:
+        req.error, req.error_code = message, code
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
         return self._output(req, [], "")
 
@@ -283,4 +308,4 @@ class LLMEngine:
             delta_text=delta, delta_token_ids=new_tokens,
             delta_logprobs=req.logprobs[len(req.logprobs) - len(new_tokens):] if want_lp and new_tokens else None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, req.times,
-                             max(req.num_cached_tokens, 0), req.error)
+                             max(req.num_cached_tokens, 0), req.error, req.error_code)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.errors import ErrorCode
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -121,6 +122,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_code: ErrorCode | None = None
+        # fan-out of one API request (n samples of several prompts): see LLMEngine.make_requests
+        self.parent_id: str = request_id
+        self.prompt_index = 0
+        self.sample_index = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.logprobs: list[TokenLogprobs] = []  # per output token, when sampling_params.logprobs is set
         self.detokenizer: IncrementalDetokenizer | None = None

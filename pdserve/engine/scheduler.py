@@ -8,6 +8,7 @@ freed; it recomputes later). Only `Engine.postprocess` appends tokens and finish
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,6 +16,15 @@ from typing import Any
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
+
+
+class StepKind(enum.StrEnum):
+    """What a step computed: the step-time metric label."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"  # decodes and prefill chunks in one step
+    IDLE = "idle"
 
 
 @dataclass
@@ -31,13 +41,12 @@ class SchedulerOutput:
         return self.num_prefill_tokens + self.num_decode_tokens
 
     @property
-    def kind(self) -> str:
-        """'prefill', 'decode', 'mixed' or 'idle': the step-time metric label."""
+    def kind(self) -> StepKind:
         if not self.scheduled:
-            return "idle"
+            return StepKind.IDLE
         if self.num_prefill_tokens and self.num_decode_tokens:
-            return "mixed"
-        return "prefill" if self.num_prefill_tokens else "decode"
+            return StepKind.MIXED
+        return StepKind.PREFILL if self.num_prefill_tokens else StepKind.DECODE
 
 
 def is_decode(request: Request, num_new_tokens: int) -> bool:
@@ -57,7 +66,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # total, for metrics
-        self.kv: Any = None  # pdserve.disagg.manager.KVTransferManager when this engine hands KV over (PD roles)
+        # pdserve.disagg.manager.KVTransferManager when this engine hands KV over (PD roles)
+        self.kv_transfer: Any = None
 
     # ---- admission / removal -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -80,7 +90,8 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        if self.kv is None or not self.kv.on_finish(request, status):  # the KV manager may keep the blocks
+        # the KV transfer manager may keep the blocks (pinned for a decode instance)
+        if self.kv_transfer is None or not self.kv_transfer.on_finish(request, status):
             self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
 
@@ -93,7 +104,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + (self.kv.num_loading if self.kv is not None else 0)
+        return len(self.waiting) + (self.kv_transfer.num_loading if self.kv_transfer is not None else 0)
 
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -121,14 +132,14 @@ class Scheduler:
                 budget -= num_new
 
         # 2. waiting requests in arrival order, unless this step had to preempt (memory is tight)
-        num_loading = self.kv.num_loading if self.kv is not None else 0
+        num_loading = self.kv_transfer.num_loading if self.kv_transfer is not None else 0
         while (self.waiting and not out.preempted and budget > 0
                and len(self.running) + num_loading < self.max_num_seqs):
             req = self.waiting[0]
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
-            if self.kv is not None and self.kv.wants_remote_load(req, num_cached):
+            if self.kv_transfer is not None and self.kv_transfer.wants_remote_load(req, num_cached):
                 # PD decode side: hold blocks, pull the prompt's KV in a connector thread (no token budget)
-                if not self.kv.start_load(req, computed_blocks, num_cached, now):
+                if not self.kv_transfer.start_load(req, computed_blocks, num_cached, now):
                     break
                 self.waiting.popleft()
                 num_loading += 1

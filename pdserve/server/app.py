@@ -25,8 +25,9 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.engine.engine import LLMEngine, PromptType, RequestRejected
+from pdserve.engine.engine import LLMEngine, PromptType
 from pdserve.engine.request import Request as EngineRequest
+from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.async_engine import AsyncEngine, EngineDead, EngineThread, QueueFull
@@ -105,10 +106,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
     if engine.roofline.device is not None:
         metrics.set_peaks(engine.roofline.peak_flops, engine.roofline.device.mem_bandwidth)
     aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests, engine_thread)
-    if engine.kv is not None:  # PD disaggregation role: KV hand-off metrics
+    if engine.kv_transfer is not None:  # PD disaggregation role: KV hand-off metrics
         from pdserve.disagg.metrics import KVTransferMetrics
 
-        KVTransferMetrics(metrics.registry, cfg.served_model_name, engine.kv)
+        KVTransferMetrics(metrics.registry, cfg.served_model_name, engine.kv_transfer)
     tok = engine.tokenizer
 
     @asynccontextmanager
@@ -164,17 +165,13 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
                       kv_params: dict[str, Any] | None = None) -> list[EngineRequest]:
         if kv_params and (len(prompts) > 1 or params.n > 1):
             raise APIError(400, "kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
-        reqs = []
-        for i, prompt in enumerate(prompts):
-            for j in range(params.n):
-                child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + j)
-                try:
-                    reqs.append(aengine.make_request(prompt, child, f"{base_id}-{i}-{j}"))
-                except RequestRejected as e:
-                    code = "context_length_exceeded" if "context length" in str(e) or "KV blocks" in str(e) else None
-                    raise APIError(400, str(e), param=e.param, code=code,
-                                   kind="context_length" if code else "bad_request") from e
-        if kv_params and engine.kv is not None:
+        try:
+            reqs = engine.make_requests(prompts, params, base_id)
+        except RequestRejected as e:
+            too_long = e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+            raise APIError(400, str(e), param=e.param, code=e.code.value,
+                           kind="context_length" if too_long else "bad_request") from e
+        if kv_params and engine.kv_transfer is not None:
             reqs[0].kv_transfer_params = kv_params
         return reqs
 
@@ -198,8 +195,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
                "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
                "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
                "finish_reason": req.status.finish_reason, "error": req.error}
-        if engine.kv is not None:  # PD roles: which instances served it, and the hand-off
-            rec["engine_id"] = engine.kv.engine_id
+        if engine.kv_transfer is not None:  # PD roles: which instances served it, and the hand-off
+            rec["engine_id"] = engine.kv_transfer.engine_id
             res = req.kv_transfer_result or {}
             if res.get("do_remote_prefill"):  # prefill side: pinned for a decode instance
                 rec["kv_transfer"] = {"pinned_blocks": len(res["remote_block_ids"])}
@@ -266,7 +263,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
         return [finals[i] for i in range(len(reqs))]
 
     def usage(reqs: list[EngineRequest]) -> dict[str, Any]:
-        per_prompt = {r.request_id.rsplit("-", 1)[0]: r for r in reqs}.values()  # n samples share one prompt
+        per_prompt = [r for r in reqs if r.sample_index == 0]  # n samples share one prompt
         prompt = sum(r.num_prompt_tokens for r in per_prompt)
         completion = sum(r.num_output_tokens for r in reqs)
         cached = sum(max(r.num_cached_tokens, 0) for r in per_prompt)
@@ -329,8 +326,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
         return {"num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
                 "num_used_blocks": bm.num_used_blocks, "num_cached_blocks": len(bm.cached),
                 "num_requests_holding_blocks": len(bm.req_blocks), "open_requests": aengine.num_unfinished,
-                "num_pinned_blocks": engine.kv.num_pinned_blocks if engine.kv is not None else 0,
-                "num_requests_loading_kv": engine.kv.num_loading if engine.kv is not None else 0}
+                "num_pinned_blocks": engine.kv_transfer.num_pinned_blocks if engine.kv_transfer is not None else 0,
+                "num_requests_loading_kv": engine.kv_transfer.num_loading if engine.kv_transfer is not None else 0}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

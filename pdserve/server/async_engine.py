@@ -17,10 +17,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.engine import LLMEngine, PromptType, StepStats
+from pdserve.engine.engine import LLMEngine, StepStats
 from pdserve.engine.request import Request
+from pdserve.engine.scheduler import StepKind
 from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
 from pdserve.server.metrics import Metrics
 
 logger = logging.getLogger("pdserve.async_engine")
@@ -86,8 +86,8 @@ class AsyncEngine:
         self._loop_done: Future[Any] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self.dead: BaseException | None = None
-        if engine.kv is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
-            engine.kv.wakeup = self._wake.set
+        if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
+            engine.kv_transfer.wakeup = self._wake.set
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -119,9 +119,6 @@ class AsyncEngine:
             return sum(1 for s in self._streams.values() if s.request.times.first_scheduled is None)
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def make_request(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Request:
-        return self.engine.make_request(prompt, params, request_id)
-
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit a validated request and yield its outputs until it finishes. Cancelling the consumer (client
         disconnect) aborts the request."""
@@ -162,15 +159,15 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not eng.has_unfinished_requests():
-                    if eng.kv is not None:
-                        eng.kv.poll_pins()  # free released / expired KV pins while idle
-                    self._observe_idle()
+                    if eng.kv_transfer is not None:
+                        eng.kv_transfer.poll_pins()  # free released / expired KV pins while idle
+                    self._observe(StepStats(StepKind.IDLE, 0, 0, 0, 0.0))
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                outs = eng.step()
-                self._observe_step()
-                for out in outs:
+                result = eng.step()
+                self._observe(result.stats)
+                for out in result.outputs:
                     self._dispatch(out)
         except BaseException as exc:  # a bug in the engine: fail every open request, refuse new ones
             logger.exception("engine loop died")
@@ -213,18 +210,11 @@ class AsyncEngine:
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
-    def _observe_step(self) -> None:
-        """Record the engine's last step once (it is consumed), and refresh the gauges."""
+    def _observe(self, stats: StepStats) -> None:
+        """Record a step (an idle one records nothing but refreshes the gauges, which aborts change)."""
         eng, m = self.engine, self.metrics
-        if m is None or eng.last_step is None:
+        if m is None:
             return
         bm = eng.block_manager
-        m.observe_step(eng.last_step, eng.scheduler.num_running, eng.scheduler.num_waiting, bm.usage,
+        m.observe_step(stats, eng.scheduler.num_running, eng.scheduler.num_waiting, bm.usage,
                        bm.stats.queries, bm.stats.hits, eng.scheduler.num_preemptions)
-        eng.last_step = None
-
-    def _observe_idle(self) -> None:
-        """Refresh the gauges while idle (aborts applied between steps change them), recording no step."""
-        if self.metrics is not None:
-            self.engine.last_step = StepStats("idle", 0, 0, 0, 0.0)
-            self._observe_step()

@@ -1,0 +1,29 @@
+"""Error codes shared by every layer. Callers branch on `code`, never on message text.
+
+The values are the strings that reach clients (the OpenAI error body's `code`), so they are stable API.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a request was refused or failed."""
+
+    INVALID_PROMPT = "invalid_prompt"  # empty, token ids out of the vocabulary, over the per-step budget
+    INVALID_PARAMETER = "invalid_parameter"  # a sampling or request value the model cannot honour
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len or the KV cache
+    MODEL_STEP_FAILED = "model_step_failed"  # the forward pass or the sampler raised for this request's step
+    POSTPROCESS_FAILED = "postprocess_failed"  # detokenizing or stop checks raised for this request
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # PD disaggregation: pulling the prompt's KV failed
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as given; nothing was allocated for it."""
+
+    def __init__(self, message: str, param: str | None = None,
+                 code: ErrorCode = ErrorCode.INVALID_PARAMETER) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
