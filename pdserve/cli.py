@@ -59,11 +59,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _print_roofline(meter: Any) -> None:
-    """Live roofline of the run: per step kind, achieved FLOP/s and B/s against this machine's peaks."""
+    """Live roofline of the run: per step kind, achieved FLOP/s and B/s against this machine's peaks, and where
+    those peaks came from (when and how they were measured, cached or not)."""
     dev = meter.device
     if dev is not None:
         print(f"# roofline peaks: {meter.peak_flops / 1e9:.1f} GFLOP/s, {dev.mem_bandwidth / 1e9:.1f} GB/s "
               f"({dev.name})", file=sys.stderr)
+        print(f"# roofline peaks from: {dev.describe_source()}", file=sys.stderr)
     for kind, row in meter.summary().items():
         util = (f" MFU {row['mfu']:.1%}, MBU {row['mbu']:.1%}, nearer the {row['nearer_roof']} roof"
                 if "mfu" in row else "")
@@ -113,12 +115,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdserve.engine.engine import LLMEngine
+    from pdserve.roofline import resolve_device_peaks
     from pdserve.server.app import ServerConfig, create_app
     from pdserve.server.async_engine import EngineThread
 
     cfg = engine_config_from_args(args)
     engine_thread = EngineThread()  # builds the engine and later runs its loop: one OpenMP team (async_engine.py)
-    engine = engine_thread.call(lambda: LLMEngine(cfg))
+    # peaks are resolved on the engine thread too: `auto` may measure, and must do so with the engine's threads
+    engine = engine_thread.call(lambda: LLMEngine(cfg, device_peaks=resolve_device_peaks(cfg.device_peaks,
+                                                                                          cfg.num_threads)))
     name = args.served_model_name or engine.model_name
     app = create_app(engine, ServerConfig(served_model_name=name, api_key=args.api_key,
                                           max_waiting_requests=args.max_waiting_requests,

@@ -9,6 +9,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, PromptType, StepStats
 from pdserve.model.loader import LoadedModel
 from pdserve.outputs import RequestOutput
+from pdserve.roofline import resolve_device_peaks
 from pdserve.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -21,7 +22,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {EngineConfig.option_names()}")
         self.config = EngineConfig(model=model, **engine_options)
-        self.engine = LLMEngine(self.config, model=loaded_model, tokenizer=tokenizer)
+        peaks = resolve_device_peaks(self.config.device_peaks, self.config.num_threads)
+        self.engine = LLMEngine(self.config, model=loaded_model, tokenizer=tokenizer, device_peaks=peaks)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

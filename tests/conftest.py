@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -10,11 +12,20 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests never read or write the user's cache (~/.cache/pdserve: converted tokenizers, measured device peaks): one
+# directory for the whole session, set before anything runs so server subprocesses inherit it. The tokenizer is then
+# converted once per session (seconds); device peaks are measured fresh, never taken from an earlier busy start.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="pdserve-test-cache-")
+os.environ["PDSERVE_CACHE_DIR"] = _SESSION_CACHE
 torch.set_num_threads(2)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: uses the real default model (SmolLM2-135M)")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -72,11 +83,13 @@ def tiny_hf_model() -> Any:
 
 @pytest.fixture
 def make_llm(tiny_hf_model: Any, tokenizer: Any) -> Callable[..., Any]:
-    """Factory for a pdserve.LLM on the tiny model (fp32 by default), engine options as keywords."""
+    """Factory for a pdserve.LLM on the tiny model (fp32, no device peaks by default: a test that needs MFU/MBU
+    passes explicit peaks, so nothing depends on how busy the machine is), engine options as keywords."""
     from pdserve.llm import LLM
 
     def factory(hf_model: Any = None, **options: Any) -> Any:
         options.setdefault("dtype", "float32")
+        options.setdefault("device_peaks", "off")
         options.setdefault("num_kv_blocks", 256)
         return LLM(loaded_model=loaded_from_hf(hf_model or tiny_hf_model), tokenizer=tokenizer, **options)
 

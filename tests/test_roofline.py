@@ -1,22 +1,27 @@
-"""`pdserve calc` / pdserve.roofline: the seed's 7B example, SmolLM2 from its GGUF header, KV capacity, presets,
---measure and the CLI report. Fast: no model weights are loaded (the GGUF is read up to its tensor infos only)."""
+"""`pdserve calc` / pdserve.roofline: the 7B example, SmolLM2 from its GGUF header, KV capacity, presets,
+--measure and the CLI report, the live meter, and device peaks (measurement, cache, start-up probe, provenance).
+Fast: no model weights are loaded (the GGUF is read up to its tensor infos only)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
+import os
 import time
 
 import pytest
 import torch
 
+from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
 from pdserve.roofline import (
     DEVICE_PRESETS,
     Cost,
     DeviceSpec,
+    PeaksProvenance,
     RooflineMeter,
     StepCostModel,
     add_calc_parser,
@@ -26,15 +31,20 @@ from pdserve.roofline import (
     device_preset,
     kv_bytes_per_token,
     kv_capacity,
+    load_cached_device,
     measure_device,
     model_params,
     model_shape_from,
+    peaks,
+    peaks_key,
     prefill_cost,
     resolve_device_peaks,
+    save_measured_device,
 )
+from pdserve.roofline.measure import is_busy
 
-SEED_PARAMS = 7_000_000_000
-SEED_WEIGHT_BYTES = SEED_PARAMS * 2  # fp16
+EX_PARAMS = 7_000_000_000
+EX_WEIGHT_BYTES = EX_PARAMS * 2  # fp16
 
 
 def run_cli(*argv: str) -> str:
@@ -48,20 +58,20 @@ def run_cli(*argv: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def seed() -> ModelArchConfig:
-    return model_shape_from("seed-7b")
+def example() -> ModelArchConfig:
+    return model_shape_from("example-7b")
 
 
-def test_seed_7b_kv_per_token_is_128_kib(seed: ModelArchConfig) -> None:
-    assert kv_bytes_per_token(seed, 2) == 128 * 1024
-    assert kv_bytes_per_token(seed, 2) == seed.kv_bytes_per_token(torch.float16)  # agrees with the engine's formula
-    assert model_params("seed-7b", seed) == SEED_PARAMS
-    assert model_params("llama-7b-gqa", seed) == SEED_PARAMS  # alias
-    assert model_params("seed-7b", seed, override=6e9) == 6_000_000_000
+def test_example_7b_kv_per_token_is_128_kib(example: ModelArchConfig) -> None:
+    assert kv_bytes_per_token(example, 2) == 128 * 1024
+    assert kv_bytes_per_token(example, 2) == example.kv_bytes_per_token(torch.float16)  # as the engine counts it
+    assert model_params("example-7b", example) == EX_PARAMS
+    assert model_params("llama-7b-gqa", example) == model_params("seed-7b", example) == EX_PARAMS  # aliases
+    assert model_params("example-7b", example, override=6e9) == 6_000_000_000
 
 
-def test_seed_7b_prefill_4096(seed: ModelArchConfig) -> None:
-    c = prefill_cost(seed, 4096, SEED_WEIGHT_BYTES, 2, params=SEED_PARAMS)
+def test_example_7b_prefill_4096(example: ModelArchConfig) -> None:
+    c = prefill_cost(example, 4096, EX_WEIGHT_BYTES, 2, params=EX_PARAMS)
     assert c.flops == pytest.approx(57.3e12, rel=0.002)
     assert c.bytes == pytest.approx(14.5e9, rel=0.01)
     assert c.intensity == pytest.approx(3950, rel=0.02)
@@ -70,11 +80,11 @@ def test_seed_7b_prefill_4096(seed: ModelArchConfig) -> None:
     assert c.bound(h100) == "compute" and c.floor_s(h100) == c.compute_floor_s(h100)
 
 
-def test_seed_7b_decode_batch_1_and_32(seed: ModelArchConfig) -> None:
-    d1 = decode_cost(seed, 1, 4096, SEED_WEIGHT_BYTES, 2, params=SEED_PARAMS)
+def test_example_7b_decode_batch_1_and_32(example: ModelArchConfig) -> None:
+    d1 = decode_cost(example, 1, 4096, EX_WEIGHT_BYTES, 2, params=EX_PARAMS)
     assert d1.flops == pytest.approx(14e9)
     assert d1.intensity == pytest.approx(0.97, rel=0.03)
-    d32 = decode_cost(seed, 32, 4096, SEED_WEIGHT_BYTES, 2, params=SEED_PARAMS)
+    d32 = decode_cost(example, 32, 4096, EX_WEIGHT_BYTES, 2, params=EX_PARAMS)
     assert d32.flops == pytest.approx(448e9)
     assert d32.bytes == pytest.approx(30e9, rel=0.05)
     assert d32.intensity == pytest.approx(15, rel=0.10)
@@ -83,21 +93,21 @@ def test_seed_7b_decode_batch_1_and_32(seed: ModelArchConfig) -> None:
         assert d1.floor_s(device) == d1.bandwidth_floor_s(device)
 
 
-def test_attention_flops_are_reported_beside_the_seed_rule(seed: ModelArchConfig) -> None:
-    heads_dims = seed.num_hidden_layers * seed.num_attention_heads * seed.head_dim
-    p = prefill_cost(seed, 4096, SEED_WEIGHT_BYTES, 2, params=SEED_PARAMS)
+def test_attention_flops_are_reported_beside_the_2p_rule(example: ModelArchConfig) -> None:
+    heads_dims = example.num_hidden_layers * example.num_attention_heads * example.head_dim
+    p = prefill_cost(example, 4096, EX_WEIGHT_BYTES, 2, params=EX_PARAMS)
     assert p.attn_flops == 2 * 4096 * 4097 * heads_dims  # causal: sum over i of 4·d·(i+1)
-    d = decode_cost(seed, 8, 1000, SEED_WEIGHT_BYTES, 2, params=SEED_PARAMS)
+    d = decode_cost(example, 8, 1000, EX_WEIGHT_BYTES, 2, params=EX_PARAMS)
     assert d.attn_flops == 4 * 8 * 1001 * heads_dims
     assert d.intensity == d.flops / d.bytes < d.intensity_with_attention  # headline stays on the 2·P rule
 
 
-def test_params_counted_from_the_shape(seed: ModelArchConfig) -> None:
+def test_params_counted_from_the_shape(example: ModelArchConfig) -> None:
     # Llama-2-7B (MHA) is 6.74e9 parameters, Mistral-7B 7.24e9, Llama-3-8B 8.03e9
     assert count_params(model_shape_from("llama-2-7b")) == 6_738_415_616
     assert count_params(model_shape_from("mistral-7b")) == 7_241_732_096
     assert count_params(model_shape_from("llama-3-8b")) == 8_030_261_248
-    assert count_params(seed) == pytest.approx(5.93e9, rel=0.001)  # the seed's dims; 7e9 is pinned by the preset
+    assert count_params(example) == pytest.approx(5.93e9, rel=0.001)  # the example's dims; 7e9 is pinned by the preset
     tied = ModelArchConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=True)
     # embed 800; q 64 + k 32 + v 32 + o 64; mlp 3·8·16 = 384; 2 norms 16; final norm 8
@@ -130,23 +140,23 @@ def test_model_from_config_json(tmp_path) -> None:  # type: ignore[no-untyped-de
         model_shape_from(str(tmp_path / "missing.gguf"))
 
 
-def test_kv_capacity(seed: ModelArchConfig) -> None:
+def test_kv_capacity(example: ModelArchConfig) -> None:
     # 80 GB x 0.9 - 14 GB = 58 GB of KV at 128 KiB/token
-    tokens, seqs = kv_capacity(seed, 80e9, SEED_WEIGHT_BYTES, 2, 4096, reserve_fraction=0.1)
+    tokens, seqs = kv_capacity(example, 80e9, EX_WEIGHT_BYTES, 2, 4096, reserve_fraction=0.1)
     assert tokens == 58_000_000_000 // 131072 == 442_504
     assert seqs == tokens // 4096 == 108
-    assert kv_capacity(seed, 80e9, SEED_WEIGHT_BYTES, 2, 4096, reserve_fraction=0.0) == (
+    assert kv_capacity(example, 80e9, EX_WEIGHT_BYTES, 2, 4096, reserve_fraction=0.0) == (
         66_000_000_000 // 131072, 66_000_000_000 // 131072 // 4096)
-    assert kv_capacity(seed, 10e9, SEED_WEIGHT_BYTES, 2, 4096) == (0, 0)  # the weights alone do not fit
-    assert kv_capacity(seed, 80e9, SEED_WEIGHT_BYTES, 1, 4096)[0] == 58_000_000_000 // 65536  # fp8 KV: 64 KiB/token
+    assert kv_capacity(example, 10e9, EX_WEIGHT_BYTES, 2, 4096) == (0, 0)  # the weights alone do not fit
+    assert kv_capacity(example, 80e9, EX_WEIGHT_BYTES, 1, 4096)[0] == 58_000_000_000 // 65536  # fp8 KV: 64 KiB/token
 
 
-def test_decode_compute_bound_batch(seed: ModelArchConfig) -> None:
+def test_decode_compute_bound_batch(example: ModelArchConfig) -> None:
     h100 = device_preset("h100")
-    assert decode_compute_bound_batch(seed, 4096, SEED_WEIGHT_BYTES, 2, h100, SEED_PARAMS) is None  # KV grows too fast
-    b = decode_compute_bound_batch(seed, 0, SEED_WEIGHT_BYTES, 2, h100, SEED_PARAMS)
+    assert decode_compute_bound_batch(example, 4096, EX_WEIGHT_BYTES, 2, h100, EX_PARAMS) is None  # KV grows too fast
+    b = decode_compute_bound_batch(example, 0, EX_WEIGHT_BYTES, 2, h100, EX_PARAMS)
     assert b is not None
-    below, above = (decode_cost(seed, n, 0, SEED_WEIGHT_BYTES, 2, SEED_PARAMS) for n in (int(b), int(b) + 1))
+    below, above = (decode_cost(example, n, 0, EX_WEIGHT_BYTES, 2, EX_PARAMS) for n in (int(b), int(b) + 1))
     assert below.bound(h100) == "bandwidth" and above.bound(h100) == "compute"
 
 
@@ -176,18 +186,23 @@ def test_measure_device_is_quick_and_positive() -> None:
     assert set(by_dtype) == {"float32", "bfloat16"} and all(f > 0 for f in by_dtype.values())
     assert dev.peak_flops == max(by_dtype.values())
     assert dev.mem_bandwidth > 0 and dev.memory > 2**30 and dev.balance > 0
+    prov = dev.provenance
+    assert prov is not None and prov.source == "measured" and prov.threads == 1 and prov.measured_at.endswith("Z")
+    assert "best of 3 runs" in prov.method and "copy 8 MiB" in prov.method and prov.cpu_share is not None
+    assert prov.busy == is_busy(prov.load_avg, prov.cpu_share)  # either verdict: it depends on the machine's load
     only = measure_device(threads=1, dtype=torch.float32, matmul_size=128, copy_bytes=2**20, repeats=1, budget_s=0.1)
     assert [k for k, _ in only.flops_by_dtype] == ["float32"]
 
 
-def test_cli_reports_the_seed_7b_example() -> None:
-    out = run_cli("--model", "seed-7b", "--device", "h100", "--dtype", "fp16", "--batch", "1", "32")
+def test_cli_reports_the_7b_example() -> None:
+    out = run_cli("--model", "example-7b", "--device", "h100", "--dtype", "fp16", "--batch", "1", "32")
     assert "128 KiB/token" in out and "7 B (pinned" in out
     assert "prefill N=4096: compute-bound (intensity 3945 ≫ balance 295.2)" in out
     assert "decode B=1 L=4096: bandwidth-bound (intensity 0.9631 ≪ balance 295.2)" in out
     assert "decode B=32 L=4096: bandwidth-bound (intensity 14.37 ≪ balance 295.2)" in out
     assert "442,504 tokens = 108 sequences of 4,096 tokens" in out
-    assert "attention FLOPs" in out and "not in the seed's 2·P rule" in out
+    assert "attention FLOPs" in out and "not in the 2·P rule" in out
+    assert "peaks    datasheet" in out
 
 
 def test_cli_smollm2_json_and_quantized_weights() -> None:
@@ -205,26 +220,26 @@ def test_cli_rejects_unknown_device_and_dtype() -> None:
     with pytest.raises(ValueError, match="unknown device"):
         run_cli("--device", "abacus")
     with pytest.raises(ValueError, match="unknown dtype"):
-        run_cli("--model", "seed-7b", "--dtype", "int3")
+        run_cli("--model", "example-7b", "--dtype", "int3")
 
 
 # ---- live roofline ---------------------------------------------------------------------------------------------
 
 
-def test_step_cost_agrees_with_calc(seed: ModelArchConfig) -> None:
+def test_step_cost_agrees_with_calc(example: ModelArchConfig) -> None:
     """A whole-prompt prefill and a uniform decode step cost what `calc` says, once the lm_head is split out."""
-    head = seed.vocab_size * seed.hidden_size
-    layers = count_params(seed) - 2 * head - seed.hidden_size  # untied embeddings + lm_head, final norm
-    layers -= seed.num_hidden_layers * 2 * seed.hidden_size  # per-layer norms are not matmul weights
-    model = StepCostModel.for_model(seed, layers, 2 * layers, head, 2 * head, 0, kv_dtype_bytes=2)
+    head = example.vocab_size * example.hidden_size
+    layers = count_params(example) - 2 * head - example.hidden_size  # untied embeddings + lm_head, final norm
+    layers -= example.num_hidden_layers * 2 * example.hidden_size  # per-layer norms are not matmul weights
+    model = StepCostModel.for_model(example, layers, 2 * layers, head, 2 * head, 0, kv_dtype_bytes=2)
     n = 512
     flops, nbytes = model.cost([(0, n)], num_sampled=1)
-    pre = prefill_cost(seed, n, weight_bytes=2 * (layers + head), kv_dtype_bytes=2, params=layers + head)
+    pre = prefill_cost(example, n, weight_bytes=2 * (layers + head), kv_dtype_bytes=2, params=layers + head)
     assert flops == pre.attn_flops + 2 * layers * n + 2 * head  # logits only for the sampled row
     assert nbytes == pre.bytes
     b, ctx = 8, 300
     flops, nbytes = model.cost([(ctx, 1)] * b, num_sampled=b)
-    dec = decode_cost(seed, b, ctx, weight_bytes=2 * (layers + head), kv_dtype_bytes=2, params=layers + head)
+    dec = decode_cost(example, b, ctx, weight_bytes=2 * (layers + head), kv_dtype_bytes=2, params=layers + head)
     assert flops == dec.flops + dec.attn_flops and nbytes == dec.bytes
     assert model.cost([], 0) == (0.0, 0.0)
     # a chunk after a cached prefix: queries meet the prefix plus the causal part of the chunk
@@ -247,27 +262,165 @@ def test_roofline_meter_mfu_mbu() -> None:
     assert "mfu" not in RooflineMeter(None, torch.float32).summary().get("decode", {})
 
 
-def test_resolve_device_peaks(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import pdserve.roofline as rl
-
+def test_resolve_device_peaks_off_given_and_presets() -> None:
     assert resolve_device_peaks("off") is None
     given = resolve_device_peaks("1.5e11, 2e10")
     assert given is not None and (given.peak_flops, given.mem_bandwidth) == (1.5e11, 2e10)
+    assert given.source == "given"
     h100 = resolve_device_peaks("H100")
-    assert h100 is not None and h100.peak_flops == 989e12
+    assert h100 is not None and h100.peak_flops == 989e12 and h100.source == "datasheet"
+
+
+# ---- device peaks: measurement, cache, start-up probe -----------------------------------------------------------
+
+
+def _quiet(flops: float = 1e11, bandwidth: float = 1e10, busy: bool = False) -> DeviceSpec:
+    prov = PeaksProvenance("measured", "2030-01-01T00:00:00Z", "fake", 2, 0.1, 0.3 if busy else 0.98, busy)
+    return DeviceSpec("fake", flops, bandwidth, 1.0, (("float32", flops),), prov)
+
+
+@pytest.fixture
+def peaks_env(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A private cache directory, a fake measurement (records its thread counts) and a fresh per-process memo."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    calls = []
+    monkeypatch.setattr(peaks, "_resolved", {})
+    calls: list[int] = []
+    result = {"device": _quiet()}
 
     def fake_measure(threads: int, **kw: object) -> DeviceSpec:
         calls.append(threads)
-        return DeviceSpec("fake", 1e11, 1e10, 1.0, (("float32", 1e11),))
+        return result["device"]
 
-    monkeypatch.setattr(rl, "measure_device", fake_measure)
+    monkeypatch.setattr(peaks, "measure_device", fake_measure)
+    return tmp_path, calls, result
+
+
+def _entries(path) -> dict:  # type: ignore[no-untyped-def]
+    data = json.loads((path / "device-peaks.json").read_text())
+    assert data["version"] == peaks.CACHE_VERSION
+    return data["entries"]
+
+
+def test_auto_peaks_measured_once_then_cached_and_confirmed_by_the_probe(peaks_env, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    tmp_path, calls, _ = peaks_env
+    probes: list[int] = []
+
+    def slower_probe(threads: int, dtypes: list[str], *a: object) -> tuple[dict[str, float], float]:
+        probes.append(threads)
+        return {d: 0.9e11 for d in dtypes}, 0.95e10  # a quick probe reads below the full measurement
+
+    monkeypatch.setattr(peaks, "probe_device", slower_probe)
     first = resolve_device_peaks("auto", threads=2)
-    second = resolve_device_peaks("auto", threads=2)  # from the cache file
-    assert calls == [2] and first == second and (tmp_path / "device-peaks.json").exists()
+    assert calls == [2] and first is not None and first.source == "measured"
+    entry = _entries(tmp_path)[peaks_key(2)]
+    assert entry["peak_flops"] == 1e11 and entry["provenance"]["measured_at"] == "2030-01-01T00:00:00Z"
+    assert entry["provenance"]["key"] == peaks_key(2)
+    assert resolve_device_peaks("auto", threads=2) is first and probes == []  # once per process
+    monkeypatch.setattr(peaks, "_resolved", {})  # a new process: cache + probe, no measurement
+    second = resolve_device_peaks("auto", threads=2)
+    assert calls == [2] and probes == [2]
+    assert second is not None and second.source == "cached" and second.peak_flops == 1e11
+    assert second.provenance is not None and "cache confirmed" in second.provenance.probe
+    assert "measured 2030-01-01T00:00:00Z" in second.describe_source()
     resolve_device_peaks("auto", threads=1)  # another thread count is another measurement
-    assert calls == [2, 1]
+    assert calls == [2, 1] and set(_entries(tmp_path)) == {peaks_key(2), peaks_key(1)}
+    assert "threads" in peaks_key(2) and torch.__version__ in peaks_key(2)
+
+
+def test_measurement_on_a_busy_machine_is_used_but_never_cached(peaks_env, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    tmp_path, calls, result = peaks_env
+    result["device"] = _quiet(5e10, 5e9, busy=True)
+    device = resolve_device_peaks("auto", threads=2)
+    assert device is not None and device.peak_flops == 5e10  # this run uses it ...
+    assert device.provenance is not None and device.provenance.busy and "not cached" in device.describe_source()
+    assert not (tmp_path / "device-peaks.json").exists()  # ... but it is not remembered
+    assert save_measured_device(device, 2) is None
+    monkeypatch.setattr(peaks, "_resolved", {})
+    resolve_device_peaks("auto", threads=2)  # the next start measures again
+    assert calls == [2, 2]
+
+
+def test_poisoned_cached_peaks_are_remeasured_at_start(peaks_env, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A user who ran pdserve before has a cached figure from a busy start: the start-up probe (real, small) beats
+    it, so the machine is measured again and the cache corrected."""
+    tmp_path, calls, result = peaks_env
+    monkeypatch.setattr(peaks, "COPY_BYTES", 8 * 2**20)  # keep the real probe quick
+    poisoned = DeviceSpec("this machine", 7.5e2, 1e3, 1.0, (("float32", 7.5e2), ("bfloat16", 7.5e2)),
+                          PeaksProvenance("measured", "2020-01-01T00:00:00Z", "old", 2, 0.1, 0.99))
+    (tmp_path / "device-peaks.json").write_text(json.dumps(
+        {"version": peaks.CACHE_VERSION, "entries": {peaks_key(2): poisoned.to_json()}}))
+    assert load_cached_device(2) is not None  # the planted figure is what start-up finds
+    result["device"] = _quiet(2e11, 2e10)
+    device = resolve_device_peaks("auto", threads=2)
+    assert calls == [2] and device is not None and device.peak_flops == 2e11
+    assert device.provenance is not None and "beats the cache" in device.provenance.probe
+    assert _entries(tmp_path)[peaks_key(2)]["peak_flops"] == 2e11
+
+
+def test_cache_of_an_older_format_is_ignored(peaks_env) -> None:  # type: ignore[no-untyped-def]
+    tmp_path, calls, _ = peaks_env
+    old = {f"{peaks.cpu_name()}|2 threads|torch {torch.__version__}": {  # the first format: no provenance
+        "name": "this machine", "peak_flops": 9.27e10, "mem_bandwidth": 1e10, "memory": 1.0,
+        "flops_by_dtype": [["float32", 9.27e10], ["bfloat16", 7.5e8]]}}
+    (tmp_path / "device-peaks.json").write_text(json.dumps(old))
+    device = resolve_device_peaks("auto", threads=2)
+    assert calls == [2] and device is not None and device.peak_flops == 1e11
+    assert set(_entries(tmp_path)) == {peaks_key(2)}
+
+
+def test_tests_use_a_session_cache_not_the_users() -> None:
+    root = cache_root()
+    assert str(root) == os.environ["PDSERVE_CACHE_DIR"]
+    assert not str(root).startswith(os.path.join(os.path.expanduser("~"), ".cache"))
+
+
+def test_busy_verdict() -> None:
+    cores = os.cpu_count() or 1
+    assert not is_busy(None, 0.95) and not is_busy(0.1, 0.95)
+    assert is_busy(None, 0.5)  # our threads got half the CPU: others held the cores
+    assert is_busy(2.0 * cores, 0.95)  # load average says the machine is busy
+
+
+def test_calc_measure_reports_provenance_and_caches_only_quiet(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import pdserve.roofline.calc_cli as calc_mod
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calc_mod, "measure_device", lambda threads: _quiet())
+    out = run_cli("--model", "example-7b", "--measure", "--threads", "2")
+    assert "# measured peaks saved to" in out and "peaks    measured; measured 2030-01-01T00:00:00Z; fake" in out
+    assert peaks_key(2) in _entries(tmp_path)
+    (tmp_path / "device-peaks.json").unlink()
+    monkeypatch.setattr(calc_mod, "measure_device", lambda threads: _quiet(busy=True))
+    out = run_cli("--model", "example-7b", "--measure", "--threads", "2")
+    assert "busy while measuring: these peaks are not cached" in out and "machine busy" in out
+    assert not (tmp_path / "device-peaks.json").exists()
+    data = json.loads(run_cli("--model", "example-7b", "--measure", "--threads", "2", "--json"))
+    assert data["device"]["provenance"]["busy"] is True
+
+
+def test_peaks_provenance_in_metrics_and_generate_lines(capsys) -> None:  # type: ignore[no-untyped-def]
+    from prometheus_client import generate_latest
+
+    from pdserve.cli import _print_roofline
+    from pdserve.server.metrics import Metrics
+
+    device = dataclasses.replace(_quiet(), provenance=dataclasses.replace(
+        _quiet().provenance, source="cached", probe="start-up probe read float32 90 GFLOP/s: cache confirmed"))
+    m = Metrics("tiny")
+    m.set_peaks(1e11, 1e10, device)
+    text = generate_latest(m.registry).decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("pdserve:device_peaks_info{"))
+    for label in ('source="cached"', 'measured_at="2030-01-01T00:00:00Z"', 'method="fake"', 'busy="false"',
+                  'cpu_share="0.98"', 'probe="start-up probe read float32 90 GFLOP/s: cache confirmed"'):
+        assert label in line
+    assert line.endswith(" 1.0")
+    m.set_peaks(1e11, 1e10)  # the old two-argument call still works
+    meter = RooflineMeter(device, torch.float32)
+    meter.add("decode", 0.1, 1e9, 5e8)
+    _print_roofline(meter)
+    err = capsys.readouterr().err
+    assert "# roofline peaks: 100.0 GFLOP/s, 10.0 GB/s (fake)" in err
+    assert "# roofline peaks from: cached; measured 2030-01-01T00:00:00Z; fake" in err and "cache confirmed" in err
 
 
 def test_engine_reports_live_roofline(make_llm) -> None:  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
 from pdserve.outputs import CompletionOutput, RequestOutput
-from pdserve.roofline import RooflineMeter, resolve_device_peaks
+from pdserve.roofline import DeviceSpec, RooflineMeter
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("pdserve.engine")
@@ -58,7 +58,10 @@ class StepResult:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, config: EngineConfig, model: LoadedModel | None = None, tokenizer: Any = None, *,
+                 device_peaks: DeviceSpec | None = None) -> None:
+        """`device_peaks`: what the live roofline measures MFU/MBU against (None: no peaks). Callers resolve
+        `config.device_peaks` (roofline.resolve_device_peaks), which may benchmark the machine."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -80,7 +83,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
         self._ids = itertools.count()
         self.step_cost = self.runner.step_cost_model()
-        self.roofline = RooflineMeter(resolve_device_peaks(config.device_peaks), config.torch_dtype)
+        self.roofline = RooflineMeter(device_peaks, config.torch_dtype)
         # PD disaggregation (prefill/decode roles): pdserve.disagg.manager.KVTransferManager
         self.kv_transfer: Any = None
         if config.kv_role != "both":

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
@@ -530,13 +531,6 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _cache_root() -> Path:
-    if os.environ.get("PDSERVE_CACHE_DIR"):
-        return Path(os.environ["PDSERVE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pdserve"
-
-
 def tokenizer_cache_dir(gguf_path: str) -> Path:
     """Where load_tokenizer caches the tokenizer built from `gguf_path` (keyed by path, size, mtime, versions)."""
     import transformers
@@ -544,7 +538,7 @@ def tokenizer_cache_dir(gguf_path: str) -> Path:
     st = os.stat(gguf_path)
     key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|" \
           f"{_TOKENIZER_CACHE_VERSION}"
-    return _cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def load_tokenizer(model: str | None) -> Any:

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.engine import StepStats
 from pdserve.engine.request import Request
+from pdserve.roofline import DeviceSpec
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -19,6 +20,20 @@ _ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 _UTIL = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+PEAKS_INFO_LABELS = ("device", "source", "measured_at", "method", "threads", "load_avg", "cpu_share", "busy",
+                     "probe")
+
+
+def peaks_info_labels(device: DeviceSpec) -> tuple[str, ...]:
+    """Label values of `pdserve:device_peaks_info`, in PEAKS_INFO_LABELS order ("" where unknown)."""
+    p = device.provenance
+    if p is None:
+        return device.name, device.source, "", "", "", "", "", "false", ""
+    return (device.name, p.source, p.measured_at, p.method, str(p.threads or ""),
+            "" if p.load_avg is None else f"{p.load_avg:.2f}", "" if p.cpu_share is None else f"{p.cpu_share:.2f}",
+            str(p.busy).lower(), p.probe)
+
 
 ERROR_KINDS = ("bad_request", "context_length", "not_found", "unauthorized", "rate_limited", "payload_too_large",
                "internal", "engine")
@@ -61,6 +76,10 @@ class Metrics:
                                 registry=r)
         self.peak_bandwidth = Gauge("pdserve:device_peak_bandwidth_bytes", "Memory bandwidth (B/s) that MBU is "
                                     "measured against.", lbl, registry=r)
+        self.peaks_info = Gauge("pdserve:device_peaks_info", "Where the peaks come from (value 1): source datasheet | "
+                                "given | measured | cached, when and how they were measured, load average and CPU "
+                                "share while measuring, busy (true: not cached), the start-up probe.",
+                                ["model_name", *PEAKS_INFO_LABELS], registry=r)
         self.running = Gauge("pdserve:num_requests_running", "Requests in the running batch.", lbl, registry=r)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting (incl. preempted).", lbl, registry=r)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lbl, registry=r)
@@ -110,9 +129,13 @@ class Metrics:
         c["preemptions"].inc(num_preemptions - self._last_preemptions)
         self._last_preemptions = num_preemptions
 
-    def set_peaks(self, peak_flops: float, bandwidth: float) -> None:
+    def set_peaks(self, peak_flops: float, bandwidth: float, device: DeviceSpec | None = None) -> None:
+        """The peaks MFU/MBU are measured against; with `device`, also its provenance as info labels."""
         self.peak_flops.labels(self.model_name).set(peak_flops)
         self.peak_bandwidth.labels(self.model_name).set(bandwidth)
+        if device is not None:
+            self.peaks_info.clear()
+            self.peaks_info.labels(self.model_name, *peaks_info_labels(device)).set(1)
 
     def observe_token(self, req: Request) -> None:
         c = self._children

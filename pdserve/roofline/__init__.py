@@ -1,0 +1,46 @@
+"""Roofline: device peaks (presets, measurement, cache), cost models, the live meter and `pdserve calc`.
+
+    devices  DeviceSpec, PeaksProvenance, DEVICE_PRESETS, machine_info
+    measure  measuring this machine's peaks, and whether it was busy while measuring
+    peaks    --device-peaks resolution: cached measurements, re-validated by a probe at start
+    cost     FLOPs and bytes of a prefill / decode step (`calc`) and of any engine step (StepCostModel)
+    meter    RooflineMeter: achieved FLOP/s and B/s per step kind, MFU and MBU
+    calc_cli model presets, the `pdserve calc` report and its command line
+"""
+
+from pdserve.roofline.calc_cli import (
+    MODEL_PRESETS,
+    CalcResult,
+    ModelPreset,
+    add_calc_parser,
+    calc,
+    format_report,
+    model_params,
+    model_shape_from,
+    result_json,
+    run_calc,
+)
+from pdserve.roofline.cost import (
+    Cost,
+    StepCostModel,
+    count_params,
+    decode_compute_bound_batch,
+    decode_cost,
+    dtype_bytes,
+    kv_bytes_per_token,
+    kv_capacity,
+    prefill_cost,
+)
+from pdserve.roofline.devices import DEVICE_PRESETS, DeviceSpec, PeaksProvenance, device_preset, machine_info
+from pdserve.roofline.measure import measure_copy_bandwidth, measure_device, measure_matmul_flops, probe_device
+from pdserve.roofline.meter import PhaseTotals, RooflineMeter
+from pdserve.roofline.peaks import load_cached_device, peaks_key, resolve_device_peaks, save_measured_device
+
+__all__ = [
+    "DEVICE_PRESETS", "MODEL_PRESETS", "CalcResult", "Cost", "DeviceSpec", "ModelPreset", "PeaksProvenance",
+    "PhaseTotals", "RooflineMeter", "StepCostModel", "add_calc_parser", "calc", "count_params",
+    "decode_compute_bound_batch", "decode_cost", "device_preset", "dtype_bytes", "format_report",
+    "kv_bytes_per_token", "kv_capacity", "load_cached_device", "machine_info", "measure_copy_bandwidth",
+    "measure_device", "measure_matmul_flops", "model_params", "model_shape_from", "peaks_key", "prefill_cost",
+    "probe_device", "resolve_device_peaks", "result_json", "run_calc", "save_measured_device",
+]
