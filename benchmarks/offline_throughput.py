@@ -29,11 +29,9 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import random
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -44,6 +42,7 @@ from pdserve import SamplingParams
 from pdserve.config import parse_dtype
 from pdserve.llm import LLM
 from pdserve.model.loader import load_model
+from pdserve.roofline import machine_info
 
 DECODE_PROMPT_LEN = 32
 DECODE_TOKENS = 128
@@ -315,28 +314,6 @@ def bench_hf(args: argparse.Namespace, wl: Workload, reqs: list[tuple[list[int],
 # --------------------------------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def machine_info(threads: int) -> dict[str, Any]:
-    model = platform.processor() or platform.machine()
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), ":").split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return {"cpu": model, "cores": os.cpu_count(), "isa": isa,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "threads": threads, "python": platform.python_version()}
 
 
 def greedy_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:

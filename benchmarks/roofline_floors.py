@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/roofline_floors.py [--quantization int8] [--batches 1,8,32]
 
-Floors (pdserve.roofline, peaks from `pdserve calc --measure`, cached): a decode step cannot beat
+Floors (pdserve.roofline; peaks from `--device-peaks auto`: a quiet measurement of this machine, cached and
+re-validated at start, or measured now; the second header line says which, when and how): a decode step cannot beat
 (weight bytes + KV bytes) / memory bandwidth, a prefill cannot beat FLOPs / peak matmul rate. For each case the
 engine runs real requests (random token prompts, greedy, ignore_eos) and the table gives the median measured model
 time per step, the floor, and floor / measured (= the MBU or MFU of that step).
@@ -55,6 +56,7 @@ def main() -> int:
     run(llm, [prompt(32)], 4)  # warm-up
     mode = args.dtype + (f" + {args.quantization}" if args.quantization else "")
     print(f"# {mode}; peaks {meter.peak_flops / 1e9:.1f} GFLOP/s, {dev.mem_bandwidth / 1e9:.1f} GB/s ({dev.name})")
+    print(f"# peaks from: {dev.describe_source()}")
     print("| case | steps | measured ms/step (median) | floor ms | bound | floor / measured |")
     print("|---|---|---|---|---|---|")
     # prefill: one whole prompt per step (budget 4096), nothing else in the batch

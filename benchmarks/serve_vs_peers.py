@@ -32,7 +32,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -50,6 +49,7 @@ import httpx
 from pdserve.bench.config import BenchConfig, BenchError
 from pdserve.bench.datasets import DatasetError
 from pdserve.bench.runner import run_benchmark
+from pdserve.roofline import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "pdserve-peers"))
@@ -70,29 +70,6 @@ class Skip(Exception):
 
 
 # ---- machine -----------------------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    model, flags = platform.processor() or "?", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem_gib = math.nan
-    import torch
-
-    return {"cpu": model, "cores": os.cpu_count(), "mem_gib": round(mem_gib, 1),
-            "avx2": "avx2" in flags, "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "python": platform.python_version(), "torch": torch.__version__,
-            "pdserve_git": _git_rev()}
-
-
 def _git_rev() -> str:
     try:
         out = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
@@ -292,8 +269,8 @@ def plan_vllm(args: argparse.Namespace) -> list[Launch]:
     vllm_version, torch_version = (out.splitlines()[-1].split() + ["?", "?"])[:2]
     dtype = args.vllm_dtype
     if dtype == "auto":  # as pdserve's --dtype auto: bf16 only where the CPU has native bf16 matmul
-        m = machine_info()
-        dtype = "bfloat16" if m["avx512_bf16"] or m["amx_bf16"] else "float32"
+        isa = machine_info()["isa"]
+        dtype = "bfloat16" if "avx512_bf16" in isa or "amx_bf16" in isa else "float32"
     n = args.threads
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -558,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     gguf = resolve_model_path(None) if "llama" in args.order else ""
     log_dir = args.out.parent / f"{args.out.stem}-logs"
     results: dict[str, Any] = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine_info(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": {**machine_info(), "pdserve_git": _git_rev()},
         "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
         "load_start": loadavg(), "order": args.order, "servers": {},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -127,8 +127,7 @@ def _auto_device_peaks(threads: int) -> DeviceSpec:
         path = None
         logger.warning("could not cache device peaks: %s", e)
     if prov.busy:
-        logger.warning("device peaks measured on a busy machine (%s); using them for this run only, not cached. "
-                       "MFU/MBU read high until a quiet start or `pdserve calc --measure` measures again",
+        logger.warning("device peaks %s; a quiet start (or `pdserve calc --measure`) measures again",
                        prov.describe())
     else:
         logger.info("device peaks: %s%s", prov.describe(), f"; cached in {path}" if path else "")
