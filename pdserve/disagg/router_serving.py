@@ -285,7 +285,7 @@ class RouterServing:
     async def _handoff(self, path: str, body: dict[str, Any], tr: RouteTrace) -> dict[str, Any] | None:
         """The kv_transfer_params for the decode instance, or None: it computes the prompt itself."""
         if not (self.cfg.prefill and is_disaggregatable(path, body)):
-            return None  # colocated on a decode instance: not a recompute
+            return None  # sent to a decode instance as it is (colocated)
         params = await self._prefill(path, body, tr)
         if params is None:
             self.metrics.recomputes.inc()
