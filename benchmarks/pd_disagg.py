@@ -30,8 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_utils import ServerProc, free_port, start_pdserve  # noqa: E402
+from pdserve.launch import ServerProc, free_port, start_pdserve
 
 
 def start(tmp: Path, name: str, args: list[str], cpus: str | None, url_port: int) -> ServerProc:
@@ -151,11 +150,14 @@ def main() -> int:
 
 def run_pd(tmp: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
     pp, dp, rp = free_port(), free_port(), free_port()
-    pre = start(tmp, "prefill", serve_args(pp, 1, ["--role", "prefill", "--kv-connector", args.connector]), "0", pp)
-    dec = start(tmp, "decode", serve_args(dp, 1, ["--role", "decode", "--kv-connector", args.connector]), "1", dp)
-    router = start(tmp, "router", ["router", "--port", str(rp), "--prefill", pre.base_url, "--decode", dec.base_url,
-                                   "--log-level", "warning"], None, rp)
+    procs: list[ServerProc] = []  # stopped in reverse order, also when a later one fails to start
     try:
+        procs.append(pre := start(tmp, "prefill", serve_args(pp, 1, ["--role", "prefill", "--kv-connector",
+                                                                     args.connector]), "0", pp))
+        procs.append(dec := start(tmp, "decode", serve_args(dp, 1, ["--role", "decode", "--kv-connector",
+                                                                    args.connector]), "1", dp))
+        procs.append(router := start(tmp, "router", ["router", "--port", str(rp), "--prefill", pre.base_url,
+                                                     "--decode", dec.base_url, "--log-level", "warning"], None, rp))
         res = asyncio.run(drive(router.base_url, args))
         m = httpx.get(dec.base_url + "/metrics").text
         n = metric_sum(m, "pdserve:kv_transfer_seconds_count")
@@ -165,9 +167,8 @@ def run_pd(tmp: Path, args: argparse.Namespace, results: dict[str, Any]) -> None
         res["kv_transfer_failures"] = metric_sum(m, "pdserve:kv_transfer_failures_total")
         results[f"1P1D {args.connector} (1 core each)"] = res
     finally:
-        router.stop()
-        pre.stop()
-        dec.stop()
+        for p in reversed(procs):
+            p.stop()
 
 
 def print_results(args: argparse.Namespace, results: dict[str, Any]) -> None:

@@ -15,7 +15,6 @@ import json
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +23,9 @@ import httpx
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from pdserve import SamplingParams  # noqa: E402
-from pdserve.llm import LLM  # noqa: E402
-
-from server_utils import start_server  # noqa: E402
+from pdserve import SamplingParams
+from pdserve.launch import start_server
+from pdserve.llm import LLM
 
 
 def offline_decode_steps(args: argparse.Namespace, prompts: list[list[int]]) -> list[float]:

@@ -33,8 +33,6 @@ import json
 import math
 import os
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,11 +42,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from pdserve.bench.config import BenchConfig, BenchError
 from pdserve.bench.datasets import DatasetError
 from pdserve.bench.runner import run_benchmark
+from pdserve.launch import PDSERVE_ENV, LaunchError, ServerProc, free_port, pdserve_command, start_process
 from pdserve.roofline import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,12 +83,6 @@ def loadavg() -> float:
         return math.nan
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---- servers -----------------------------------------------------------------------------------------------------
 @dataclass
 class Launch:
@@ -107,84 +98,17 @@ class Launch:
     note: str = ""
 
 
-@dataclass
-class Running:
-    proc: subprocess.Popen[bytes]
-    base_url: str
-    log_path: Path
-    cmd: list[str]
-    startup_s: float
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(encoding="utf-8", errors="replace")[-n:]
-        except OSError:
-            return ""
-
-
-def _tail(path: Path, n: int = 3000) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def start_server(launch: Launch, log_dir: Path) -> Running:
-    """Start the command in its own process group and wait (bounded) until /health and /v1/models answer 200."""
+def start_server(launch: Launch, log_dir: Path) -> ServerProc:
+    """Start the command on a free port in its own process group (stopping it ends vLLM's engine and worker
+    processes too) and wait (bounded) until /health and /v1/models answer 200."""
     port = free_port()
     cmd = [c.replace("{port}", str(port)) for c in launch.cmd]
-    log_path = log_dir / f"{launch.server}-{port}.log"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        log.write(("$ " + shlex.join(cmd) + "\n").encode())
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **launch.env}, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    deadline = t0 + launch.startup_timeout
-    running = Running(proc, base, log_path, cmd, 0.0)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise Skip(f"exited with code {proc.returncode} during start-up; log {log_path}:\n"
-                       f"{running.log_tail(2000)}")
-        try:
-            if (httpx.get(base + "/health", timeout=5.0).status_code == 200
-                    and httpx.get(base + "/v1/models", timeout=5.0).status_code == 200):
-                running.startup_s = time.monotonic() - t0
-                return running
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    stop_server(running)
-    raise Skip(f"not healthy within {launch.startup_timeout:.0f} s; log {log_path}:\n{running.log_tail(2000)}")
-
-
-def stop_server(running: Running, timeout: float = 60.0) -> None:
-    """SIGTERM the server (it shuts its own workers down), then SIGKILL whatever is left of its process group (vLLM's
-    engine and worker processes) after `timeout`."""
-    pgid = running.proc.pid
-    if running.proc.poll() is None:
-        running.proc.send_signal(signal.SIGTERM)
-        try:
-            running.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    time.sleep(1.0)
-    with _suppress_lookup():
-        os.killpg(pgid, signal.SIGKILL)  # stragglers of the group, if any
     try:
-        running.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-class _suppress_lookup:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
-        return et is not None and issubclass(et, (ProcessLookupError, PermissionError))
+        return start_process(cmd, f"http://127.0.0.1:{port}", log_dir / f"{launch.server}-{port}.log",
+                             env=launch.env, timeout=launch.startup_timeout, health_paths=("/health", "/v1/models"),
+                             own_group=True, poll_interval=1.0, probe_timeout=5.0)
+    except LaunchError as e:
+        raise Skip(str(e)) from None
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -224,11 +148,11 @@ def plan_pdserve(args: argparse.Namespace, name: str = "pdserve") -> list[Launch
         resolve_model_path(None)
     except Exception as e:  # noqa: BLE001 - any set-up problem is a skip reason
         raise Skip(f"default model not installed: {e}") from None
-    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
-           *shlex.split(args.pdserve_args), *(["--quantization", "int8"] if name == "pdserve-int8" else [])]
+    cmd = pdserve_command(["serve", "--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.pdserve_args),
+                           *(["--quantization", "int8"] if name == "pdserve-int8" else [])])
     from pdserve import __version__ as version
 
-    return [Launch(name, cmd, {"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}, args.levels,
+    return [Launch(name, cmd, dict(PDSERVE_ENV), args.levels,
                    True, args.startup_timeout, version=f"pdserve {version}")]
 
 
@@ -316,7 +240,7 @@ def level_timeout(args: argparse.Namespace, n: int, out_len: int) -> float:
     return args.level_timeout or max(300.0, n * out_len * 1.0 + 120.0)  # 1 s per token, sequentially: generous
 
 
-def measure(launch: Launch, running: Running, args: argparse.Namespace, results: dict[str, Any]) -> None:
+def measure(launch: Launch, running: ServerProc, args: argparse.Namespace, results: dict[str, Any]) -> None:
     srv = results["servers"].setdefault(launch.server, {"label": LABELS[launch.server], "version": launch.version,
                                                         "launches": [], "levels": {}, "ttft": None})
     srv["launches"].append({"cmd": shlex.join(running.cmd), "env": launch.env, "note": launch.note,
@@ -569,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 measure(launch, running, args, results)
             finally:
-                stop_server(running)
+                running.stop(timeout=60.0)
             print(f"  {LABELS[name]} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             write(results, args)  # partial results survive a later crash
     results["elapsed_s"] = round(time.monotonic() - t_all, 1)

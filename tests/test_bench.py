@@ -32,8 +32,7 @@ from pdserve.bench.datasets import (
 from pdserve.bench.report import BenchResult, compute_metrics, format_result
 from pdserve.bench.runner import arrival_times, run_benchmark
 from pdserve.bench.server_metrics import histogram_quantile, parse_metrics, server_deltas
-
-from server_utils import ServerProc, start_server
+from pdserve.launch import ServerProc, start_server
 
 
 def rec(i: int, ttft: float, itl: list[float], e2el: float, out: int, prompt: int = 10, ok: bool = True,
@@ -316,7 +315,7 @@ def test_cli_options_and_validation() -> None:
 
 
 def test_cli_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
-    from server_utils import free_port
+    from pdserve.launch import free_port
 
     args = parse_args("--base-url", f"http://127.0.0.1:{free_port()}", "--disable-tqdm")
     assert args.func(args) == 2

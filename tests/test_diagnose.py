@@ -29,8 +29,7 @@ from pdserve.bench.diagnose import (
     find_knee,
     write_report,
 )
-
-from server_utils import ServerProc, start_server
+from pdserve.launch import ServerProc, start_server
 
 TH = Thresholds()
 
@@ -260,8 +259,7 @@ def test_cli_options() -> None:
 
 def test_cli_registered_and_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
     from pdserve.cli import build_parser
-
-    from server_utils import free_port
+    from pdserve.launch import free_port
 
     args = build_parser().parse_args(["diagnose", "--base-url", f"http://127.0.0.1:{free_port()}"])
     assert args.func(args) == 2

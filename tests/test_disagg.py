@@ -22,8 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.launch import ServerProc, free_port, start_pdserve, start_server
+
 from conftest import make_tiny_hf_model
-from server_utils import ServerProc, free_port, start_pdserve, start_server
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 5,  # several KV blocks

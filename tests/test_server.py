@@ -14,9 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.launch import ServerProc, start_server
 from pdserve.roofline import StepCostModel, model_shape_from
-
-from server_utils import ServerProc, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"

@@ -15,10 +15,10 @@ import uvicorn
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.launch import free_port
 from pdserve.server.app import ServerConfig, create_app
 
 from conftest import loaded_from_hf
-from server_utils import free_port
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,165 @@
+"""The router's instances: the prefill and decode pools, their health, the least-loaded choice, and `Tries`, the one
+loop that tries a request on the instances of a pool until one serves it.
+
+Load is `pdserve:num_requests_running + num_requests_waiting` (or vLLM's names) from each instance's /metrics,
+polled every `poll_interval`, plus the router's own requests in flight there; ties go round-robin. An instance that
+fails a poll or a connection is skipped until a poll finds it healthy again (it is still the last resort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.disagg.router_metrics import RouterMetrics
+
+logger = logging.getLogger("pdserve.router")
+
+_LOAD_METRICS = ("pdserve:num_requests_running", "pdserve:num_requests_waiting", "vllm:num_requests_running",
+                 "vllm:num_requests_waiting")
+
+
+@dataclass(eq=False)
+class Instance:
+    url: str
+    role: str
+    healthy: bool = True
+    load: float = 0.0  # running + waiting, from its /metrics
+    inflight: int = 0  # this router's requests on it now
+
+
+@dataclass
+class Pool:
+    role: str
+    instances: list[Instance]
+    _rr: itertools.count = field(default_factory=itertools.count)
+
+    def pick(self, exclude: set[Instance] | None = None) -> Instance | None:
+        """Least loaded healthy instance not in `exclude` (unhealthy ones only when no healthy one is left)."""
+        exclude = exclude or set()
+        cands = [i for i in self.instances if i not in exclude]
+        healthy = [i for i in cands if i.healthy]
+        cands = healthy or cands
+        if not cands:
+            return None
+        best = min(i.load + i.inflight for i in cands)
+        ties = [i for i in cands if i.load + i.inflight == best]
+        return ties[next(self._rr) % len(ties)]
+
+
+class InstanceRegistry:
+    """The prefill and decode pools; `poll_once` refreshes every instance's health and load from its /metrics."""
+
+    def __init__(self, prefill: list[str], decode: list[str], metrics: RouterMetrics, poll_interval: float) -> None:
+        self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill])
+        self.decode = Pool("decode", [Instance(u, "decode") for u in decode])
+        self.metrics, self.poll_interval = metrics, poll_interval
+
+    @property
+    def instances(self) -> list[Instance]:
+        return self.prefill.instances + self.decode.instances
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self._poll(client, i) for i in self.instances))
+
+    async def _poll(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        try:
+            r = await client.get(inst.url + "/metrics", timeout=max(self.poll_interval, 1.0))
+            r.raise_for_status()
+            load = 0.0
+            for fam in text_string_to_metric_families(r.text):
+                if fam.name in _LOAD_METRICS:
+                    load += sum(s.value for s in fam.samples)
+            inst.load, inst.healthy = load, True
+        except (httpx.HTTPError, ValueError):
+            inst.healthy = False
+        self.metrics.up.labels(inst.role, inst.url).set(1 if inst.healthy else 0)
+        self.metrics.load.labels(inst.role, inst.url).set(inst.load)
+
+    async def poll_forever(self, client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                await self.poll_once(client)
+            except Exception:  # noqa: BLE001 - keep polling
+                logger.exception("instance poll failed")
+            await asyncio.sleep(self.poll_interval)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(a decode instance is healthy, each pool's instances as /health shows them)."""
+        pools = {p.role: [{"url": i.url, "healthy": i.healthy, "load": i.load, "inflight": i.inflight}
+                          for i in p.instances] for p in (self.prefill, self.decode)}
+        return any(i.healthy for i in self.decode.instances), pools
+
+
+class InstanceFailed(Exception):
+    """This instance could not serve the request, another one may. `code`: the upstream error body's code."""
+
+    def __init__(self, reason: str, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+class Attempt:
+    """One try on one instance, used as `with attempt as inst:`. While inside, the request counts as in flight on
+    `inst`. A failure another instance may not share (httpx.HTTPError, which also marks the instance unhealthy, or
+    InstanceFailed) ends the block quietly and is recorded in `failure`; any other exception propagates."""
+
+    def __init__(self, inst: Instance, tries: Tries) -> None:
+        self.inst, self._tries = inst, tries
+        self.failure: str | None = None
+
+    def __enter__(self) -> Instance:
+        self.inst.inflight += 1
+        return self.inst
+
+    def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        self.inst.inflight -= 1
+        if isinstance(exc, httpx.HTTPError):
+            self.inst.healthy = False
+            self._tries.failed(self, f"{type(exc).__name__}: {exc}", None)
+            return True
+        if isinstance(exc, InstanceFailed):
+            self._tries.failed(self, str(exc), exc.code)
+            return True
+        return False
+
+
+class Tries:
+    """The instances of `pool` to try for one request: least loaded first, each at most once, at most `limit`.
+
+        tries = Tries(pool, limit, on_retry, log_prefix)
+        for attempt in tries:
+            with attempt as inst:
+                ...  # return on success; raise InstanceFailed (or let httpx errors out) to go on with the next
+        ...  # none left: tries.last says why the last one failed
+    """
+
+    def __init__(self, pool: Pool, limit: int | None = None, on_retry: Callable[[], None] | None = None,
+                 log_prefix: str = "") -> None:
+        self.pool, self.limit, self.on_retry, self.log_prefix = pool, limit, on_retry, log_prefix
+        self.last = f"no {pool.role} instance"
+        self.last_code: str | None = None  # the error code of the last failure, when the instance sent one
+
+    def __iter__(self) -> Iterator[Attempt]:
+        tried: set[Instance] = set()
+        while self.limit is None or len(tried) < self.limit:
+            inst = self.pool.pick(tried)
+            if inst is None:
+                return
+            if tried and self.on_retry is not None:
+                self.on_retry()
+            tried.add(inst)
+            yield Attempt(inst, self)
+
+    def failed(self, attempt: Attempt, reason: str, code: str | None) -> None:
+        attempt.failure = self.last = f"{self.pool.role} {attempt.inst.url}: {reason}"
+        self.last_code = code
+        logger.warning("%s%s", self.log_prefix, self.last)

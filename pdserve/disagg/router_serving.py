@@ -1,0 +1,383 @@
+"""The PD router's serving object: runs each request's prompt on a prefill instance and its decode on a decode
+instance, handing the KV over with vLLM's `kv_transfer_params` (so any pdserve or vLLM NixlConnector pair can sit
+behind it). It speaks HTTP to the instances only; the routes in `router.py` parse the client's request and wrap
+the result.
+
+    client ──► router ──(body + max_tokens=1, stream=false, kv_transfer_params{do_remote_decode})──► prefill
+                      ◄── response.kv_transfer_params {do_remote_prefill, remote_host, remote_block_ids, ...}
+                      ──(original body + those kv_transfer_params)──────────────────────────────► decode
+               ◄── tokens (SSE or JSON), relayed as they come
+
+Failures (every wait is bounded by a timeout):
+- prefill fails (connection error, 5xx, 429, timeout) -> the next prefill instance; when none is left, the decode
+  instance computes the prompt itself (`on_prefill_failure=recompute`) or the client gets a 502
+  (`on_prefill_failure=fail`). A 4xx from an instance (a bad request) goes back to the client as it is.
+- decode fails before any token reached the client -> another decode instance, up to `max_decode_attempts`; the
+  retry carries the same kv_transfer_params (the new instance pulls the pinned blocks if they are still there, else
+  recomputes them per its own kv_load_failure_policy); after an error with code `kv_transfer_failed` it is retried
+  without them (recompute from the prompt).
+- decode fails after tokens were streamed -> no retry (it would repeat tokens): the stream ends with an OpenAI
+  error event and `data: [DONE]`.
+- client disconnects -> the upstream HTTP requests are closed, which aborts them in pdserve (prefill or decode).
+Requests the hand-off cannot express (several prompts, n > 1) go to a decode instance as they are (colocated).
+
+Streams send nothing before the decode instance's first token: what comes earlier (the chat role chunk) waits and
+goes out with it, so a client that stamps TTFT at its first SSE event sees the real time to first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+
+from pdserve.disagg.router_metrics import RouterMetrics, RouteTrace
+from pdserve.disagg.router_pool import Attempt, InstanceFailed, InstanceRegistry, Tries
+from pdserve.errors import ErrorCode
+
+logger = logging.getLogger("pdserve.router")
+
+T = TypeVar("T")
+Disconnected = Callable[[], Awaitable[bool]]  # asks whether the client went away
+FORWARDED_HEADERS = ("authorization", "x-tenant")  # passed on to the instances
+
+
+@dataclass
+class RouterConfig:
+    prefill: list[str]
+    decode: list[str]
+    poll_interval: float = 0.5
+    connect_timeout: float = 3.0
+    prefill_timeout: float = 300.0  # one prefill request, end to end
+    decode_timeout: float = 120.0  # longest silence on a decode stream (or a whole non-streaming decode)
+    max_decode_attempts: int = 2
+    on_prefill_failure: str = "recompute"  # recompute | fail
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("the router needs at least one decode instance (--decode URL)")
+        if self.on_prefill_failure not in ("recompute", "fail"):
+            raise ValueError("on_prefill_failure must be recompute or fail")
+        self.prefill = [u.rstrip("/") for u in self.prefill]
+        self.decode = [u.rstrip("/") for u in self.decode]
+
+
+class RouterError(Exception):
+    """A failure the router reports itself, as an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "server_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code or self.status}}
+
+
+class UpstreamRejected(Exception):
+    """An instance refused the request itself (4xx other than 429): no other instance would take it either."""
+
+    def __init__(self, status: int, content: bytes) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status, self.content = status, content
+
+    def as_router_error(self) -> RouterError:
+        try:
+            err = json.loads(self.content)["error"]
+            return RouterError(self.status, str(err.get("message")), str(err.get("type", "invalid_request_error")),
+                               err.get("code"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return RouterError(self.status, self.content.decode(errors="replace")[:500], "invalid_request_error")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class RoutedResponse:
+    """A non-streaming answer: the bytes go to the client as they are (JSON unless empty)."""
+
+    status: int
+    content: bytes
+
+
+def error_code(error: Any) -> str | None:
+    """The `code` of an OpenAI error object (`{"message", "type", "code"}`), when it is a string."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
+def check_upstream(status: int, content: bytes) -> None:
+    """Raise unless `status` is 200: UpstreamRejected for a bad request, InstanceFailed for what another instance
+    may serve (5xx, 429), with the error body's code."""
+    if status == 200:
+        return
+    if 400 <= status < 500 and status != 429:
+        raise UpstreamRejected(status, content)
+    try:
+        code = error_code(json.loads(content).get("error"))
+    except (ValueError, AttributeError):
+        code = None
+    raise InstanceFailed(f"answered {status}: {content[:300].decode(errors='replace')}", code)
+
+
+def is_disaggregatable(path: str, body: dict[str, Any]) -> bool:
+    """One prompt, one sample: what the prefill -> decode hand-off can express."""
+    if int(body.get("n") or 1) != 1:
+        return False
+    if path.endswith("/completions") and "chat" not in path:
+        p = body.get("prompt")
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(isinstance(x, int) for x in p))
+    return True
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    b = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "logprobs", "top_logprobs",
+                                                     "echo", "kv_transfer_params", "max_completion_tokens")}
+    b.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    return b
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    b = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params:
+        b["kv_transfer_params"] = params
+    return b
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def has_token(chunk: dict[str, Any]) -> bool:
+    for c in chunk.get("choices") or []:
+        if c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason"):
+            return True
+    return False
+
+
+async def watch_disconnect(coro: Awaitable[T], disconnected: Disconnected | None, every: float = 0.25) -> T:
+    """Await `coro`, cancelling it (which closes its upstream connections) if the client goes away."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every)
+            if done:
+                return task.result()
+            if disconnected is not None and await disconnected():
+                task.cancel()
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class RouterServing:
+    """Everything the router does for a request, without HTTP routing: testable against fake instances by passing
+    an httpx `transport` (e.g. httpx.MockTransport). `start()` before use, `close()` after."""
+
+    def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.registry = InstanceRegistry(cfg.prefill, cfg.decode, self.metrics, cfg.poll_interval)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "RouterServing.start() was not called"
+        return self._client
+
+    async def start(self, poll: bool = True) -> None:
+        """Open the HTTP client, poll the instances once and (with `poll`) keep polling in the background."""
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.decode_timeout,
+                                                               connect=self.cfg.connect_timeout),
+                                         limits=limits, transport=self._transport)
+        await self.registry.poll_once(self._client)
+        if poll:
+            self._poller = asyncio.create_task(self.registry.poll_forever(self._client))
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+
+    # ---- entry points --------------------------------------------------------------------------------------
+    def new_trace(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> RouteTrace:
+        fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+        return RouteTrace(f"router-{uuid.uuid4().hex}", path, bool(body.get("stream")), headers=fwd)
+
+    async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                       disconnected: Disconnected | None = None) -> RoutedResponse:
+        """A non-streaming request, end to end; errors come back as responses."""
+        tr = self.new_trace(path, body, headers)
+
+        async def run() -> RoutedResponse:
+            params = await self._handoff(path, body, tr)
+            return await self._decode_json(path, body, params, tr)
+
+        try:
+            return await watch_disconnect(run(), disconnected)
+        except UpstreamRejected as exc:
+            tr.outcome, tr.error = "error", f"upstream {exc.status}"
+            return RoutedResponse(exc.status, exc.content)
+        except RouterError as exc:
+            tr.outcome, tr.error = "error", exc.message
+            return RoutedResponse(exc.status, json.dumps(exc.body()).encode())
+        except ClientDisconnected:
+            tr.outcome = "client_disconnect"
+            return RoutedResponse(499, b"")
+        finally:
+            tr.finish(self.metrics)
+
+    def stream(self, path: str, body: dict[str, Any], headers: dict[str, str],
+               disconnected: Disconnected | None = None) -> AsyncIterator[str]:
+        """A streaming request: its SSE events, errors included, ending with `data: [DONE]` (the clock starts now)."""
+        return self._stream(path, body, self.new_trace(path, body, headers), disconnected)
+
+    async def _stream(self, path: str, body: dict[str, Any], tr: RouteTrace,
+                      disconnected: Disconnected | None) -> AsyncIterator[str]:
+        try:
+            params = await watch_disconnect(self._handoff(path, body, tr), disconnected)
+            # aclosing: a client that goes away closes the upstream stream now (which aborts it there)
+            async with aclosing(self._decode_stream(path, body, params, tr)) as events:
+                async for event in events:
+                    yield event
+        except (RouterError, UpstreamRejected) as exc:
+            err = exc if isinstance(exc, RouterError) else exc.as_router_error()
+            tr.outcome, tr.error = "error", err.message
+            yield sse(err.body())
+            yield sse("[DONE]")
+        except ClientDisconnected:
+            tr.outcome = "client_disconnect"
+        except (asyncio.CancelledError, GeneratorExit):
+            tr.outcome = "client_disconnect"
+            raise
+        finally:
+            tr.finish(self.metrics)
+
+    async def models(self) -> RoutedResponse:
+        """/v1/models of the first decode instance that answers."""
+        for attempt in Tries(self.registry.decode, log_prefix="/v1/models: "):
+            with attempt as inst:
+                r = await self.client.get(inst.url + "/v1/models", timeout=self.cfg.connect_timeout + 2)
+                if r.status_code != 200:
+                    raise InstanceFailed(f"answered {r.status_code}")
+                return RoutedResponse(200, r.content)
+        return RoutedResponse(502, json.dumps(RouterError(502, "no decode instance answered").body()).encode())
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        ok, pools = self.registry.health()
+        return (200 if ok else 503), {"status": "ok" if ok else "unavailable", **pools}
+
+    # ---- stages --------------------------------------------------------------------------------------------
+    async def _handoff(self, path: str, body: dict[str, Any], tr: RouteTrace) -> dict[str, Any] | None:
+        """The kv_transfer_params for the decode instance, or None: it computes the prompt itself."""
+        if not (self.cfg.prefill and is_disaggregatable(path, body)):
+            return None  # sent to a decode instance as it is (colocated)
+        params = await self._prefill(path, body, tr)
+        if params is None:
+            self.metrics.recomputes.inc()
+        return params
+
+    async def _prefill(self, path: str, body: dict[str, Any], tr: RouteTrace) -> dict[str, Any] | None:
+        """Run the prompt on a prefill instance; None when none could (recompute). Raises RouterError or
+        UpstreamRejected."""
+        pbody = prefill_body(body)
+        timeout = httpx.Timeout(self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
+        tries = Tries(self.registry.prefill, on_retry=self.metrics.retries.labels("prefill").inc,
+                      log_prefix=f"request {tr.request_id}: ")
+        t0 = time.perf_counter()
+        for attempt in tries:
+            with attempt as inst:
+                r = await self.client.post(inst.url + path, json=pbody, headers=tr.headers, timeout=timeout)
+                check_upstream(r.status_code, r.content)
+                tr.prefill_url, tr.prefill_s = inst.url, time.perf_counter() - t0
+                self.metrics.prefill.observe(tr.prefill_s)
+                params = r.json().get("kv_transfer_params")
+                if params:
+                    tr.prefill_engine_id = params.get("remote_engine_id")
+                return params or None
+        if self.cfg.on_prefill_failure == "fail":
+            raise RouterError(502, f"no prefill instance could serve the request: {tries.last}")
+        logger.warning("request %s: no prefill succeeded (%s); the decode instance computes the prompt",
+                       tr.request_id, tries.last)
+        return None
+
+    def _decode_tries(self, tr: RouteTrace,
+                      params: dict[str, Any] | None) -> Iterator[tuple[Attempt, dict[str, Any] | None]]:
+        """Decode attempts with the kv_transfer_params each should carry; raises RouterError when none is left."""
+        tries = Tries(self.registry.decode, self.cfg.max_decode_attempts,
+                      on_retry=self.metrics.retries.labels("decode").inc, log_prefix=f"request {tr.request_id}: ")
+        for attempt in tries:
+            if tries.last_code == ErrorCode.KV_TRANSFER_FAILED:
+                params = None  # the prefilled KV cannot be pulled: the next instance computes the prompt
+            tr.decode_url, tr.decode_attempts = attempt.inst.url, tr.decode_attempts + 1
+            tr.recomputed = tr.recomputed or not params
+            yield attempt, params
+        raise RouterError(502, f"no decode instance could serve the request: {tries.last}")
+
+    async def _decode_json(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
+                           tr: RouteTrace) -> RoutedResponse:
+        for attempt, attempt_params in self._decode_tries(tr, params):
+            with attempt as inst:
+                r = await self.client.post(inst.url + path, json=decode_body(body, attempt_params),
+                                           headers=tr.headers)
+                check_upstream(r.status_code, r.content)
+                tr.ttft_s = time.perf_counter() - tr.t0  # non-streaming: the whole answer is the first token
+                return RoutedResponse(200, r.content)
+        raise AssertionError("unreachable: _decode_tries raises when no instance is left")
+
+    async def _decode_stream(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
+                             tr: RouteTrace) -> AsyncGenerator[str, None]:
+        emitted = False  # a token reached the client: from here on a failure cannot be retried
+        for attempt, attempt_params in self._decode_tries(tr, params):
+            with attempt as inst:
+                async with self.client.stream("POST", inst.url + path, json=decode_body(body, attempt_params),
+                                              headers=tr.headers) as resp:
+                    if resp.status_code != 200:
+                        check_upstream(resp.status_code, await resp.aread())
+                    held: list[str] = []  # events before the first token (the chat role chunk) wait for it
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        data = line[6:]
+                        if data == "[DONE]":
+                            for event in held:
+                                yield event
+                            yield sse("[DONE]")
+                            return
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            raise InstanceFailed(f"sent a malformed event: {data[:200]!r}") from None
+                        if "error" in chunk and not emitted:  # failed before any token: try elsewhere
+                            err = chunk["error"]
+                            raise InstanceFailed(str(err.get("message") if isinstance(err, dict) else err),
+                                                 error_code(err))
+                        if not emitted and not has_token(chunk):
+                            held.append(sse(data))
+                            continue
+                        if not emitted:
+                            emitted = True
+                            tr.ttft_s = time.perf_counter() - tr.t0
+                            self.metrics.ttft.observe(tr.ttft_s)
+                            for event in held:
+                                yield event
+                            held.clear()
+                        yield sse(data)
+                    raise InstanceFailed("the stream ended without [DONE]")
+            if emitted:
+                raise RouterError(502, f"the decode instance failed after tokens were streamed ({attempt.failure}); "
+                                  "not retried so that no token is repeated")

@@ -1,0 +1,274 @@
+"""The router's serving object and routes against fake instances (httpx.MockTransport): no pdserve process starts.
+
+Each fake instance answers /metrics (its load) and the OpenAI endpoints with what the test scripts: a prefill
+answer with kv_transfer_params, a decode stream, an error body, a broken connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from pdserve.disagg.router import create_router_app
+from pdserve.disagg.router_serving import RouterConfig, RouterServing
+from pdserve.errors import ErrorCode
+
+PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-x", "remote_block_ids": [1, 2],
+          "remote_request_id": "r1", "remote_host": "10.0.0.1", "remote_port": 5600}
+Handler = Callable[[dict[str, Any]], Awaitable[httpx.Response]]
+
+
+def sse(*chunks: dict[str, Any] | str) -> bytes:
+    return b"".join(f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n".encode() for c in chunks)
+
+
+def role() -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+
+
+def token(text: str, finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+def error(code: str, message: str = "failed") -> dict[str, Any]:
+    return {"error": {"message": message, "type": "internal_error", "param": None, "code": code}}
+
+
+@dataclass
+class Fake:
+    """One fake instance: `down` refuses connections; `answer` serves POSTs (default: a short token stream)."""
+
+    url: str
+    answer: Handler | None = None
+    down: bool = False
+    bodies: list[dict[str, Any]] = field(default_factory=list)  # the JSON bodies it received, in order
+
+
+async def tokens_stream(_: dict[str, Any]) -> httpx.Response:
+    return httpx.Response(200, content=sse(token("Hello"), token(" world", "length"), "[DONE]"))
+
+
+def transport(*fakes: Fake) -> httpx.MockTransport:
+    by_url = {f.url: f for f in fakes}
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        fake = by_url[f"{request.url.scheme}://{request.url.host}:{request.url.port}"]
+        if fake.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="pdserve:num_requests_running 0\npdserve:num_requests_waiting 0\n")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        fake.bodies.append(body)
+        return await (fake.answer or tokens_stream)(body)
+
+    return httpx.MockTransport(handle)
+
+
+def serving(prefill: list[Fake], decode: list[Fake], **kw: Any) -> RouterServing:
+    cfg = RouterConfig([f.url for f in prefill], [f.url for f in decode], **kw)
+    return RouterServing(cfg, transport(*prefill, *decode))
+
+
+async def prefill_ok(body: dict[str, Any]) -> httpx.Response:
+    return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+
+
+def events_of(raw: list[str]) -> list[Any]:
+    out: list[Any] = []
+    for ev in raw:
+        assert ev.startswith("data: ") and ev.endswith("\n\n"), ev
+        data = ev[6:-2]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def run_stream(srv: RouterServing, body: dict[str, Any], path: str = "/v1/completions") -> list[Any]:
+    async def go() -> list[str]:
+        await srv.start(poll=False)
+        try:
+            return [ev async for ev in srv.stream(path, body, {})]
+        finally:
+            await srv.close()
+
+    return events_of(asyncio.run(go()))
+
+
+def text_of(events: list[Any]) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for e in events if isinstance(e, dict) for c in e.get("choices", []))
+
+
+def metrics_text(srv: RouterServing) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(srv.metrics.registry).decode()
+
+
+BODY = {"prompt": "Hi there", "max_tokens": 2, "stream": True}
+
+
+def test_stream_hands_the_prefill_kv_to_the_decode_instance() -> None:
+    pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1")
+    events = run_stream(serving([pre], [dec]), BODY)
+    assert text_of(events) == "Hello world" and events[-1] == "[DONE]"
+    assert pre.bodies[0]["max_tokens"] == 1 and pre.bodies[0]["stream"] is False
+    assert pre.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
+    assert dec.bodies[0]["kv_transfer_params"] == PARAMS and dec.bodies[0]["max_tokens"] == 2
+
+
+@pytest.mark.parametrize("code", [ErrorCode.KV_TRANSFER_FAILED.value, ErrorCode.MODEL_STEP_FAILED.value])
+@pytest.mark.parametrize("how", ["status", "event"])
+def test_decode_failure_before_the_first_token_is_retried_elsewhere(code: str, how: str) -> None:
+    async def fails(_: dict[str, Any]) -> httpx.Response:
+        if how == "status":
+            return httpx.Response(500, json=error(code))
+        return httpx.Response(200, content=sse(role(), error(code)))  # the role chunk, then the error event
+
+    async def chat_tokens(_: dict[str, Any]) -> httpx.Response:
+        delta = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "length"}]}
+        return httpx.Response(200, content=sse(role(), delta, "[DONE]"))
+
+    pre, bad, good = Fake("http://p:1", prefill_ok), Fake("http://d:1", fails), Fake("http://d:2", chat_tokens)
+    srv = serving([pre], [bad, good])
+    srv.registry.decode.instances[1].load = 1  # the failing instance is picked first
+    events = run_stream(srv, {"messages": [{"role": "user", "content": "Hi"}], "stream": True},
+                        "/v1/chat/completions")
+    assert [e for e in events if isinstance(e, dict) and "error" in e] == []
+    assert events[0] == role() and sum(e == role() for e in events) == 1  # one role chunk: the retry's
+    assert text_of(events) == "Hi" and events[-1] == "[DONE]"
+    assert len(bad.bodies) == 1 and len(good.bodies) == 1
+    # only a failed KV transfer makes the retry compute the prompt itself (matched on the code, not the text)
+    assert ("kv_transfer_params" in good.bodies[0]) == (code != ErrorCode.KV_TRANSFER_FAILED)
+    assert 'pdserve:router_retries_total{stage="decode"} 1.0' in metrics_text(srv)
+
+
+def test_decode_failure_after_tokens_ends_with_a_clear_error() -> None:
+    async def breaks(_: dict[str, Any]) -> httpx.Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield sse(token("Hello"), token(" there"))
+            raise httpx.ReadError("connection reset")
+
+        return httpx.Response(200, content=body())
+
+    pre, bad, spare = Fake("http://p:1", prefill_ok), Fake("http://d:1", breaks), Fake("http://d:2")
+    srv = serving([pre], [bad, spare])
+    srv.registry.decode.instances[1].load = 1
+    events = run_stream(srv, BODY)
+    assert text_of(events) == "Hello there"
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert "after tokens were streamed" in err["message"] and "ReadError" in err["message"]
+    assert spare.bodies == []  # not retried: the client already has tokens
+    assert 'pdserve:router_requests_total{outcome="error"} 1.0' in metrics_text(srv)
+
+
+def test_no_healthy_instance() -> None:
+    pre, dec = Fake("http://p:1", down=True), Fake("http://d:1", down=True)
+    srv = serving([pre], [dec])
+
+    async def go() -> tuple[list[str], Any, tuple[int, dict[str, Any]], Any]:
+        await srv.start(poll=False)
+        try:
+            stream = [ev async for ev in srv.stream("/v1/completions", BODY, {})]
+            whole = await srv.complete("/v1/completions", {**BODY, "stream": False}, {})
+            return stream, whole, srv.health(), await srv.models()
+        finally:
+            await srv.close()
+
+    stream, whole, (status, health), models = asyncio.run(go())
+    events = events_of(stream)
+    assert events[-1] == "[DONE]" and "no decode instance could serve" in events[0]["error"]["message"]
+    assert events[0]["error"]["code"] == 502
+    assert whole.status == 502 and "ConnectError" in json.loads(whole.content)["error"]["message"]
+    assert status == 503 and health["status"] == "unavailable" and not health["decode"][0]["healthy"]
+    assert models.status == 502
+    assert "pdserve:router_recomputes_total 2.0" in metrics_text(srv)  # the prefill pool was down too
+
+
+def test_nothing_is_sent_before_the_first_token() -> None:
+    first_token_sent = asyncio.Event()
+
+    async def slow_first_token(_: dict[str, Any]) -> httpx.Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield sse(role())  # sent at once by the decode instance
+            await asyncio.sleep(0.05)  # the first decode step (and the KV pull)
+            first_token_sent.set()
+            delta = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "length"}]}
+            yield sse(delta, "[DONE]")
+
+        return httpx.Response(200, content=body())
+
+    srv = serving([Fake("http://p:1", prefill_ok)], [Fake("http://d:1", slow_first_token)])
+
+    async def go() -> list[tuple[str, bool]]:
+        await srv.start(poll=False)
+        try:
+            body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+            return [(ev, first_token_sent.is_set()) async for ev in srv.stream("/v1/chat/completions", body, {})]
+        finally:
+            await srv.close()
+
+    got = asyncio.run(go())
+    assert all(after_token for _, after_token in got)  # the role chunk waited for the first token
+    assert events_of([ev for ev, _ in got])[0] == role()
+
+
+def test_non_streaming_retry_and_upstream_4xx() -> None:
+    async def kv_fails(_: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(500, json=error(ErrorCode.KV_TRANSFER_FAILED))
+
+    async def answer(_: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"text": "ok"}]})
+
+    async def rejects(_: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(400, json=error("invalid_prompt", "prompt too long"))
+
+    pre, bad, good = Fake("http://p:1", prefill_ok), Fake("http://d:1", kv_fails), Fake("http://d:2", answer)
+    srv = serving([pre], [bad, good])
+    srv.registry.decode.instances[1].load = 1
+    body = {"prompt": "Hi", "max_tokens": 2}
+
+    async def go() -> list[Any]:
+        await srv.start(poll=False)
+        try:
+            ok = await srv.complete("/v1/completions", body, {"Authorization": "Bearer k", "Cookie": "c"})
+            pre.answer = rejects
+            rejected = await srv.complete("/v1/completions", body, {})
+            streamed = [ev async for ev in srv.stream("/v1/completions", {**body, "stream": True}, {})]
+            return [ok, rejected, streamed]
+        finally:
+            await srv.close()
+
+    ok, rejected, streamed = asyncio.run(go())
+    assert ok.status == 200 and json.loads(ok.content)["choices"][0]["text"] == "ok"
+    assert "kv_transfer_params" in bad.bodies[0] and "kv_transfer_params" not in good.bodies[0]
+    assert rejected.status == 400 and json.loads(rejected.content)["error"]["code"] == "invalid_prompt"
+    events = events_of(streamed)
+    assert events[0]["error"]["code"] == "invalid_prompt" and events[1] == "[DONE]"
+    assert len(good.bodies) == 1  # the rejected requests never reached a decode instance
+
+
+def test_router_app_routes() -> None:
+    pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1")
+    cfg = RouterConfig([pre.url], [dec.url], poll_interval=0.05)
+    with TestClient(create_router_app(cfg, transport(pre, dec))) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+        r = client.post("/v1/completions", content=b"{not json")
+        assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json=BODY, headers={"x-tenant": "t"}) as resp:
+            lines = [ln for ln in resp.iter_lines() if ln]
+        assert lines[-1] == "data: [DONE]" and text_of(events_of([ln + "\n\n" for ln in lines])) == "Hello world"
+        assert "pdserve:router_time_to_first_token_seconds_count 1.0" in client.get("/metrics").text
+        dec.down = True
+        r = client.post("/v1/completions", json={**BODY, "stream": False})
+        assert r.status_code == 502
