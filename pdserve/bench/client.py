@@ -1,4 +1,4 @@
-"""One streaming request against an OpenAI-compatible server, timed as the seed's pseudo-code does.
+"""One streaming request against an OpenAI-compatible server, timed per chunk as vLLM's serving benchmark does.
 
 t_send is taken just before the request goes out; TTFT = first chunk with text − t_send; every later chunk with
 text adds one ITL sample (the gap since the previous text chunk); E2EL = end of stream − t_send. A chunk may carry
