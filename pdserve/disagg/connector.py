@@ -32,6 +32,10 @@ from typing import Any
 import torch
 
 
+class KVTransferError(RuntimeError):
+    """A pull that cannot complete: the remote side refused it or sent something unexpected."""
+
+
 @dataclass
 class LoadJob:
     """Pull `remote_block_ids` of a pinned remote request into `local_block_ids` (same order, same length)."""

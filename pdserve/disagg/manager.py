@@ -71,7 +71,6 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
 class KVTransferManager:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, kv_cache: torch.Tensor,
                  connector: KVConnector | None = None) -> None:
-        self.role = config.kv_role
         self.timeout = config.kv_transfer_timeout
         self.block_manager = block_manager
         self.pins = PinTable()
@@ -202,21 +201,21 @@ class KVTransferManager:
                 self.orphans.discard(res.request_id)
                 self.block_manager.free(res.request_id)
                 continue
-            st = self.loading.pop(res.request_id, None)
-            if st is None:
+            pending = self.loading.pop(res.request_id, None)
+            if pending is None:
                 continue
-            req = st.request
+            req = pending.request
             remote = (req.kv_transfer_params or {}).get("remote_engine_id")
             assert req.kv_transfer_result is not None
             req.kv_transfer_result.update(ok=res.ok, bytes=res.num_bytes, seconds=round(res.seconds, 6),
-                                          error=res.error, num_loaded_tokens=st.num_tokens - st.num_cached,
-                                          num_cached_tokens=st.num_cached)
+                                          error=res.error, num_loaded_tokens=pending.num_tokens - pending.num_cached,
+                                          num_cached_tokens=pending.num_cached)
             if res.ok:
                 self.stats.loads_ok += 1
                 self.stats.bytes_loaded += res.num_bytes
             else:
                 self.stats.loads_failed += 1
-            load = FinishedLoad(res.request_id, res.ok, st.num_tokens,
+            load = FinishedLoad(res.request_id, res.ok, pending.num_tokens,
                                 None if res.ok else f"KV transfer from {remote} failed: {res.error}",
                                 res.num_bytes, res.seconds)
             if self.on_load is not None:

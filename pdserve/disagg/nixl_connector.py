@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.disagg.connector import LoadJob, PinTable, check_compatible
-from pdserve.disagg.zmq_connector import KVTransferError, ZmqConnector, encode_json
+from pdserve.disagg.connector import KVTransferError, LoadJob, PinTable, check_compatible
+from pdserve.disagg.zmq_connector import ZmqConnector, encode_json
 
 logger = logging.getLogger("pdserve.disagg")
 

@@ -25,13 +25,9 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.disagg.connector import KVConnector, LoadJob, LoadResult, PinTable, check_compatible
+from pdserve.disagg.connector import KVConnector, KVTransferError, LoadJob, LoadResult, PinTable, check_compatible
 
 logger = logging.getLogger("pdserve.disagg")
-
-
-class KVTransferError(RuntimeError):
-    pass
 
 
 class ZmqConnector(KVConnector):
