@@ -27,6 +27,28 @@ def admit(bm: BlockManager, req: Request) -> bool:
     return ok
 
 
+def fork(bm: BlockManager, parent_id: str, child_id: str, num_computed_tokens: int) -> int:
+    """Share the parent's full, computed blocks with a new request (copy-free). Returns the tokens the child may
+    treat as computed; a partial last block is never shared, so a shared block is never written again."""
+    assert child_id not in bm.req_blocks
+    parent_blocks = bm.req_blocks.get(parent_id, [])
+    shared = parent_blocks[:min(num_computed_tokens // bm.block_size, len(parent_blocks))]
+    for blk in shared:
+        blk.ref_cnt += 1  # a held block is never in the free queue
+    bm.req_blocks[child_id] = list(shared)
+    bm.req_num_hashed[child_id] = min(len(shared), bm.req_num_hashed.get(parent_id, 0))
+    return len(shared) * bm.block_size
+
+
+def forget_cached_blocks(bm: BlockManager) -> None:
+    """Drop the hashes of all free blocks: the prefix cache forgets everything nobody holds."""
+    for blk in bm.free_queue.values():
+        if blk.block_hash is not None:
+            if bm.cached.get(blk.block_hash) is blk:
+                del bm.cached[blk.block_hash]
+            blk.reset_hash()
+
+
 def test_hit_capped_at_prompt_minus_one() -> None:
     bm = BlockManager(16, BS)
     a = make_request("a", list(range(8)))  # exactly two full blocks
@@ -80,7 +102,7 @@ def test_fork_shares_full_blocks_only() -> None:
     bm = BlockManager(8, BS)
     a = make_request("a", list(range(10)))
     assert admit(bm, a)
-    shared = bm.fork("a", "child", a.num_computed_tokens)
+    shared = fork(bm, "a", "child", a.num_computed_tokens)
     assert shared == 8
     assert bm.get_block_ids("child") == bm.get_block_ids("a")[:2]
     assert all(b.ref_cnt == 2 for b in bm.req_blocks["a"][:2])
@@ -143,7 +165,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         parent = self.live[rid]
         self.n += 1
         child = make_request(f"r{self.n}", list(parent.all_token_ids))
-        child.num_computed_tokens = self.bm.fork(rid, child.request_id, parent.num_computed_tokens)
+        child.num_computed_tokens = fork(self.bm, rid, child.request_id, parent.num_computed_tokens)
         self.live[child.request_id] = child
 
     @precondition(lambda self: self.live)
@@ -155,7 +177,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule()
     def evict_all_cached(self) -> None:
-        self.bm.reset_prefix_cache()
+        forget_cached_blocks(self.bm)
 
     @invariant()
     def consistent(self) -> None:

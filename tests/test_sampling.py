@@ -11,6 +11,7 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve.engine.request import Request
+from pdserve.engine.scheduler import make_sampling_metadata
 from pdserve.model.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
 
 PROMPT = "Once upon a time, in a land far away,"
@@ -101,10 +102,10 @@ def _req(output: list[int], prompt: list[int] | None = None, **kw: Any) -> Reque
 
 def test_penalties_formulae() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    apply_penalties(logits, [_req([0, 0, 1], prompt=[2], repetition_penalty=2.0)])
+    apply_penalties(logits, make_sampling_metadata([_req([0, 0, 1], prompt=[2], repetition_penalty=2.0)]))
     assert logits.tolist() == [[1.0, -4.0, 0.5, 0.5]]  # seen (prompt or output): positive / 2, negative * 2
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    apply_penalties(logits, [_req([0, 0, 1], frequency_penalty=0.5, presence_penalty=0.25)])
+    apply_penalties(logits, make_sampling_metadata([_req([0, 0, 1], frequency_penalty=0.5, presence_penalty=0.25)]))
     assert logits.tolist() == [[2.0 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 1.0, 0.5]]
 
 
@@ -126,12 +127,13 @@ def test_top_k_top_p_min_p_masks() -> None:
 def test_min_tokens_bans_eos_and_seeded_distribution() -> None:
     sampler = Sampler()
     logits = torch.tensor([[0.0, 0.0, 10.0, 1.0]])  # EOS (id 2) dominates
-    assert sampler(logits.clone(), [_req([], temperature=0)]).token_ids == [2]
-    assert sampler(logits.clone(), [_req([], temperature=0, min_tokens=1)]).token_ids == [3]
+    assert sampler(logits.clone(), make_sampling_metadata([_req([], temperature=0)])).token_ids == [2]
+    assert sampler(logits.clone(), make_sampling_metadata([_req([], temperature=0, min_tokens=1)])).token_ids == [3]
     # the exponential race samples from softmax(logits / T): check frequencies with a seeded generator
     logits = torch.tensor([[0.0, math.log(3.0)]])
     req = _req([], temperature=1.0, seed=0)
-    draws = [sampler(logits.clone(), [req]).token_ids[0] for _ in range(4000)]
+    md = make_sampling_metadata([req])  # the generator is the request's: draws continue its stream
+    draws = [sampler(logits.clone(), md).token_ids[0] for _ in range(4000)]
     assert abs(sum(draws) / 4000 - 0.75) < 0.03
 
 
@@ -142,9 +144,10 @@ def test_mixed_batch_rows_keep_their_own_mode() -> None:
     logits = torch.tensor([row, [5.0, 0.0, 0.0], row, row])
     reqs = [_req([], temperature=1.0), _req([], temperature=0), _req([], temperature=1.0, seed=1),
             _req([], temperature=0.5, top_k=1)]
+    md = make_sampling_metadata(reqs)
     counts = [0, 0, 0, 0]
     for _ in range(3000):
-        toks = sampler(logits.clone(), reqs).token_ids
+        toks = sampler(logits.clone(), md).token_ids
         assert toks[1] == 0 and toks[3] == 1 and 2 not in toks
         counts = [c + t for c, t in zip(counts, toks)]
     assert abs(counts[0] / 3000 - 0.75) < 0.035 and abs(counts[2] / 3000 - 0.75) < 0.035

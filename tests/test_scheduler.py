@@ -54,7 +54,7 @@ def test_decodes_scheduled_before_prefills_and_step_kinds(make_llm: Any) -> None
     assert eng.step().stats.kind == "prefill" and a.num_output_tokens == 1
     b = eng.add_request(ids(100, 300), SamplingParams(max_tokens=2, ignore_eos=True))
     sched = eng.scheduler.schedule()
-    assert [r.request_id for r, _ in sched.scheduled] == [a.request_id, b.request_id]
+    assert [d.req_id for d in sched.scheduled_reqs] == [a.request_id, b.request_id]
     assert sched.num_decode_tokens == 1 and sched.num_prefill_tokens == 31 and sched.kind == "mixed"
     eng.abort_request([a.request_id, b.request_id])
     drain(eng)

@@ -24,13 +24,16 @@ expired pins' blocks (the block manager is single-threaded), the connector threa
 from __future__ import annotations
 
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+class KVTransferError(RuntimeError):
+    """A pull that cannot complete: the remote side refused it or sent something unexpected."""
 
 
 @dataclass
@@ -135,8 +138,10 @@ class KVConnector(ABC):
 
     name = "base"
 
-    def __init__(self, engine_id: str, kv_cache: torch.Tensor, host: str, port: int, pins: PinTable) -> None:
+    def __init__(self, engine_id: str, kv_cache: torch.Tensor, host: str, port: int, pins: PinTable,
+                 timeout: float) -> None:
         self.engine_id = engine_id
+        self.timeout = timeout  # seconds a pull, or an unclaimed pin, may take
         self.kv_cache = kv_cache
         self.layout = kv_layout(kv_cache)
         self.host = host
@@ -166,12 +171,13 @@ class KVConnector(ABC):
         return {"kv_connector": self.name}
 
     # ---- results (connector threads -> engine thread) ------------------------------------------------------
-    def _deliver(self, result: LoadResult) -> None:
+    def deliver(self, result: LoadResult) -> None:
         with self._results_lock:
             self._results.append(result)
-        self._notify()
+        self.notify()
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake the engine thread: a result or a release arrived."""
         self.event.set()
         self.wakeup()
 
@@ -184,20 +190,3 @@ class KVConnector(ABC):
         """Block the engine thread until something arrives (or `timeout`)."""
         self.event.wait(timeout)
         self.event.clear()
-
-
-def make_connector(kind: str, engine_id: str, kv_cache: torch.Tensor, host: str, port: int, pins: PinTable,
-                   timeout: float) -> KVConnector:
-    if kind == "zmq":
-        from pdserve.disagg.zmq_connector import ZmqConnector
-
-        return ZmqConnector(engine_id, kv_cache, host, port, pins, timeout)
-    if kind == "nixl":
-        from pdserve.disagg.nixl_connector import NixlConnector
-
-        return NixlConnector(engine_id, kv_cache, host, port, pins, timeout)
-    raise ValueError(f"unknown kv connector {kind!r}; choose zmq or nixl")
-
-
-def monotonic() -> float:
-    return time.monotonic()

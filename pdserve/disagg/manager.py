@@ -2,16 +2,20 @@
 
 Prefill side: a request with `kv_transfer_params.do_remote_decode` that finishes normally keeps its blocks
 (`on_finish` pins them instead of letting the scheduler free them) and gets response params
-(`request.kv_transfer_result`). `poll` frees pins the decode side released, and pins nobody claimed within
-`kv_transfer_timeout` (counted in `stats.pin_timeouts`).
+(`request.kv_transfer_result`). `poll_pins` (also run by `get_finished`) frees pins the decode side released, and
+pins nobody claimed within `kv_transfer_timeout` (counted in `stats.pin_timeouts`).
 
 Decode side: a waiting request with `kv_transfer_params.do_remote_prefill` is admitted by `start_load`: blocks for
 all prompt tokens but the last are allocated (prefix-cache hits are reused and not pulled), the request goes to
-WAITING_FOR_REMOTE_KVS and the connector pulls the rest in its own thread. `poll` picks up finished pulls: on
-success the request joins the running batch with `num_computed_tokens = prompt - 1`, so the next step computes the
-last prompt token and samples the first output token here (greedy output equals colocated); on failure it is
-recomputed from the prompt or failed, per `kv_load_failure_policy`. A request aborted during its pull keeps its
-blocks until the pull ends (the connector thread may still be writing them), then they are freed.
+WAITING_FOR_REMOTE_KVS (set by the scheduler) and the connector pulls the rest in its own thread. `get_finished`
+reports ended pulls as `FinishedLoad`s; the scheduler applies them (`Scheduler.update_from_kv_transfer`): on success
+the request joins the running batch with `num_computed_tokens = prompt - 1`, so the next step computes the last
+prompt token and samples the first output token here (greedy output equals colocated); on failure it is recomputed
+from the prompt or failed, per `kv_load_failure_policy`. A request aborted during its pull keeps its blocks until
+the pull ends (the connector thread may still be writing them), then they are freed here.
+
+KVTransferManager implements the engine's `pdserve.engine.kv_transfer.KVTransfer`; it never touches the
+scheduler's queues.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.disagg.connector import KVConnector, LoadJob, LoadResult, Pin, PinTable, make_connector
+from pdserve.disagg.connector import KVConnector, LoadJob, Pin, PinTable
+from pdserve.disagg.factory import make_connector
 from pdserve.engine.block_manager import BlockManager, KVCacheBlock
+from pdserve.engine.kv_transfer import FinishedLoad
 from pdserve.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
-    from pdserve.engine.scheduler import Scheduler
 
 logger = logging.getLogger("pdserve.disagg")
 
@@ -47,11 +52,10 @@ class KVTransferStats:
     pins: int = 0
     pins_released: int = 0
     pin_timeouts: int = 0
-    recomputed: int = 0
 
 
 @dataclass
-class _Loading:
+class PendingLoad:
     request: Request
     num_tokens: int  # prompt tokens whose KV the pull provides (together with prefix-cache hits)
     num_cached: int  # of which were prefix-cache hits (not pulled)
@@ -65,23 +69,20 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
 
 
 class KVTransferManager:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, scheduler: Scheduler,
-                 kv_cache: torch.Tensor, connector: KVConnector | None = None) -> None:
-        self.role = config.kv_role
-        self.policy = config.kv_load_failure_policy
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, kv_cache: torch.Tensor,
+                 connector: KVConnector | None = None) -> None:
         self.timeout = config.kv_transfer_timeout
         self.block_manager = block_manager
-        self.scheduler = scheduler
         self.pins = PinTable()
         self.engine_id = f"{config.kv_role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
         self.connector = connector or make_connector(config.kv_connector, self.engine_id, kv_cache, config.kv_host,
                                                      config.kv_port, self.pins, config.kv_transfer_timeout)
         self.connector.start()
-        self.loading: dict[str, _Loading] = {}
+        self.loading: dict[str, PendingLoad] = {}
         self.orphans: set[str] = set()  # aborted during their pull: blocks freed when the pull ends
         self.stats = KVTransferStats()
-        # observers (metrics): on_load(result, remote_engine_id), on_pin_timeout()
-        self.on_load: Callable[[LoadResult, str | None], None] | None = None
+        # observers (metrics)
+        self.on_load: Callable[[FinishedLoad], None] | None = None
         self.on_pin_timeout: Callable[[], None] | None = None
 
     @property
@@ -99,6 +100,10 @@ class KVTransferManager:
     @property
     def num_pinned_blocks(self) -> int:
         return self.pins.num_blocks
+
+    @property
+    def num_pinned_requests(self) -> int:
+        return len(self.pins)
 
     def close(self) -> None:
         self.connector.close()
@@ -142,10 +147,9 @@ class KVTransferManager:
             return "remote_block_ids cover fewer tokens than the prompt"
         return None
 
-    def start_load(self, req: Request, computed_blocks: Sequence[KVCacheBlock], num_cached: int,
-                   now: float) -> bool:
+    def start_load(self, req: Request, computed_blocks: Sequence[KVCacheBlock], num_cached: int) -> bool:
         """Allocate blocks for all prompt tokens but the last and start pulling the ones not cached here.
-        Returns False (changing nothing) when the blocks cannot be had now."""
+        Returns False (changing nothing) when the blocks cannot be had now; the scheduler sets the status."""
         n_load = req.num_prompt_tokens - 1
         if not self.block_manager.allocate_slots(req, n_load - num_cached, computed_blocks):
             return False
@@ -157,11 +161,7 @@ class KVTransferManager:
         remote = [int(b) for b in p["remote_block_ids"][first:n_blocks]]
         req.kv_transfer_result = {"remote_engine_id": p.get("remote_engine_id"), "ok": False, "bytes": 0,
                                   "seconds": 0.0}
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        req.num_cached_tokens = num_cached
-        if req.times.first_scheduled is None:
-            req.times.first_scheduled = now
-        self.loading[req.request_id] = _Loading(req, n_load, num_cached, time.perf_counter())
+        self.loading[req.request_id] = PendingLoad(req, n_load, num_cached, time.perf_counter())
         self.connector.start_load(LoadJob(req.request_id, local, remote, p, time.monotonic() + self.timeout))
         return True
 
@@ -192,46 +192,37 @@ class KVTransferManager:
             "block_size": self.block_manager.block_size, "tp_size": 1, **self.connector.params()}
         return True
 
-    def poll(self) -> list[tuple[Request, str]]:
-        """Apply finished pulls, released and expired pins. Returns the requests to fail (policy 'fail')."""
-        failed: list[tuple[Request, str]] = []
+    def get_finished(self) -> list[FinishedLoad]:
+        """Pulls that ended since the last call, with the requests' kv_transfer_result filled in. Frees the blocks
+        of requests aborted during their pull, and of released and expired pins."""
+        finished: list[FinishedLoad] = []
         for res in self.connector.get_finished():
             if res.request_id in self.orphans:
                 self.orphans.discard(res.request_id)
                 self.block_manager.free(res.request_id)
                 continue
-            st = self.loading.pop(res.request_id, None)
-            if st is None:
+            pending = self.loading.pop(res.request_id, None)
+            if pending is None:
                 continue
-            req = st.request
+            req = pending.request
             remote = (req.kv_transfer_params or {}).get("remote_engine_id")
             assert req.kv_transfer_result is not None
             req.kv_transfer_result.update(ok=res.ok, bytes=res.num_bytes, seconds=round(res.seconds, 6),
-                                          error=res.error, num_loaded_tokens=st.num_tokens - st.num_cached,
-                                          num_cached_tokens=st.num_cached)
+                                          error=res.error, num_loaded_tokens=pending.num_tokens - pending.num_cached,
+                                          num_cached_tokens=pending.num_cached)
             if res.ok:
                 self.stats.loads_ok += 1
                 self.stats.bytes_loaded += res.num_bytes
             else:
                 self.stats.loads_failed += 1
+            load = FinishedLoad(res.request_id, res.ok, pending.num_tokens,
+                                None if res.ok else f"KV transfer from {remote} failed: {res.error}",
+                                res.num_bytes, res.seconds)
             if self.on_load is not None:
-                self.on_load(res, remote)
-            if res.ok:
-                req.num_computed_tokens = st.num_tokens
-                self.block_manager.cache_full_blocks(req)
-                req.status = RequestStatus.RUNNING
-                self.scheduler.running.append(req)
-                self.scheduler.running.sort(key=lambda r: r.times.arrival)
-            elif self.policy == "recompute":
-                self.stats.recomputed += 1
-                self.block_manager.free(req.request_id)
-                req.num_computed_tokens = 0
-                req.status = RequestStatus.WAITING
-                self.scheduler.waiting.appendleft(req)
-            else:
-                failed.append((req, f"KV transfer from {remote} failed: {res.error}"))
+                self.on_load(load)
+            finished.append(load)
         self.poll_pins()
-        return failed
+        return finished
 
     def poll_pins(self) -> None:
         released, expired = self.pins.take_done(time.monotonic())

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.disagg.connector import LoadResult
-from pdserve.disagg.manager import KVTransferManager
+from pdserve.engine.kv_transfer import FinishedLoad, KVTransfer
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.0, 30.0)
 
 
 class KVTransferMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, kv: KVTransferManager) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, kv: KVTransfer) -> None:
         lbl, m = ["model_name"], model_name
         self.bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes pulled into this instance.", lbl,
                              registry=registry).labels(m)
@@ -35,7 +34,7 @@ class KVTransferMetrics:
         Gauge("pdserve:kv_pinned_blocks", "KV blocks pinned for decode instances to pull.", lbl,
               registry=registry).labels(m).set_function(lambda: kv.num_pinned_blocks)
         Gauge("pdserve:kv_pinned_requests", "Requests whose KV blocks are pinned.", lbl,
-              registry=registry).labels(m).set_function(lambda: len(kv.pins))
+              registry=registry).labels(m).set_function(lambda: kv.num_pinned_requests)
         Gauge("pdserve:kv_requests_loading", "Requests waiting for their KV to be pulled.", lbl,
               registry=registry).labels(m).set_function(lambda: kv.num_loading)
         for result in ("ok", "failed"):
@@ -44,7 +43,7 @@ class KVTransferMetrics:
         kv.on_load = self.observe_load
         kv.on_pin_timeout = self.pin_timeouts.inc
 
-    def observe_load(self, res: LoadResult, remote_engine_id: str | None) -> None:
+    def observe_load(self, res: FinishedLoad) -> None:
         self.transfers.labels(self.model_name, "ok" if res.ok else "failed").inc()
         if res.ok:
             self.bytes.inc(res.num_bytes)

@@ -13,6 +13,7 @@ prompt moves in one NIXL transfer of at most 2 * layers * runs descriptors.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -21,11 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.disagg.connector import LoadJob, PinTable, check_compatible
-from pdserve.disagg.zmq_connector import KVTransferError, ZmqConnector, _json, logger
+from pdserve.disagg.connector import KVTransferError, LoadJob, PinTable, check_compatible
+from pdserve.disagg.zmq_connector import ZmqConnector, encode_json
+
+logger = logging.getLogger("pdserve.disagg")
 
 
-def _import_nixl() -> tuple[Any, Any]:
+def import_nixl() -> tuple[Any, Any]:
     os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA NICs or GPUs assumed; must be set before UCX loads
     errors = []
     for mod in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
@@ -45,7 +48,7 @@ class NixlConnector(ZmqConnector):
     def __init__(self, engine_id: str, kv_cache: torch.Tensor, host: str, port: int, pins: PinTable,
                  timeout: float) -> None:
         super().__init__(engine_id, kv_cache, host, port, pins, timeout)
-        nixl_agent, nixl_agent_config = _import_nixl()
+        nixl_agent, nixl_agent_config = import_nixl()
         try:
             # no NIXL progress thread: it busy-polls a whole core, which a CPU-bound engine cannot spare; UCX
             # progresses when this connector polls (the server thread every few ms, a loader while it waits)
@@ -77,19 +80,19 @@ class NixlConnector(ZmqConnector):
             for m in msgs:
                 self.pins.release(m.decode())
         if notifs:
-            self._notify()
+            self.notify()
 
     def _handle(self, op: bytes, msg: dict[str, Any]) -> list[Any]:
         if op == b"nixl_meta":
             with self._lock:
                 meta = self.agent.get_agent_metadata()
-            return [_json({"ok": True, "agent_name": self.engine_id, "base_addr": self.kv_cache.data_ptr(),
+            return [encode_json({"ok": True, "agent_name": self.engine_id, "base_addr": self.kv_cache.data_ptr(),
                            "layout": self.layout}), meta]
         if op == b"nixl_prepare":
             ids = [int(b) for b in msg["block_ids"]]
             err = check_compatible(self.layout, msg.get("layout", {})) or self.pins.check(
                 str(msg["request_id"]), ids, extend_to=time.monotonic() + self.timeout)
-            return [_json({"ok": err is None, "error": err})]
+            return [encode_json({"ok": err is None, "error": err})]
         return super()._handle(op, msg)
 
     # ---- loader side ---------------------------------------------------------------------------------------

@@ -25,13 +25,9 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.disagg.connector import KVConnector, LoadJob, LoadResult, PinTable, check_compatible
+from pdserve.disagg.connector import KVConnector, KVTransferError, LoadJob, LoadResult, PinTable, check_compatible
 
 logger = logging.getLogger("pdserve.disagg")
-
-
-class KVTransferError(RuntimeError):
-    pass
 
 
 class ZmqConnector(KVConnector):
@@ -40,8 +36,7 @@ class ZmqConnector(KVConnector):
 
     def __init__(self, engine_id: str, kv_cache: torch.Tensor, host: str, port: int, pins: PinTable,
                  timeout: float) -> None:
-        super().__init__(engine_id, kv_cache, host, port, pins)
-        self.timeout = timeout
+        super().__init__(engine_id, kv_cache, host, port, pins, timeout)
         self.ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-kv-load")
         self._stop = threading.Event()
@@ -92,7 +87,7 @@ class ZmqConnector(KVConnector):
                 reply = self._handle(op, msg)
             except Exception as exc:  # a bad message fails that message, never the side channel
                 logger.exception("KV side-channel request %r failed", op)
-                reply = [_json({"ok": False, "error": f"{type(exc).__name__}: {exc}"})]
+                reply = [encode_json({"ok": False, "error": f"{type(exc).__name__}: {exc}"})]
             try:
                 sock.send_multipart([ident, *reply], copy=False)
             except zmq.ZMQError:
@@ -107,11 +102,11 @@ class ZmqConnector(KVConnector):
             return self._serve_read(msg)
         if op == b"release":
             self.pins.release(str(msg["request_id"]))
-            self._notify()
-            return [_json({"ok": True})]
+            self.notify()
+            return [encode_json({"ok": True})]
         if op == b"ping":
-            return [_json({"ok": True, "engine_id": self.engine_id, "layout": self.layout})]
-        return [_json({"ok": False, "error": f"unknown operation {op!r}"})]
+            return [encode_json({"ok": True, "engine_id": self.engine_id, "layout": self.layout})]
+        return [encode_json({"ok": False, "error": f"unknown operation {op!r}"})]
 
     def _serve_read(self, msg: dict[str, Any]) -> list[Any]:
         ids = [int(b) for b in msg["block_ids"]]
@@ -119,11 +114,11 @@ class ZmqConnector(KVConnector):
         with self.pins.lock:  # the engine thread cannot free the pin while its blocks are gathered
             err = err or self.pins.check(str(msg["request_id"]), ids)
             if err is not None:
-                return [_json({"ok": False, "error": err})]
+                return [encode_json({"ok": False, "error": err})]
             idx = torch.tensor(ids, dtype=torch.long)
             layers = [self.kv_cache[layer].index_select(1, idx) for layer in range(self.layout["num_layers"])]
         frames = [memoryview(t.view(torch.uint8).numpy().reshape(-1)) for t in layers]  # type: ignore[arg-type]
-        return [_json({"ok": True, "num_blocks": len(ids)}), *frames]
+        return [encode_json({"ok": True, "num_blocks": len(ids)}), *frames]
 
     # ---- loader side (decode) ------------------------------------------------------------------------------
     def start_load(self, job: LoadJob) -> None:
@@ -142,7 +137,7 @@ class ZmqConnector(KVConnector):
             result = LoadResult(job.request_id, False, 0, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
             logger.warning("KV pull for request %s from %s:%s failed: %s", job.request_id,
                            job.params.get("remote_host"), job.params.get("remote_port"), result.error)
-        self._deliver(result)
+        self.deliver(result)
         if release:
             self._release_quietly(job.params)
 
@@ -186,7 +181,7 @@ class ZmqConnector(KVConnector):
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(addr)
-            sock.send_multipart([op, _json(msg)])
+            sock.send_multipart([op, encode_json(msg)])
             wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             if not sock.poll(wait_ms, zmq.POLLIN):
                 raise TimeoutError(f"no answer to {op.decode()} from {addr} within the KV transfer timeout")
@@ -199,5 +194,6 @@ class ZmqConnector(KVConnector):
         return header, frames[1:]
 
 
-def _json(obj: dict[str, Any]) -> bytes:
+def encode_json(obj: dict[str, Any]) -> bytes:
+    """A side-channel message's JSON frame."""
     return json.dumps(obj).encode()

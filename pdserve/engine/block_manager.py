@@ -48,11 +48,6 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found in the cache
 
-    def reset(self) -> PrefixCacheStats:
-        snap = PrefixCacheStats(self.queries, self.hits)
-        self.queries = self.hits = 0
-        return snap
-
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -165,29 +160,6 @@ class BlockManager:
                     self.free_queue.move_to_end(blk.block_id, last=False)  # uncached: reuse first
                 else:
                     self.free_queue[blk.block_id] = blk
-
-    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> int:
-        """Share the parent's full, computed blocks with a new request (copy-free, for parallel sampling).
-        Returns the number of tokens the child may treat as computed; a partial last block is never shared
-        (the child recomputes it), so a shared block is never written again."""
-        if child_id in self.req_blocks:
-            raise ValueError(f"request {child_id!r} already holds blocks")
-        parent_blocks = self.req_blocks.get(parent_id, [])
-        shared = parent_blocks[:min(num_computed_tokens // self.block_size, len(parent_blocks))]
-        for blk in shared:
-            self._touch(blk)
-        self.req_blocks[child_id] = list(shared)
-        self.req_num_hashed[child_id] = min(len(shared), self.req_num_hashed.get(parent_id, 0))
-        return len(shared) * self.block_size
-
-    def reset_prefix_cache(self) -> int:
-        """Forget all hashes of free blocks; returns how many were dropped."""
-        dropped = 0
-        for blk in self.free_queue.values():
-            if blk.block_hash is not None:
-                self._drop_hash(blk)
-                dropped += 1
-        return dropped
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _touch(self, blk: KVCacheBlock) -> None:

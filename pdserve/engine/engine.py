@@ -19,12 +19,13 @@ import torch
 from pdserve.config import EngineConfig, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
-from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pdserve.roofline import DeviceSpec, RooflineMeter
 from pdserve.sampling_params import SamplingParams
 
@@ -75,22 +76,21 @@ class LLMEngine:
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks(config)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
         self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, self.num_blocks,
                                   config.block_size, self.max_model_len, config.attention_backend,
                                   config.quantization, config.linear_backend)
+        # PD disaggregation (prefill/decode roles): KV hand-off over a connector
+        self.kv_transfer: KVTransfer | None = None
+        if config.kv_role != "both":
+            from pdserve.disagg.manager import KVTransferManager
+
+            self.kv_transfer = KVTransferManager(config, self.block_manager, self.runner.kv_cache)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy)
         self.eos_token_ids = self._eos_ids()
         self._ids = itertools.count()
         self.step_cost = self.runner.step_cost_model()
         self.roofline = RooflineMeter(device_peaks, config.torch_dtype)
-        # PD disaggregation (prefill/decode roles): pdserve.disagg.manager.KVTransferManager
-        self.kv_transfer: Any = None
-        if config.kv_role != "both":
-            from pdserve.disagg.manager import KVTransferManager
-
-            self.kv_transfer = KVTransferManager(config, self.block_manager, self.scheduler, self.runner.kv_cache)
-            self.scheduler.kv_transfer = self.kv_transfer
         logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len)
@@ -219,43 +219,46 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Schedule, run and postprocess once; returns the outputs and what the step did."""
         t0 = time.perf_counter()
-        kv = self.kv_transfer
-        kv_failed = [self._fail(r, msg, ErrorCode.KV_TRANSFER_FAILED) for r, msg in kv.poll()] if kv is not None else []
+        kv_failed = [self._fail(r, msg, ErrorCode.KV_TRANSFER_FAILED)
+                     for r, msg in self.scheduler.update_from_kv_transfer()]
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            if kv is not None and kv.num_loading and not kv_failed:
-                kv.wait(0.01)  # only KV pulls in flight: sleep until one lands instead of spinning
-            return StepResult(kv_failed, StepStats(StepKind.IDLE, 0, 0, len(sched.preempted),
+        if not sched.scheduled_reqs:
+            if self.kv_transfer is not None and self.scheduler.num_loading and not kv_failed:
+                self.kv_transfer.wait(0.01)  # only KV pulls in flight: sleep until one lands instead of spinning
+            return StepResult(kv_failed, StepStats(StepKind.IDLE, 0, 0, len(sched.preempted_req_ids),
                                                    time.perf_counter() - t0))
-        seqs = [(r.num_computed_tokens, n) for r, n in sched.scheduled]  # before postprocess advances them
-        stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.preempted), 0.0)
+        reqs = [self.scheduler.requests[d.req_id] for d in sched.scheduled_reqs]
+        seqs = [(d.num_computed_tokens, d.num_scheduled_tokens) for d in sched.scheduled_reqs]
+        stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens,
+                          len(sched.preempted_req_ids), 0.0)
         try:
             t_run = time.perf_counter()
-            sample_reqs, sampled = self.runner.execute(sched, self.block_manager)
+            sampled = self.runner.execute(sched)
             t_run = time.perf_counter() - t_run
         except Exception as exc:  # a failed forward fails the requests in it, not the engine
             logger.exception("model step failed")
-            failed = [self._fail(r, f"model step failed: {exc!r}", ErrorCode.MODEL_STEP_FAILED)
-                      for r, _ in sched.scheduled]
+            failed = [self._fail(r, f"model step failed: {exc!r}", ErrorCode.MODEL_STEP_FAILED) for r in reqs]
             stats.duration = time.perf_counter() - t0
             return StepResult(kv_failed + failed, stats)
-        outs = kv_failed + self._postprocess(sched, sample_reqs, sampled.token_ids, sampled.logprobs)
-        stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sample_reqs))
+        outs = kv_failed + self._postprocess(sched, reqs, sampled.token_ids, sampled.logprobs)
+        stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
         self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
         stats.model_time, stats.duration = t_run, time.perf_counter() - t0
         return StepResult(outs, stats)
 
-    def _postprocess(self, sched: SchedulerOutput, sample_reqs: list[Request], tokens: list[int],
-                     logprobs: list[Any]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+                     logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
+        """reqs[i] is sched.scheduled_reqs[i]; tokens and logprobs are per sampled request, in that order."""
         now = time.perf_counter()
-        for req, n in sched.scheduled:
-            if not is_decode(req, n):
-                req.times.prefill_chunks.append((now, n))
-            req.num_computed_tokens += n
+        for req, d in zip(reqs, sched.scheduled_reqs):
+            if not is_decode(req, d.num_scheduled_tokens):
+                req.times.prefill_chunks.append((now, d.num_scheduled_tokens))
+            req.num_computed_tokens += d.num_scheduled_tokens
             self.block_manager.cache_full_blocks(req)
+        sampled = [req for req, d in zip(reqs, sched.scheduled_reqs) if d.sample]
         outs = []
-        for req, tok, lp in zip(sample_reqs, tokens, logprobs):
+        for req, tok, lp in zip(sampled, tokens, logprobs):
             try:
                 outs.append(self._append_token(req, tok, lp, now))
             except Exception as exc:  # e.g. a detokenizer failure: fail this request only
@@ -263,7 +266,7 @@ class LLMEngine:
                 outs.append(self._fail(req, f"postprocess failed: {exc!r}", ErrorCode.POSTPROCESS_FAILED))
         return outs
 
-    def _append_token(self, req: Request, tok: int, lp: Any, now: float) -> RequestOutput:
+    def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
         req.append_output_token(tok)
         req.times.token_times.append(now)
         if req.times.first_token is None:

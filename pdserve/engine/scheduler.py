@@ -8,45 +8,16 @@ freed; it recomputes later). Only `Engine.postprocess` appends tokens and finish
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput, StepKind
 
-
-class StepKind(enum.StrEnum):
-    """What a step computed: the step-time metric label."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    MIXED = "mixed"  # decodes and prefill chunks in one step
-    IDLE = "idle"
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes. `scheduled` keeps decodes (one new token) ahead of prefill chunks."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
-    preempted: list[Request] = field(default_factory=list)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def kind(self) -> StepKind:
-        if not self.scheduled:
-            return StepKind.IDLE
-        if self.num_prefill_tokens and self.num_decode_tokens:
-            return StepKind.MIXED
-        return StepKind.PREFILL if self.num_prefill_tokens else StepKind.DECODE
+__all__ = ["Scheduler", "SchedulerOutput", "StepKind", "is_decode", "make_sampling_metadata"]
 
 
 def is_decode(request: Request, num_new_tokens: int) -> bool:
@@ -55,19 +26,47 @@ def is_decode(request: Request, num_new_tokens: int) -> bool:
             and request.num_computed_tokens == request.num_tokens - 1)
 
 
+def make_sampling_metadata(requests: Sequence[Request]) -> SamplingMetadata:
+    """The sampler's per-row view of `requests` (one row each, in order), taken before this step's tokens are
+    appended. Token lists and generators are shared with the requests, not copied."""
+    md = SamplingMetadata()
+    for r in requests:
+        p = r.sampling_params
+        md.temperature.append(p.temperature)
+        md.greedy.append(p.greedy)
+        md.top_k.append(p.top_k)
+        md.top_p.append(p.top_p)
+        md.min_p.append(p.min_p)
+        md.repetition_penalty.append(p.repetition_penalty)
+        md.presence_penalty.append(p.presence_penalty)
+        md.frequency_penalty.append(p.frequency_penalty)
+        md.generators.append(r.generator)
+        md.num_logprobs.append(p.logprobs)
+        banned: list[int] = []
+        if r.num_output_tokens < p.min_tokens:  # no stop token (nor EOS) before min_tokens
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(r.eos_token_ids))
+        md.banned_token_ids.append(banned)
+        md.prompt_token_ids.append(r.prompt_token_ids)
+        md.output_token_ids.append(r.output_token_ids)
+    return md
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, kv_transfer: KVTransfer | None = None,
+                 kv_load_failure_policy: str = "recompute") -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in arrival order: the preemption victim is the tail
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # total, for metrics
-        # pdserve.disagg.manager.KVTransferManager when this engine hands KV over (PD roles)
-        self.kv_transfer: Any = None
+        # PD roles: pulls KV for WAITING_FOR_REMOTE_KVS requests and pins finished prefills' blocks
+        self.kv_transfer = kv_transfer
+        self.kv_load_failure_policy = kv_load_failure_policy  # "recompute" | "fail"
+        self.num_kv_load_recomputes = 0  # failed pulls recomputed from the prompt, for metrics
 
     # ---- admission / removal -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -90,7 +89,7 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        # the KV transfer manager may keep the blocks (pinned for a decode instance)
+        # the KV transfer may keep the blocks (pinned for a decode instance, or a pull still writing them)
         if self.kv_transfer is None or not self.kv_transfer.on_finish(request, status):
             self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
@@ -103,8 +102,47 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_loading(self) -> int:
+        """Requests waiting for remote KV: they hold blocks and a running slot."""
+        return self.kv_transfer.num_loading if self.kv_transfer is not None else 0
+
+    @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + (self.kv_transfer.num_loading if self.kv_transfer is not None else 0)
+        return len(self.waiting) + self.num_loading
+
+    def _add_running(self, req: Request) -> None:
+        """Join the running batch, keeping it in arrival order (a preempted or KV-loaded request may be older
+        than the tail)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if len(self.running) > 1 and self.running[-2].times.arrival > req.times.arrival:
+            self.running.sort(key=lambda r: r.times.arrival)
+
+    # ---- KV transfer (PD disaggregation) -------------------------------------------------------------------
+    def update_from_kv_transfer(self) -> list[tuple[Request, str]]:
+        """Apply the pulls that ended: a loaded request joins the running batch (its next step computes the last
+        prompt token); a failed one is recomputed from the prompt or, under policy 'fail', returned with the
+        reason for the engine to fail it."""
+        if self.kv_transfer is None:
+            return []
+        failed: list[tuple[Request, str]] = []
+        for load in self.kv_transfer.get_finished():
+            req = self.requests.get(load.request_id)
+            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            if load.ok:
+                req.num_computed_tokens = load.num_computed_tokens
+                self.block_manager.cache_full_blocks(req)
+                self._add_running(req)
+            elif self.kv_load_failure_policy == "recompute":
+                self.num_kv_load_recomputes += 1
+                self.block_manager.free(req.request_id)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+            else:
+                failed.append((req, load.error or "KV transfer failed"))
+        return failed
 
     # ---- one step ------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -115,7 +153,6 @@ class Scheduler:
         prefills: list[tuple[Request, int]] = []
 
         # 1. running requests, in order; preempt the latest arrival when blocks run out
-        scheduled_running: list[Request] = []
         queue = list(self.running)
         while queue and budget > 0:
             req = queue.pop(0)
@@ -127,21 +164,25 @@ class Scheduler:
                     break
                 queue.remove(victim)
             else:
-                scheduled_running.append(req)
                 (decodes if is_decode(req, num_new) else prefills).append((req, num_new))
                 budget -= num_new
 
         # 2. waiting requests in arrival order, unless this step had to preempt (memory is tight)
-        num_loading = self.kv_transfer.num_loading if self.kv_transfer is not None else 0
-        while (self.waiting and not out.preempted and budget > 0
+        kv = self.kv_transfer
+        num_loading = self.num_loading
+        while (self.waiting and not out.preempted_req_ids and budget > 0
                and len(self.running) + num_loading < self.max_num_seqs):
             req = self.waiting[0]
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
-            if self.kv_transfer is not None and self.kv_transfer.wants_remote_load(req, num_cached):
+            if kv is not None and kv.wants_remote_load(req, num_cached):
                 # PD decode side: hold blocks, pull the prompt's KV in a connector thread (no token budget)
-                if not self.kv_transfer.start_load(req, computed_blocks, num_cached, now):
+                if not kv.start_load(req, computed_blocks, num_cached):
                     break
                 self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                req.num_cached_tokens = num_cached
+                if req.times.first_scheduled is None:
+                    req.times.first_scheduled = now
                 num_loading += 1
                 continue
             remaining = req.num_tokens - num_cached
@@ -156,17 +197,21 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = now
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if req.times.preemptions:  # keep `running` in arrival order: the preemption victim is its tail
-                self.running.sort(key=lambda r: r.times.arrival)
+            self._add_running(req)
             prefills.append((req, num_new))
             budget -= num_new
 
-        out.scheduled = decodes + prefills
+        out.scheduled_reqs = [self._scheduled(r, n) for r, n in decodes + prefills]
         out.num_decode_tokens = len(decodes)
         out.num_prefill_tokens = sum(n for _, n in prefills)
+        out.sampling_metadata = make_sampling_metadata(
+            [r for (r, _), s in zip(decodes + prefills, out.scheduled_reqs) if s.sample])
         return out
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        c = req.num_computed_tokens
+        return ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new], c,
+                                self.block_manager.get_block_ids(req.request_id), c + num_new == req.num_tokens)
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         """Recompute-style preemption: free all blocks, go back to the head of the waiting queue."""
@@ -177,4 +222,4 @@ class Scheduler:
         req.times.preemptions.append(now)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
-        out.preempted.append(req)
+        out.preempted_req_ids.append(req.request_id)

@@ -195,12 +195,6 @@ def reverse_permute_qk(w: _Array, n_head: int) -> _Array:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute_qk(w: _Array, n_head: int) -> _Array:
-    """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute` (HF rotate-half layout -> interleaved GGUF layout)."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _f32(value: float) -> float:
     """Shortest decimal that round-trips the float32 metadata value (9.999999747e-06 -> 1e-05)."""
     return float(str(np.float32(value)))

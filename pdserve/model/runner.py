@@ -1,6 +1,6 @@
-"""ModelRunner: owns the weights and the KV cache; turns a SchedulerOutput into batch tensors, runs the model and
-samples. Batch tensors (input_ids, positions, slot_mapping, block tables, masks) are built once per step and
-shared by all layers."""
+"""ModelRunner: owns the weights and the KV cache; turns a SchedulerOutput (plain data, pdserve/model/inputs.py)
+into batch tensors, runs the model and samples. Batch tensors (input_ids, positions, slot_mapping, block tables,
+masks) are built once per step and shared by all layers."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import ModelArchConfig
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from pdserve.model.cpu_linear import pack_model_linears, use_onednn
+from pdserve.model.inputs import SchedulerOutput
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.quant import quantize_model
 from pdserve.model.sampler import Sampler, SamplerOutput
@@ -25,8 +23,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: list[int]  # flat-batch rows whose logits are sampled
-    sample_requests: list[Request]
+    sample_rows: list[int]  # flat-batch rows whose logits are sampled, in sampling-metadata order
 
 
 class ModelRunner:
@@ -68,58 +65,55 @@ class ModelRunner:
             lm_head_params=max(t.numel() for t in head), lm_head_bytes=sum(t.numel() * t.element_size() for t in head),
             embed_row_bytes=emb.shape[1] * emb.element_size(), kv_dtype_bytes=self.kv_cache.element_size())
 
-    def prepare(self, sched: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[torch.Tensor] = []
         sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        decodes = sched.scheduled[:sched.num_decode_tokens]
-        prefills = sched.scheduled[sched.num_decode_tokens:]
+        decodes = sched.scheduled_reqs[:sched.num_decode_tokens]
+        prefills = sched.scheduled_reqs[sched.num_decode_tokens:]
 
         decode_tables = decode_mask = None
         if decodes:
-            tables = [block_manager.get_block_ids(r.request_id) for r, _ in decodes]
-            width = max(len(t) for t in tables)
+            width = max(len(d.block_ids) for d in decodes)
             decode_tables = torch.zeros(len(decodes), width, dtype=torch.long)
-            for i, t in enumerate(tables):
-                decode_tables[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-            dpos = torch.tensor([r.num_computed_tokens for r, _ in decodes], dtype=torch.long)
+            for i, d in enumerate(decodes):
+                decode_tables[i, :len(d.block_ids)] = torch.tensor(d.block_ids, dtype=torch.long)
+            dpos = torch.tensor([d.num_computed_tokens for d in decodes], dtype=torch.long)
             slots.append(decode_tables.gather(1, (dpos // bs).unsqueeze(1)).squeeze(1) * bs + dpos % bs)
             decode_mask = (torch.arange(width * bs).unsqueeze(0) <= dpos.unsqueeze(1))[:, None, None, :]
-            for i, (r, _) in enumerate(decodes):
-                ids.append(r.all_token_ids[r.num_computed_tokens])
-                sample_rows.append(i)
-                sample_reqs.append(r)
+            for i, d in enumerate(decodes):
+                ids.append(d.token_ids[0])
+                sample_rows.append(i)  # a decode computes the newest token: always sampled
             pos.extend(dpos.tolist())
 
         chunks: list[PrefillChunk] = []
-        for r, n in prefills:
-            start, c = len(ids), r.num_computed_tokens
-            table = torch.tensor(block_manager.get_block_ids(r.request_id), dtype=torch.long)
+        for d in prefills:
+            start, c, n = len(ids), d.num_computed_tokens, d.num_scheduled_tokens
+            table = torch.tensor(d.block_ids, dtype=torch.long)
             p = torch.arange(c, c + n)
             slots.append(table[p // bs] * bs + p % bs)
-            ids.extend(r.all_token_ids[c:c + n])
+            ids.extend(d.token_ids)
             pos.extend(range(c, c + n))
             chunks.append(PrefillChunk(start, n, c, table[:-(-(c + n) // bs)]))
-            if c + n == r.num_tokens:  # the chunk reaches the newest token: sample the next one
+            if d.sample:
                 sample_rows.append(start + n - 1)
-                sample_reqs.append(r)
 
         meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=len(decodes),
                                  decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=chunks)
         return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
-                          sample_rows, sample_reqs)
+                          sample_rows)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[list[Request], SamplerOutput]:
-        inp = self.prepare(sched, block_manager)
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Run one step; row i of the result is row i of `sched.sampling_metadata`."""
+        inp = self.prepare(sched)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend)
         if not inp.sample_rows:
-            return [], SamplerOutput([], [])
+            return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[inp.sample_rows])
-        return inp.sample_requests, self.sampler(logits, inp.sample_requests)
+        return self.sampler(logits, sched.sampling_metadata)
 
 
 def _weights(module: torch.nn.Module) -> list[torch.Tensor]:

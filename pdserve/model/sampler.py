@@ -2,9 +2,9 @@
 
 Each step samples one token for every request whose last pending token was computed. All rows are processed as
 one [B, vocab] tensor; only the random draws of seeded rows use their own `torch.Generator`, so a seeded request
-draws the same numbers whatever else is in the batch. A draw is inverse-CDF sampling (`torch.multinomial`), one
-uniform number per row (searchsorted on the CDF; torch.multinomial and the exponential race draw one number per
-vocabulary entry, 10x slower on a 49k vocabulary).
+draws the same numbers whatever else is in the batch. A draw is inverse-CDF sampling, one uniform number per row
+(searchsorted on the CDF; torch.multinomial and the exponential race draw one number per vocabulary entry, 10x
+slower on a 49k vocabulary). The per-row options come as a SamplingMetadata the engine builds each step.
 """
 
 from __future__ import annotations
@@ -14,15 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.request import Request
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int  # 1-based rank of the sampled token under the model's distribution
-    top: list[tuple[int, float]]  # the `logprobs` most likely tokens, best first
+from pdserve.model.inputs import SamplingMetadata
+from pdserve.outputs import TokenLogprobs
 
 
 @dataclass
@@ -40,24 +33,23 @@ def _pad(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
     return out
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     """In place. Repetition penalty (prompt and output tokens, CTRL-style divide/multiply), then OpenAI presence
     and frequency penalties (output tokens only)."""
     b, v = logits.shape
-    params = [r.sampling_params for r in requests]
     counts = torch.zeros(b, v + 1, dtype=logits.dtype)
-    out_idx = _pad([r.output_token_ids for r in requests], v)  # padding goes to column v, dropped below
+    out_idx = _pad(md.output_token_ids, v)  # padding goes to column v, dropped below
     counts.scatter_add_(1, out_idx, torch.ones(out_idx.shape, dtype=logits.dtype))
     counts = counts[:, :v]
-    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+    rep = torch.tensor(md.repetition_penalty, dtype=logits.dtype).unsqueeze(1)
     if (rep != 1).any():
         seen = torch.zeros(b, v + 1, dtype=torch.bool)
-        seen.scatter_(1, _pad([r.prompt_token_ids for r in requests], v), True)
+        seen.scatter_(1, _pad(md.prompt_token_ids, v), True)
         seen = seen[:, :v] | (counts > 0)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalized, logits))
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+    freq = torch.tensor(md.frequency_penalty, dtype=logits.dtype).unsqueeze(1)
+    pres = torch.tensor(md.presence_penalty, dtype=logits.dtype).unsqueeze(1)
     logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
@@ -84,64 +76,60 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """logits: float32 [B, vocab], row i belongs to requests[i]."""
-        params = [r.sampling_params for r in requests]
-        want_logprobs = [p.logprobs is not None for p in params]
-        raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None  # as vLLM: before any processing
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits: float32 [B, vocab], row i described by row i of `md`."""
+        want_logprobs = any(n is not None for n in md.num_logprobs)
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # as vLLM: before any processing
 
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        if not md.no_penalties:
             logits = logits.clone()
-            apply_penalties(logits, requests)
-        for i, r in enumerate(requests):
-            if r.num_output_tokens < r.sampling_params.min_tokens:
-                banned = list(r.sampling_params.stop_token_ids) + ([] if r.sampling_params.ignore_eos
-                                                                   else sorted(r.eos_token_ids))
-                if banned:
-                    logits[i, banned] = float("-inf")
+            apply_penalties(logits, md)
+        for i, banned in enumerate(md.banned_token_ids):
+            if banned:
+                logits[i, banned] = float("-inf")
 
         tokens = logits.argmax(-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
+        rows = [i for i, g in enumerate(md.greedy) if not g]
         if rows:  # only the random rows pay for softmax and draws
-            picked = rows if len(rows) < len(params) else slice(None)
-            tokens[rows] = self._random_sample(logits[picked], [requests[i] for i in rows])
+            picked = rows if len(rows) < md.num_rows else slice(None)
+            tokens[rows] = self._random_sample(
+                logits[picked], [md.temperature[i] for i in rows], [md.top_k[i] for i in rows],
+                [md.top_p[i] for i in rows], [md.min_p[i] for i in rows], [md.generators[i] for i in rows])
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, requests))
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, md.num_logprobs))
 
     @staticmethod
-    def _random_sample(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _random_sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+                       min_p: list[float], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         """One draw per row from softmax(logits / T) after top-k/p and min-p, by inverse-CDF sampling:
         unseeded rows in one draw, seeded rows each from its own generator."""
-        params = [r.sampling_params for r in requests]
-        temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        temp = torch.tensor(temperature, dtype=logits.dtype)
         x = logits / temp.unsqueeze(1)
-        x = apply_top_k_top_p_min_p(
-            x, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params], dtype=x.dtype),
-            torch.tensor([p.min_p for p in params], dtype=x.dtype))
+        x = apply_top_k_top_p_min_p(x, torch.tensor(top_k), torch.tensor(top_p, dtype=x.dtype),
+                                    torch.tensor(min_p, dtype=x.dtype))
         cdf = x.softmax(-1).cumsum(-1)
-        u = torch.empty(len(requests), 1, dtype=cdf.dtype)
-        seeded = [i for i, r in enumerate(requests) if r.generator is not None]
-        if len(seeded) < len(requests):
+        u = torch.empty(len(generators), 1, dtype=cdf.dtype)
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        if len(seeded) < len(generators):
             u.uniform_()
         for i in seeded:
-            u[i].uniform_(generator=requests[i].generator)
+            u[i].uniform_(generator=generators[i])
         # first token whose cumulative mass exceeds u * total: a zero-probability token is never chosen
         idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
         return idx.clamp_(max=cdf.shape[1] - 1)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, tokens: list[int],
-                  requests: Sequence[Request]) -> list[TokenLogprobs | None]:
+                  num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
         if raw is None:
-            return [None] * len(requests)
-        n_top = max(r.sampling_params.logprobs or 0 for r in requests)
+            return [None] * len(tokens)
+        n_top = max(n or 0 for n in num_logprobs)
         top_vals, top_ids = raw.topk(max(n_top, 1), dim=-1)
         idx = torch.tensor(tokens).unsqueeze(1)
         chosen = raw.gather(1, idx).squeeze(1)
         ranks = (raw > chosen.unsqueeze(1)).sum(-1) + 1
         out: list[TokenLogprobs | None] = []
-        for i, r in enumerate(requests):
-            n = r.sampling_params.logprobs
+        for i, n in enumerate(num_logprobs):
             if n is None:
                 out.append(None)
                 continue

@@ -1,0 +1,86 @@
+"""Plain data the engine hands the model layer each step, in vLLM's vocabulary (SchedulerOutput,
+NewRequestData, SamplingMetadata).
+
+Nothing here refers to engine objects: `pdserve.model` imports nothing from `pdserve.engine`. The runner keeps no
+per-request state, so every step carries each scheduled request's block_table and the token ids it computes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StepKind(enum.StrEnum):
+    """What a step computed: the step-time metric label."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"  # decodes and prefill chunks in one step
+    IDLE = "idle"
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in a step: compute `token_ids` at positions `num_computed_tokens` onwards."""
+
+    req_id: str
+    token_ids: list[int]  # the num_scheduled_tokens tokens this step computes
+    num_computed_tokens: int  # tokens whose K/V are already cached: the position of token_ids[0]
+    block_ids: list[int]  # the request's block_table; covers num_computed_tokens + len(token_ids) tokens
+    sample: bool  # token_ids ends at the request's newest token: sample the next one from the last row
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per sampled row (scheduled order), what the sampler needs. Lists alias the requests' own token lists and
+    generators: a seeded request's `torch.Generator` lives with the request, so its draws do not depend on the
+    batch."""
+
+    temperature: list[float] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)  # 0: off
+    top_p: list[float] = field(default_factory=list)  # 1: off
+    min_p: list[float] = field(default_factory=list)  # 0: off
+    repetition_penalty: list[float] = field(default_factory=list)
+    presence_penalty: list[float] = field(default_factory=list)
+    frequency_penalty: list[float] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)  # None: the global RNG
+    num_logprobs: list[int | None] = field(default_factory=list)  # None: no logprobs for the row
+    banned_token_ids: list[list[int]] = field(default_factory=list)  # masked while below min_tokens
+    prompt_token_ids: list[list[int]] = field(default_factory=list)  # for the repetition penalty
+    output_token_ids: list[list[int]] = field(default_factory=list)  # for all penalties
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
+
+    @property
+    def no_penalties(self) -> bool:
+        return not any(r != 1 or p or f for r, p, f in zip(self.repetition_penalty, self.presence_penalty,
+                                                            self.frequency_penalty))
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes. `scheduled_reqs` keeps decodes (one token each) ahead of prefill chunks."""
+
+    scheduled_reqs: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0  # also the number of decodes: the first entries of scheduled_reqs
+    sampling_metadata: SamplingMetadata = field(default_factory=SamplingMetadata)  # rows: the `sample` requests
+
+    @property
+    def kind(self) -> StepKind:
+        if not self.scheduled_reqs:
+            return StepKind.IDLE
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return StepKind.MIXED
+        return StepKind.PREFILL if self.num_prefill_tokens else StepKind.DECODE
