@@ -63,11 +63,13 @@ def test_request_failure_is_isolated(app_server: tuple[str, LLMEngine]) -> None:
     r = httpx.post(base + "/v1/completions", json={"prompt": "FAIL_ME please", "max_tokens": 5}, timeout=30)
     assert r.status_code == 500
     assert "poisoned" in r.json()["error"]["message"] and r.json()["error"]["type"] == "internal_error"
+    assert r.json()["error"]["code"] == "postprocess_failed"  # the child's ErrorCode, for clients and the router
     with httpx.stream("POST", base + "/v1/completions", json={"prompt": "FAIL_ME", "max_tokens": 5, "stream": True},
                       timeout=30) as resp:
         events = [ln[6:] for ln in resp.iter_lines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    assert any("error" in json.loads(e) for e in events[:-1])
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert [e["code"] for e in errors] == ["postprocess_failed"]
     ok = httpx.post(base + "/v1/completions", json={"prompt": "fine", "max_tokens": 5, "ignore_eos": True},
                     timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
@@ -89,6 +91,7 @@ def test_failed_model_step_fails_its_requests_only(app_server: tuple[str, LLMEng
     try:
         r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
         assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "model_step_failed"
         r = httpx.post(base + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200
     finally:

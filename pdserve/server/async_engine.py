@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.engine.engine import LLMEngine, StepStats
@@ -34,11 +34,42 @@ class EngineDead(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Block-manager and KV-transfer state as the engine thread last saw it (after a step, or while idle).
+    Immutable, so the event loop reads it without racing the engine thread that changes the live state."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_requests_holding_blocks: int
+    num_pinned_blocks: int  # PD prefill role: blocks held for decode instances to pull
+    num_requests_loading_kv: int  # PD decode role: requests whose prompt KV is being pulled
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> KVSnapshot:
+        """Build on the engine thread (or before it starts)."""
+        bm, kv = engine.block_manager, engine.kv_transfer
+        return cls(bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks, len(bm.cached), len(bm.req_blocks),
+                   kv.num_pinned_blocks if kv is not None else 0, kv.num_loading if kv is not None else 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     request: Request
+
+    def deliver(self, item: RequestOutput | BaseException) -> None:
+        """Hand an item to the consumer's event loop (from the engine thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # that loop is closed: nobody listens any more, and its abort is on the way
+            pass
 
 
 class EngineThread:
@@ -86,6 +117,7 @@ class AsyncEngine:
         self._loop_done: Future[Any] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self.dead: BaseException | None = None
+        self._kv_snapshot = KVSnapshot.of(engine)  # replaced whole (one reference store) by the engine thread
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
 
@@ -112,6 +144,11 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    @property
+    def kv_snapshot(self) -> KVSnapshot:
+        """The latest published KV state; safe to read from any thread."""
+        return self._kv_snapshot
 
     @property
     def num_waiting(self) -> int:
@@ -162,11 +199,14 @@ class AsyncEngine:
                     if eng.kv_transfer is not None:
                         eng.kv_transfer.poll_pins()  # free released / expired KV pins while idle
                     self._observe(StepStats(StepKind.IDLE, 0, 0, 0, 0.0))
+                    self._kv_snapshot = KVSnapshot.of(eng)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 result = eng.step()
                 self._observe(result.stats)
+                # published before the outputs: a client that saw its request finish reads a state this new
+                self._kv_snapshot = KVSnapshot.of(eng)
                 for out in result.outputs:
                     self._dispatch(out)
         except BaseException as exc:  # a bug in the engine: fail every open request, refuse new ones
@@ -176,7 +216,7 @@ class AsyncEngine:
                 streams = list(self._streams.values())
                 self._streams.clear()
             for s in streams:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDead(f"engine loop died: {exc!r}"))
+                s.deliver(EngineDead(f"engine loop died: {exc!r}"))
 
     def _drain_commands(self) -> None:
         eng = self.engine
@@ -208,7 +248,7 @@ class AsyncEngine:
             if out.finished:
                 self.metrics.observe_finished(req)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            stream.deliver(out)
 
     def _observe(self, stats: StepStats) -> None:
         """Record a step (an idle one records nothing but refreshes the gauges, which aborts change)."""

@@ -1,0 +1,88 @@
+"""/v1/completions: prompts (text, token ids, or lists of either) to text completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdserve.engine.engine import PromptType
+from pdserve.engine.request import Request as EngineRequest
+from pdserve.server.errors import APIError
+from pdserve.server.protocol import CompletionRequest
+from pdserve.server.serving import OpenAIServing, RequestContext, ServingResult
+
+
+def prompts_of(body: CompletionRequest) -> list[PromptType]:
+    p = body.prompt
+    if isinstance(p, str):
+        prompts: list[PromptType] = [p]
+    elif p and isinstance(p[0], int):
+        prompts = [{"prompt_token_ids": p}]
+    elif p and isinstance(p[0], list):
+        prompts = [{"prompt_token_ids": x} for x in p]  # type: ignore[misc]
+    else:
+        prompts = list(p)  # type: ignore[arg-type]
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return prompts
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, body: CompletionRequest, ctx: RequestContext) -> ServingResult:
+        """Validate and start the request. Raises APIError before anything is sent when the body is refused."""
+        self.check_model(body.model)
+        params = self.to_params(body)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        reqs = self.make_children(prompts_of(body), params, rid, body.kv_transfer_params)
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            return self.sse_stream(self._chunks(body, reqs, base, ctx))
+        outs = await self.collect(reqs, ctx)
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            prefix = self._echo_text(body, reqs[i])
+            lps = self._logprobs(c.logprobs or [], len(prefix)) if body.logprobs is not None else None
+            choices.append({"index": i, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason})
+        return self.finish_response({**base, "choices": choices}, reqs, body)
+
+    async def _chunks(self, body: CompletionRequest, reqs: list[EngineRequest], base: dict[str, Any],
+                      ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+        # Nothing goes out for a choice before its first token: the echoed prompt rides on the first token's
+        # chunk (as vLLM does), so a client's time to first chunk is the time to first token.
+        started: set[int] = set()
+        async for i, out in self.stream_all(reqs, ctx.tenant):
+            c = out.outputs[0]
+            text = c.delta_text
+            if i not in started:
+                started.add(i)
+                text = self._echo_text(body, reqs[i]) + text
+            lps = None
+            if body.logprobs is not None and c.delta_logprobs:
+                lps = self._logprobs(c.delta_logprobs, 0)
+            if not text and not c.finished and lps is None:
+                continue
+            yield {**base, "choices": [{"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
+                                        "stop_reason": c.stop_reason}]}
+        if (last := self.final_chunk(base, reqs, body)) is not None:
+            yield last
+
+    def _echo_text(self, body: CompletionRequest, req: EngineRequest) -> str:
+        if not body.echo:
+            return ""
+        return req.prompt if req.prompt is not None else str(self.engine.tokenizer.decode(req.prompt_token_ids))
+
+    def _logprobs(self, out_lps: list[Any], text_offset: int) -> dict[str, Any]:
+        tokens, lps, tops, offsets = [], [], [], []
+        off = text_offset
+        for lp in out_lps:
+            t = self.token_text(lp.token_id)
+            tokens.append(t)
+            lps.append(lp.logprob)
+            tops.append({self.token_text(i): v for i, v in lp.top})
+            offsets.append(off)
+            off += len(t)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

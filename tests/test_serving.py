@@ -1,0 +1,201 @@
+"""The serving layer driven directly (no HTTP, no server process): a tiny in-memory model under an AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.request import Request as EngineRequest
+from pdserve.server.async_engine import AsyncEngine, KVSnapshot
+from pdserve.server.errors import APIError
+from pdserve.server.metrics import Metrics
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.serving import OpenAIServing, RequestContext
+from pdserve.server.serving_chat import OpenAIServingChat
+from pdserve.server.serving_completion import OpenAIServingCompletion
+
+from conftest import loaded_from_hf
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def aengine(tiny_hf_model: Any, tokenizer: Any) -> Iterator[AsyncEngine]:
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=128, max_model_len=512),
+                       model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
+    ae = AsyncEngine(engine, Metrics(MODEL))
+    ae.start()
+    yield ae
+    ae.shutdown()
+
+
+def capture_children(serving: OpenAIServing) -> list[EngineRequest]:
+    """Record the engine requests a serving object makes (to check their timestamps against the stream)."""
+    made: list[EngineRequest] = []
+    original = serving.make_children
+
+    def make_children(*args: Any, **kwargs: Any) -> list[EngineRequest]:
+        reqs = original(*args, **kwargs)
+        made.extend(reqs)
+        return reqs
+
+    serving.make_children = make_children  # type: ignore[method-assign]
+    return made
+
+
+async def read_sse(stream: AsyncIterator[str], on_chunk: Callable[[dict[str, Any]], None] | None = None,
+                   ) -> list[dict[str, Any]]:
+    """Parse the SSE lines into chunks; `on_chunk` runs as each one arrives. Checks the [DONE] terminator."""
+    chunks, done = [], False
+    async for line in stream:
+        assert line.startswith("data: ") and line.endswith("\n\n") and not done
+        payload = line[6:].strip()
+        if payload == "[DONE]":
+            done = True
+            continue
+        chunk = json.loads(payload)
+        if on_chunk is not None:
+            on_chunk(chunk)
+        chunks.append(chunk)
+    assert done
+    return chunks
+
+
+def wait_kv_baseline(ae: AsyncEngine, timeout: float = 10.0) -> KVSnapshot:
+    deadline = time.monotonic() + timeout
+    while (snap := ae.kv_snapshot).num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return snap
+
+
+def test_completion_n_and_prompts_collected(aengine: AsyncEngine) -> None:
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    body = CompletionRequest(prompt=["Hello there", "Once upon"], n=2, max_tokens=4, ignore_eos=True, seed=1,
+                             return_timings=True, logprobs=2)
+    resp = asyncio.run(serving.create_completion(body, RequestContext(tenant="t")))
+    assert isinstance(resp, dict)
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2, 3]
+    assert all(len(c["logprobs"]["tokens"]) == 4 and c["finish_reason"] == "length" for c in resp["choices"])
+    assert resp["usage"]["completion_tokens"] == 16
+    assert [t["index"] for t in resp["pdserve_timings"]] == [0, 1, 2, 3]
+    assert all(t["ttft"] > 0 for t in resp["pdserve_timings"])
+
+
+def test_chat_stream_role_chunk_comes_with_first_token(aengine: AsyncEngine) -> None:
+    """Each choice's role chunk is its first chunk and goes out only once that choice has its first token."""
+    serving = OpenAIServingChat(aengine, MODEL)
+    reqs = capture_children(serving)
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Tell me a story " * 20}], n=2, max_tokens=5,
+                                 ignore_eos=True, stream=True, stream_options={"include_usage": True},
+                                 return_timings=True)
+    seen: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        for ch in chunk["choices"]:
+            if not seen[ch["index"]]:  # this choice's first chunk
+                assert reqs[ch["index"]].times.first_token is not None, "chunk sent before the first token"
+            seen[ch["index"]].append(ch)
+
+    async def run() -> list[dict[str, Any]]:
+        stream = await serving.create_chat_completion(body, RequestContext())
+        assert not isinstance(stream, dict)
+        return await read_sse(stream, on_chunk)
+
+    chunks = asyncio.run(run())
+    for choice_chunks in seen.values():
+        assert choice_chunks[0]["delta"] == {"role": "assistant", "content": ""}
+        assert sum("role" in ch["delta"] for ch in choice_chunks) == 1
+        assert choice_chunks[-1]["finish_reason"] == "length"
+        assert "".join(ch["delta"].get("content", "") for ch in choice_chunks)
+    last = chunks[-1]  # usage and timings ride on one final chunk without choices
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    assert [t["index"] for t in last["pdserve_timings"]] == [0, 1]
+    assert wait_kv_baseline(aengine).num_used_blocks == 0
+
+
+def test_completion_stream_echo_goes_with_first_token(aengine: AsyncEngine) -> None:
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    reqs = capture_children(serving)
+    body = CompletionRequest(prompt="Hello there " * 30, max_tokens=3, ignore_eos=True, stream=True, echo=True)
+    firsts: list[dict[str, Any]] = []
+
+    def on_chunk(chunk: dict[str, Any]) -> None:
+        if not firsts:
+            assert reqs[0].times.first_token is not None, "echo sent before the first token"
+            firsts.append(chunk)
+
+    async def run() -> list[dict[str, Any]]:
+        stream = await serving.create_completion(body, RequestContext())
+        assert not isinstance(stream, dict)
+        return await read_sse(stream, on_chunk)
+
+    chunks = asyncio.run(run())
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert firsts[0]["choices"][0]["text"].startswith("Hello there " * 30) and len(text) > len("Hello there " * 30)
+
+
+def test_rejected_and_failed_requests_carry_codes(aengine: AsyncEngine) -> None:
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", max_tokens=600), RequestContext()))
+    assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", "max_tokens")
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", model="other"), RequestContext()))
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+
+    engine = aengine.engine
+    original = engine.make_request
+
+    def poisoned(*args: Any, **kwargs: Any) -> Any:
+        req = original(*args, **kwargs)
+
+        def boom(*_: Any, **__: Any) -> None:
+            raise RuntimeError("poisoned request")
+
+        req.detokenizer.update = boom  # type: ignore[union-attr, method-assign]
+        return req
+
+    engine.make_request = poisoned  # type: ignore[method-assign]
+    try:
+        with pytest.raises(APIError) as e:
+            asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", max_tokens=3), RequestContext()))
+        assert (e.value.status, e.value.code) == (500, "postprocess_failed")
+
+        async def stream() -> list[dict[str, Any]]:
+            s = await serving.create_completion(CompletionRequest(prompt="hi", max_tokens=3, stream=True),
+                                                RequestContext())
+            assert not isinstance(s, dict)
+            return await read_sse(s)
+
+        assert [c["error"]["code"] for c in asyncio.run(stream())] == ["postprocess_failed"]
+    finally:
+        engine.make_request = original  # type: ignore[method-assign]
+    assert wait_kv_baseline(aengine).num_used_blocks == 0
+
+
+def test_client_gone_while_collecting_aborts(aengine: AsyncEngine) -> None:
+    serving = OpenAIServingCompletion(aengine, MODEL)
+
+    async def gone() -> bool:
+        return True
+
+    body = CompletionRequest(prompt="Once upon a time", max_tokens=400, ignore_eos=True)
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.create_completion(body, RequestContext(is_disconnected=gone)))
+    assert e.value.status == 499
+    deadline = time.monotonic() + 10
+    while aengine.num_unfinished and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert aengine.num_unfinished == 0
+    snap = wait_kv_baseline(aengine)
+    assert snap.num_used_blocks == 0 and snap.num_requests_holding_blocks == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.num_used_blocks = 1  # type: ignore[misc]
