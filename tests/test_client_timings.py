@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import ServerProc, start_server
+from pdserve.launch import ServerProc, start_server
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"

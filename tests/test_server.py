@@ -257,6 +257,7 @@ def test_metrics_match_requests(server: ServerProc, client: openai.OpenAI) -> No
         assert delta(f"pdserve:step_mfu_count{{step_kind={kind}}}") == (3 if kind == "prefill" else 4 + 5 + 6)
     # the server measured or probed this machine's peaks at start: how high they read depends on how busy it was
     assert after["pdserve:device_peak_flops"] > 0 and after["pdserve:device_peak_bandwidth_bytes"] > 0
+    assert any(k.startswith("pdserve:device_peaks_info{") for k in after)  # where the peaks came from
     # one JSON log line per request with the tenant and phase times
     lines = [json.loads(ln.split("pdserve.requests: ", 1)[1]) for ln in server.log().splitlines()
              if "pdserve.requests: " in ln]

@@ -33,8 +33,8 @@ class ServerConfig:
 
 def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
     metrics = Metrics(cfg.served_model_name)
-    if engine.roofline.device is not None:
-        metrics.set_peaks(engine.roofline.peak_flops, engine.roofline.device.mem_bandwidth)
+    if (dev := engine.roofline.device) is not None:
+        metrics.set_peaks(engine.roofline.peak_flops, dev.mem_bandwidth, dev)
     aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests, engine_thread)
     if engine.kv_transfer is not None:  # PD disaggregation role: KV hand-off metrics
         from pdserve.disagg.metrics import KVTransferMetrics
