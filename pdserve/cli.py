@@ -83,7 +83,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from pdserve.config import parse_dtype
-    from pdserve.model.loader import convert_gguf_to_hf, resolve_model_path
+    from pdserve.model.convert import convert_gguf_to_hf
+    from pdserve.model.loader import resolve_model_path
 
     src = resolve_model_path(args.gguf)
     convert_gguf_to_hf(src, args.out_dir, dtype=parse_dtype(args.dtype))

@@ -23,12 +23,12 @@ from gguf import GGMLQuantizationType as Q
 
 from pdserve.config import ModelArchConfig
 from pdserve.model import loader
+from pdserve.model.convert import convert_gguf_to_hf
 from pdserve.model.loader import (
     DEFAULT_GGUF_FILE,
     INSTALL_HINT,
     LoadedModel,
     ModelNotFoundError,
-    convert_gguf_to_hf,
     load_gguf,
     load_hf_dir,
     load_model,
