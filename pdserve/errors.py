@@ -14,7 +14,8 @@ class ErrorCode(enum.StrEnum):
     INVALID_PROMPT = "invalid_prompt"  # empty, token ids out of the vocabulary, over the per-step budget
     INVALID_PARAMETER = "invalid_parameter"  # a sampling or request value the model cannot honour
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len or the KV cache
-    MODEL_STEP_FAILED = "model_step_failed"  # the forward pass or the sampler raised for this request's step
+    MODEL_STEP_FAILED = "model_step_failed"  # the forward pass raised for this request's step
+    SAMPLING_FAILED = "sampling_failed"  # sampling this request's row raised (its neighbours were sampled)
     POSTPROCESS_FAILED = "postprocess_failed"  # detokenizing or stop checks raised for this request
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # PD disaggregation: pulling the prompt's KV failed
 

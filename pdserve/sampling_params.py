@@ -1,8 +1,25 @@
-"""Per-request sampling options, in vLLM's shape and meaning."""
+"""Per-request sampling options, in vLLM's shape and meaning.
+
+`SamplingParams` validates everything that needs no model (types, ranges, sizes) and raises `ValueError` naming
+the field: a `RequestRejected`, so callers also get `param` and `code` without reading the message. The engine
+checks what depends on the model (token ids against the vocabulary, `LLMEngine._validate`).
+Sizes are bounded so that one request cannot make every step of the batch it shares slow.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from pdserve.errors import ErrorCode, RequestRejected
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; the sampler clamps top_k to the vocabulary
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds, as vLLM (int64)
 
 
 @dataclass
@@ -25,6 +42,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the sampled token; None: off
     prompt_logprobs: None = None  # not supported; kept for vLLM signature compatibility
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # OpenAI: token id -> bias added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,24 +50,87 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _check_finite(name, getattr(self, name))
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs"):
+            _check_int(name, getattr(self, name))
         checks = [
-            (self.n >= 1, "n must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be -1, 0 (disabled) or positive"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (self.min_tokens >= 0, "min_tokens must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.n >= 1, "n", "n must be >= 1"),
+            (self.temperature >= 0, "temperature", "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (0 <= self.top_k <= MAX_TOP_K, "top_k", f"top_k must be -1, 0 (disabled) or in [1, {MAX_TOP_K}]"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "min_tokens must be <= max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
+            # sample j of n is seeded with seed + j (LLMEngine.make_requests): all of them must be valid seeds
+            (self.seed is None or SEED_MIN <= self.seed and self.seed + self.n - 1 <= SEED_MAX, "seed",
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}] (seed + n - 1 too)"),
         ]
-        for ok, msg in checks:
+        for ok, name, msg in checks:
             if not ok:
-                raise ValueError(msg)
+                raise _invalid(name, msg)
+        self._check_stops()
+
+    def _check_stops(self) -> None:
+        if not all(isinstance(s, str) for s in self.stop):
+            raise _invalid("stop", "stop must be a string or a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise _invalid("stop", f"stop may have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise _invalid("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise _invalid("stop_token_ids", f"stop_token_ids may have at most {MAX_STOP_TOKEN_IDS} entries, "
+                             f"got {len(self.stop_token_ids)}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise _invalid("stop_token_ids", "stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+
+def _invalid(param: str, message: str) -> RequestRejected:
+    return RequestRejected(message, param, ErrorCode.INVALID_PARAMETER)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(name: str, x: object) -> None:
+    if x is not None and not _is_int(x):
+        raise _invalid(name, f"{name} must be an integer")
+
+
+def _check_finite(name: str, x: object) -> None:
+    # NaN fails every range check below by accident; Infinity would pass some (temperature >= 0)
+    if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+        raise _invalid(name, f"{name} must be a finite number")
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """Validated copy with int keys: JSON objects (OpenAI's logit_bias) have string keys such as "1234"."""
+    if not isinstance(bias, dict):
+        raise _invalid("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _invalid("logit_bias", f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        tid = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        if not _is_int(tid) or tid < 0:
+            raise _invalid("logit_bias", f"logit_bias keys must be non-negative token ids, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                or abs(v) > LOGIT_BIAS_LIMIT:
+            raise _invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {v!r} for token "
+                           f"{tid}")
+        out[tid] = float(v)
+    return out

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, root_hash
 from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
 
 BS = 4
 
 
-def make_request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(), eos_token_ids={2}, max_tokens=8)
+def make_request(rid: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(rid, tokens, SamplingParams(), eos_token_ids={2}, max_tokens=8, cache_salt=cache_salt)
 
 
 def admit(bm: BlockManager, req: Request) -> bool:
@@ -123,6 +125,38 @@ def test_two_requests_share_prefix_blocks() -> None:
     bm.check_integrity()
     bm.free("b")
     assert bm.is_at_baseline()
+
+
+def test_cache_salt_isolates_prefixes() -> None:
+    """Different salts never share blocks (a tenant cannot probe another's prompts via cached_tokens); the same
+    salt still shares, and no salt is a salt of its own."""
+    bm = BlockManager(32, BS)
+    prompt = list(range(13))  # 3 full blocks
+    assert admit(bm, make_request("a", prompt, cache_salt="tenant-a"))
+    assert bm.get_computed_blocks(make_request("b", prompt, cache_salt="tenant-b"))[1] == 0
+    assert bm.get_computed_blocks(make_request("n", prompt))[1] == 0
+    assert bm.get_computed_blocks(make_request("a2", prompt, cache_salt="tenant-a"))[1] == 12
+    assert admit(bm, make_request("n2", prompt))  # unsalted copy: its own blocks
+    assert bm.get_computed_blocks(make_request("s", prompt, cache_salt="租户甲"))[1] == 0
+    assert bm.get_computed_blocks(make_request("n3", prompt))[1] == 12
+    assert not set(bm.get_block_ids("a")) & set(bm.get_block_ids("n2"))
+    bm.free("a")
+    bm.free("n2")
+    assert bm.is_at_baseline()
+    bm.check_integrity()
+
+
+def test_block_hashes_are_stable_across_processes() -> None:
+    """PD instances and restarts must agree on hashes: no str or None hashing (randomized per process)."""
+    import subprocess
+    import sys
+
+    code = ("from pdserve.engine.block_manager import hash_block, root_hash; "
+            "print(hash_block(root_hash(None), (1, 2)), hash_block(root_hash('盐'), (1, 2)))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outs) == 1
+    assert root_hash(None) == 0 and root_hash("a") != root_hash("b") and root_hash("a") != 0
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -369,3 +369,21 @@ def test_per_token_cost(tok: Any) -> None:
     us = (time.perf_counter() - t0) / len(out) * 1e6
     print(f"\nper-token update+get_delta: {us:.1f} us")
     assert us < 500  # generous: shared CI cores
+
+
+def test_many_long_stop_strings_match_and_stay_cheap(tok: Any) -> None:
+    """The largest stop list SamplingParams allows (64 strings x 1024 characters) costs O(total stop characters)
+    per token at worst: near-misses ending in common characters, duplicates, and the real stop listed last."""
+    from pdserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+    text = "The quick brown fox jumps over the lazy dog. 你好，世界！" * 12 + " STOP here"
+    near = ["e" * (MAX_STOP_STRING_CHARS - 1) + c for c in "e o,!。界好"]
+    stops = (near * MAX_STOP_STRINGS)[: MAX_STOP_STRINGS - 2] + ["世界！ STOP", "STOP"]
+    out = enc(tok, text)
+    t0 = time.perf_counter()
+    d, deltas, s = stream(tok, enc(tok, "Q:"), out, stop=stops)
+    elapsed = time.perf_counter() - t0
+    # both listed last; "世界！ STOP" starts earlier, so it wins
+    assert s == "世界！ STOP" and d.output_text == text[: text.index("世界！ STOP")] == "".join(deltas)
+    assert len(d.stop) == len(near) + 2  # duplicates searched once
+    assert elapsed < 0.05 * len(out)  # generous: ~50 us per token in practice; guards against superlinear blowups

@@ -158,3 +158,106 @@ def test_invalid_sampling_params() -> None:
                dict(min_tokens=5, max_tokens=2), dict(logprobs=50), dict(presence_penalty=3)]:
         with pytest.raises(ValueError):
             SamplingParams(**kw)
+
+
+# ---------------------------------------------------------------- abuse: validation, isolation, logit_bias
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(top_k=2**63), "top_k"), (dict(top_k=1.5), "top_k"), (dict(seed=2**70), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"), (dict(seed=2**63 - 1, n=2), "seed"), (dict(stop=["x"] * 65), "stop"),
+    (dict(stop=["长" * 1025]), "stop"), (dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={i: 1 for i in range(1025)}), "logit_bias"),
+])
+def test_sampling_params_bounds_name_the_field(kw: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_limits_accepted() -> None:
+    p = SamplingParams(stop=["停" * 1024] * 64, seed=2**63 - 1, top_k=2**31 - 1, logit_bias={"7": -100, 8: 100.0})
+    assert p.logit_bias == {7: -100.0, 8: 100.0}  # JSON object keys arrive as strings
+
+
+def test_engine_rejects_token_ids_outside_vocab(make_llm: Any) -> None:
+    from pdserve.errors import ErrorCode, RequestRejected
+
+    engine = make_llm().engine
+    vocab = engine.arch.vocab_size
+    for kw, param in [(dict(min_tokens=1, stop_token_ids=[vocab + 5]), "stop_token_ids"),
+                      (dict(stop_token_ids=[vocab]), "stop_token_ids"), (dict(logit_bias={vocab: 5}), "logit_bias")]:
+        with pytest.raises(RequestRejected) as e:
+            engine.make_request(PROMPT, SamplingParams(**kw))
+        assert e.value.param == param and e.value.code == ErrorCode.INVALID_PARAMETER and str(vocab) in str(e.value)
+
+
+def test_row_whose_sampling_raises_fails_alone() -> None:
+    """Fault injection below validation: rows the sampler cannot handle (top_k beyond int64, a banned id outside
+    the vocabulary) fail alone; the other rows get the tokens they get without them, seeded draws included."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 3
+    good = [_req([], temperature=0), _req([], temperature=0.8, seed=3), _req([], temperature=0.7, top_k=5, seed=4)]
+    bad_top_k = _req([], temperature=1.0)
+    bad_top_k.sampling_params.top_k = 2**63  # what validation now refuses
+    bad_banned = _req([], temperature=0, min_tokens=1, stop_token_ids=[55])
+    alone = Sampler()(logits[[0, 2, 4]].clone(), make_sampling_metadata(good)).token_ids
+    for g in good:  # the same generator states again
+        if g.generator is not None:
+            g.generator.manual_seed(g.sampling_params.seed)
+    before = logits.clone()
+    out = Sampler()(logits, make_sampling_metadata([good[0], bad_top_k, good[1], bad_banned, good[2]]))
+    assert torch.equal(logits, before)  # never modified: the per-row fallback samples the original logits
+    assert [out.token_ids[i] for i in (0, 2, 4)] == alone
+    assert out.errors[0] is None and out.errors[2] is None and out.errors[4] is None
+    assert out.errors[1] and out.errors[3] and out.token_ids[1] == out.token_ids[3] == -1
+
+
+def test_engine_fails_only_the_row_whose_sampling_raises(make_llm: Any) -> None:
+    from pdserve.errors import ErrorCode
+
+    llm = make_llm()
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [PROMPT, "你好，世界！请介绍一下你自己。", "The quick brown fox"]
+    alone = [_text(llm, p, temperature=0, max_tokens=6, ignore_eos=True).token_ids for p in prompts]
+    engine = llm.engine
+    vocab = engine.arch.vocab_size
+    bad = engine.make_request("poison", SamplingParams(max_tokens=6, min_tokens=2), request_id="bad")
+    bad.sampling_params.stop_token_ids = [vocab + 5]  # bypasses the validation the server relies on
+    reqs = [engine.add_request(p, greedy, request_id=f"good-{i}") for i, p in enumerate(prompts)]
+    engine.add_request(bad)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].error_code == ErrorCode.SAMPLING_FAILED and "sampling failed" in (finals["bad"].error or "")
+    assert [finals[r.request_id].outputs[0].token_ids for r in reqs] == alone
+    assert engine.block_manager.is_at_baseline()
+
+
+def test_logit_bias_steers_greedy_and_sampling(make_llm: Any) -> None:
+    llm = make_llm()
+    kw: dict[str, Any] = dict(max_tokens=8, ignore_eos=True)
+    greedy = _text(llm, PROMPT, temperature=0, **kw).token_ids
+    target = 12345
+    assert target not in greedy
+    assert _text(llm, PROMPT, temperature=0, logit_bias={target: 100}, **kw).token_ids == [target] * 8
+    assert _text(llm, PROMPT, temperature=1.0, seed=1, logit_bias={str(target): 100}, **kw).token_ids == [target] * 8
+    banned = {t: -100.0 for t in set(greedy)}
+    out = _text(llm, PROMPT, temperature=0, logit_bias=banned, **kw).token_ids
+    assert not set(out) & set(greedy)
+    sampled = _text(llm, PROMPT, temperature=1.0, seed=2, logit_bias={greedy[0]: -100}, max_tokens=1).token_ids
+    assert sampled != greedy[:1]
+    assert llm.engine.block_manager.is_at_baseline()
+
+
+def test_logit_bias_applies_before_penalties_and_min_tokens() -> None:
+    logits = torch.tensor([[0.0, 0.0, 10.0, 1.0]])
+    md = make_sampling_metadata([_req([], temperature=0, min_tokens=1, logit_bias={2: 50, 0: 20})])
+    assert Sampler()(logits, md).token_ids == [0]  # EOS (2) still banned below min_tokens; 0 now wins
+    md = make_sampling_metadata([_req([0], temperature=0, frequency_penalty=2, logit_bias={0: 3, 3: 1})])
+    assert Sampler()(torch.tensor([[0.0, 0.0, -5.0, 0.5]]), md).token_ids == [3]  # 0+3-2 = 1 < 0.5+1

@@ -12,12 +12,16 @@ Block states (invariant checked by `check_integrity`):
 
     num_used + len(free_queue) == num_blocks, always.
 
-Prefix hashes are chained over *full* blocks: hash_i = hash((hash_{i-1}, tokens of block i)). A lookup is
-confirmed by comparing the stored parent hash and tokens, so a hash collision can never return wrong K/V.
+Prefix hashes are chained over *full* blocks: hash_i = hash((hash_{i-1}, tokens of block i)), starting from
+hash_{-1} = root_hash(the request's cache_salt). A lookup is confirmed by comparing the stored parent hash and
+tokens, so a hash collision can never return wrong K/V, and requests with different salts never share a block
+(one tenant cannot learn from `cached_tokens` what another sent). Every hash is an int computed from ints only, so
+it is the same in every process (no PYTHONHASHSEED; `hash(None)` is not stable before Python 3.12).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,17 +34,26 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    parent_hash: int | None = None  # hash of the previous block in the chain (None for the first)
+    parent_hash: int | None = None  # hash of the previous block in the chain (root_hash(salt) for the first)
     token_ids: tuple[int, ...] = ()  # tokens of a full, hashed block; used to confirm a hit
 
     def reset_hash(self) -> None:
         self.block_hash, self.parent_hash, self.token_ids = None, None, ()
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     # ints and tuples of ints hash identically in every Python process (no PYTHONHASHSEED), which keeps
     # hashes comparable across instances for KV hand-off.
     return hash((parent_hash, tuple(token_ids)))
+
+
+def root_hash(cache_salt: str | None) -> int:
+    """The parent hash of a request's first block: 0 without a salt, else a stable digest of the salt (str
+    hashes are randomized per process, so not hash(salt))."""
+    if cache_salt is None:
+        return 0
+    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1  # never 0, the unsalted root
 
 
 @dataclass
@@ -91,7 +104,7 @@ class BlockManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        parent: int | None = None
+        parent = root_hash(request.cache_salt)
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash_block(parent, chunk)
@@ -112,7 +125,9 @@ class BlockManager:
         blocks = self.req_blocks.get(rid, [])
         n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         done = self.req_num_hashed.get(rid, 0)
-        parent = blocks[done - 1].block_hash if done > 0 else None
+        prev = blocks[done - 1].block_hash if done > 0 else root_hash(request.cache_salt)
+        assert prev is not None  # the first `done` blocks are hashed
+        parent: int = prev
         tokens = request.all_token_ids
         for i in range(done, n_full):
             blk = blocks[i]

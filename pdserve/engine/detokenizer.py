@@ -20,7 +20,8 @@ bound while the decode keeps ending in U+FFFD (a model emitting invalid bytes). 
 which is equivalent chunk-for-chunk on well-formed text (checked in tests) and adds both.
 
 Stop strings are searched only in confirmed text, and only in the region new text could have completed: the
-last ``max_stop_len - 1`` confirmed characters plus the new text. Streaming (``get_delta``) holds back that
+last ``max_stop_len - 1`` confirmed characters plus the new text, and only those ending with a character of the
+new text. Streaming (``get_delta``) holds back that
 many trailing characters, so no part of a stop string is ever streamed (unless include_stop_str_in_output).
 """
 
@@ -74,7 +75,13 @@ class IncrementalDetokenizer:
         # the text must not be cut either); occurrences completed earlier are not matched later (as vLLM).
         self.min_tokens = min_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.stop: tuple[str, ...] = tuple(s for s in stop if s)  # "" would match everywhere
+        # "" would match everywhere; duplicates would only cost time (the first listed wins ties anyway)
+        self.stop: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
+        # An occurrence completed by new text ends with one of its characters: index the strings by last
+        # character, so a step only searches the strings that can end there.
+        self._stop_by_last: dict[str, list[int]] = {}
+        for i, s in enumerate(self.stop):
+            self._stop_by_last.setdefault(s[-1], []).append(i)
         max_stop_len = max((len(s) for s in self.stop), default=0)
         # Characters of confirmed text that may still be the start of a stop string.
         self._stop_ctx_len = max(max_stop_len - 1, 0)
@@ -207,7 +214,11 @@ class IncrementalDetokenizer:
             ctx = self._stop_ctx
             region = ctx + new
             best_i, best_s = -1, ""
-            for s in self.stop:
+            # Cost per call: O(len(new)) plus, per candidate s, a find over len(s) - 1 + len(new) characters:
+            # at most O(total stop characters) per new token, whatever the number of stop strings.
+            candidates = sorted({k for c in set(new) for k in self._stop_by_last.get(c, ())})
+            for k in candidates:  # in listed order
+                s = self.stop[k]
                 # An occurrence must end inside `new` (older ones were found earlier).
                 i = region.find(s, max(0, len(ctx) - len(s) + 1))
                 if i != -1 and (best_i == -1 or i < best_i):  # earliest start wins; ties: first listed

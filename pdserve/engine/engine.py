@@ -133,30 +133,34 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Tokenize and validate; raises RequestRejected if the request can never be served. Touches no engine
-        state, so a server thread may call it while the engine thread steps."""
+        state, so a server thread may call it while the engine thread steps. `cache_salt`: see make_requests."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
-        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time)
+        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time,
+                      cache_salt=cache_salt)
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         return req
 
     def make_requests(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
-                      arrival_time: float | None = None) -> list[Request]:
+                      arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:
         """Fan one API request out into its sequences: `params.n` samples of each prompt, ids
         `<parent_id>-<prompt index>-<sample index>`, sample j seeded with `seed + j`. The prefix cache shares the
-        samples' prompt blocks. Raises RequestRejected for the first child that can never be served."""
+        samples' prompt blocks. `cache_salt` (vLLM's request field): prefix-cache blocks are shared only with
+        requests of the same salt. Raises RequestRejected for the first child that can never be served."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestRejected("cache_salt must be a non-empty string", "cache_salt", ErrorCode.INVALID_PARAMETER)
         reqs = []
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
                 child = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + j)
-                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time)
+                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time, cache_salt)
                 req.parent_id, req.prompt_index, req.sample_index = parent_id, i, j
                 reqs.append(req)
         return reqs
@@ -180,6 +184,7 @@ class LLMEngine:
             raise RequestRejected(f"the prompt has {n} tokens; this model's maximum context length is {limit} "
                                   f"tokens, which must also hold at least one output token", "prompt",
                                   ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        self._validate_sampling(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         if n + max_tokens > limit:
             raise RequestRejected(f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
@@ -195,6 +200,16 @@ class LLMEngine:
                                   f"max_num_batched_tokens={self.config.max_num_batched_tokens}", "prompt",
                                   ErrorCode.INVALID_PROMPT)
         return max_tokens
+
+    def _validate_sampling(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check without the model: token ids must index its logits (the sampler
+        would raise for the whole batch otherwise)."""
+        vocab = self.arch.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(f"{name} has token id {bad[0]}, outside this model's vocabulary [0, {vocab})",
+                                      name, ErrorCode.INVALID_PARAMETER)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests as aborted and free their blocks at once."""
@@ -240,7 +255,7 @@ class LLMEngine:
             failed = [self._fail(r, f"model step failed: {exc!r}", ErrorCode.MODEL_STEP_FAILED) for r in reqs]
             stats.duration = time.perf_counter() - t0
             return StepResult(kv_failed + failed, stats)
-        outs = kv_failed + self._postprocess(sched, reqs, sampled.token_ids, sampled.logprobs)
+        outs = kv_failed + self._postprocess(sched, reqs, sampled.token_ids, sampled.logprobs, sampled.errors)
         stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
         self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
@@ -248,8 +263,10 @@ class LLMEngine:
         return StepResult(outs, stats)
 
     def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
-                     logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
-        """reqs[i] is sched.scheduled_reqs[i]; tokens and logprobs are per sampled request, in that order."""
+                     logprobs: list[TokenLogprobs | None],
+                     sample_errors: list[str | None] | None = None) -> list[RequestOutput]:
+        """reqs[i] is sched.scheduled_reqs[i]; tokens, logprobs and sample_errors (None or empty: none failed)
+        are per sampled request, in that order."""
         now = time.perf_counter()
         for req, d in zip(reqs, sched.scheduled_reqs):
             if not is_decode(req, d.num_scheduled_tokens):
@@ -257,8 +274,12 @@ class LLMEngine:
             req.num_computed_tokens += d.num_scheduled_tokens
             self.block_manager.cache_full_blocks(req)
         sampled = [req for req, d in zip(reqs, sched.scheduled_reqs) if d.sample]
+        errors = sample_errors or [None] * len(sampled)
         outs = []
-        for req, tok, lp in zip(sampled, tokens, logprobs):
+        for req, tok, lp, err in zip(sampled, tokens, logprobs, errors):
+            if err is not None:  # only this row's sampling raised; its neighbours got their tokens
+                outs.append(self._fail(req, f"sampling failed: {err}", ErrorCode.SAMPLING_FAILED))
+                continue
             try:
                 outs.append(self._append_token(req, tok, lp, now))
             except Exception as exc:  # e.g. a detokenizer failure: fail this request only

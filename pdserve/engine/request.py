@@ -48,8 +48,10 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, prompt: str | None = None,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         self.request_id = request_id
+        # prefix-cache isolation: blocks are shared only between requests with the same salt (BlockManager)
+        self.cache_salt = cache_salt
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -48,6 +48,7 @@ def make_sampling_metadata(requests: Sequence[Request]) -> SamplingMetadata:
         md.banned_token_ids.append(banned)
         md.prompt_token_ids.append(r.prompt_token_ids)
         md.output_token_ids.append(r.output_token_ids)
+        md.logit_bias.append(p.logit_bias)
     return md
 
 

@@ -8,7 +8,7 @@ per-request state, so every step carries each scheduled request's block_table an
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -56,10 +56,15 @@ class SamplingMetadata:
     banned_token_ids: list[list[int]] = field(default_factory=list)  # masked while below min_tokens
     prompt_token_ids: list[list[int]] = field(default_factory=list)  # for the repetition penalty
     output_token_ids: list[list[int]] = field(default_factory=list)  # for all penalties
+    logit_bias: list[dict[int, float] | None] = field(default_factory=list)  # token id -> bias; None: none
 
     @property
     def num_rows(self) -> int:
         return len(self.temperature)
+
+    def row(self, i: int) -> SamplingMetadata:
+        """Row i alone (aliasing the same lists and generator): the sampler's per-row fallback."""
+        return SamplingMetadata(**{f.name: getattr(self, f.name)[i:i + 1] for f in fields(self)})
 
     @property
     def no_penalties(self) -> bool:

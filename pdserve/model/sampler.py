@@ -1,4 +1,4 @@
-"""Batched sampling on tensors: penalties, min_tokens, temperature, top-k/p, min-p, seeds, logprobs.
+"""Batched sampling on tensors: logit_bias, penalties, min_tokens, temperature, top-k/p, min-p, seeds, logprobs.
 
 Each step samples one token for every request whose last pending token was computed. All rows are processed as
 one [B, vocab] tensor; only the random draws of seeded rows use their own `torch.Generator`, so a seeded request
@@ -9,19 +9,23 @@ slower on a 49k vocabulary). The per-row options come as a SamplingMetadata the 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pdserve.model.inputs import SamplingMetadata
 from pdserve.outputs import TokenLogprobs
 
+logger = logging.getLogger("pdserve.sampler")
+
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # -1 for a row that failed
     logprobs: list[TokenLogprobs | None]
+    errors: list[str | None] = field(default_factory=list)  # per row, why it failed (None: ok); empty: all ok
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
@@ -77,16 +81,53 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits: float32 [B, vocab], row i described by row i of `md`."""
+        """logits: float32 [B, vocab], row i described by row i of `md`; never modified.
+
+        One request's options must not fail its neighbours: if the batched pass raises, every row is sampled
+        alone (seeded rows from their generator state before the failed pass) and only the rows that raise again
+        fail, reported in `SamplerOutput.errors`."""
+        states = [g.get_state() if g is not None else None for g in md.generators]
+        try:
+            return self._sample(logits, md)
+        except Exception:  # noqa: BLE001 - isolated per row below
+            logger.exception("batched sampling failed; sampling %d rows one by one", md.num_rows)
+            return self._sample_rows(logits, md, states)
+
+    def _sample_rows(self, logits: torch.Tensor, md: SamplingMetadata,
+                     states: list[torch.Tensor | None]) -> SamplerOutput:
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        errors: list[str | None] = []
+        for i in range(md.num_rows):
+            gen, state = md.generators[i], states[i]
+            if gen is not None and state is not None:
+                gen.set_state(state)
+            try:
+                one = self._sample(logits[i:i + 1], md.row(i))
+            except Exception as exc:  # noqa: BLE001 - this row fails, the others keep their token
+                tokens.append(-1)
+                logprobs.append(None)
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            tokens.append(one.token_ids[0])
+            logprobs.append(one.logprobs[0])
+            errors.append(None)
+        return SamplerOutput(tokens, logprobs, errors)
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         want_logprobs = any(n is not None for n in md.num_logprobs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # as vLLM: before any processing
 
+        bias_rows = [(i, b) for i, b in enumerate(md.logit_bias) if b]
+        banned_rows = [(i, b) for i, b in enumerate(md.banned_token_ids) if b]
+        if bias_rows or banned_rows or not md.no_penalties:
+            logits = logits.clone()  # the caller's logits stay intact for the per-row fallback
+        for i, bias in bias_rows:  # OpenAI logit_bias: added before everything else
+            logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
         if not md.no_penalties:
-            logits = logits.clone()
             apply_penalties(logits, md)
-        for i, banned in enumerate(md.banned_token_ids):
-            if banned:
-                logits[i, banned] = float("-inf")
+        for i, banned in banned_rows:
+            logits[i, banned] = float("-inf")
 
         tokens = logits.argmax(-1)
         rows = [i for i, g in enumerate(md.greedy) if not g]
