@@ -153,3 +153,27 @@ def test_eos_stops_unless_ignored(make_llm: Any, tiny_hf_model: Any) -> None:
     assert out.finish_reason == "stop" and out.token_ids[-1] == eos and out.stop_reason is None
     out = llm.generate(ids(12), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+def test_cache_salt_isolates_prefix_hits_end_to_end(make_llm: Any) -> None:
+    """make_requests(cache_salt=...): a prompt cached under one salt is a miss under another salt or none, a hit
+    under the same salt, and the salted output equals the unsalted one (the salt changes sharing, not results)."""
+    eng = make_llm().engine
+    prompt = ids(100)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def run(salt: str | None, tag: str) -> Any:
+        for r in eng.make_requests([prompt], params, tag, cache_salt=salt):
+            eng.add_request(r)
+        return [o for o in drain(eng) if o.finished][0]
+
+    first = run("tenant-a", "a1")
+    assert first.num_cached_tokens == 0
+    assert run("tenant-b", "b1").num_cached_tokens == 0
+    assert run(None, "n1").num_cached_tokens == 0
+    again = run("tenant-a", "a2")
+    assert again.num_cached_tokens >= 96 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    for bad in ("", 5):
+        with pytest.raises(RequestRejected) as e:
+            eng.make_requests([prompt], params, "x", cache_salt=bad)  # type: ignore[arg-type]
+        assert e.value.param == "cache_salt"

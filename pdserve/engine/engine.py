@@ -133,15 +133,14 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+                     arrival_time: float | None = None) -> Request:
         """Tokenize and validate; raises RequestRejected if the request can never be served. Touches no engine
-        state, so a server thread may call it while the engine thread steps. `cache_salt`: see make_requests."""
+        state, so a server thread may call it while the engine thread steps."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
-        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time,
-                      cache_salt=cache_salt)
+        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time)
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
@@ -160,8 +159,9 @@ class LLMEngine:
             for j in range(params.n):
                 child = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + j)
-                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time, cache_salt)
+                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time)
                 req.parent_id, req.prompt_index, req.sample_index = parent_id, i, j
+                req.cache_salt = cache_salt  # set before the scheduler first looks the prompt up
                 reqs.append(req)
         return reqs
 
