@@ -17,6 +17,8 @@ class ErrorCode(enum.StrEnum):
     MODEL_STEP_FAILED = "model_step_failed"  # the forward pass or the sampler raised for this request's step
     POSTPROCESS_FAILED = "postprocess_failed"  # detokenizing or stop checks raised for this request
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # PD disaggregation: pulling the prompt's KV failed
+    # PD disaggregation: kv_transfer_params not signed by a trusted router, or naming a peer off the allow-list
+    KV_TRANSFER_PARAMS_REJECTED = "kv_transfer_params_rejected"
 
 
 class RequestRejected(ValueError):
