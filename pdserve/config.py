@@ -6,6 +6,7 @@ Configs validate themselves in `__post_init__` so a bad option fails at start-up
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, TypeVar
@@ -13,6 +14,8 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+
+KV_TRANSFER_SECRET_ENV = "PDSERVE_KV_TRANSFER_SECRET"  # the environment's kv_transfer_secret (serve and router)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -179,6 +182,12 @@ class EngineConfig:
         "recompute", "decode side, when a KV pull fails: `recompute` from the prompt or `fail` the request")
     kv_transfer_timeout: float = option(
         30.0, "seconds one KV pull may take; also how long a prefill instance pins unclaimed blocks")
+    kv_transfer_secret: str | None = field(default=None, repr=False, metadata={
+        "help": "shared secret of the PD router and its instances: hand-off params count only when the router "
+        "signed them (HMAC); also env `PDSERVE_KV_TRANSFER_SECRET`; never logged"})
+    kv_allowed_peers: str | None = option(
+        None, "hosts a KV pull may connect to: comma-separated IPs, CIDRs, host names, `loopback` or `*`",
+        "`loopback` without a secret, any signed peer with one")
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -203,6 +212,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        self.kv_transfer_secret = self.kv_transfer_secret or os.environ.get(KV_TRANSFER_SECRET_ENV) or None
 
     @property
     def torch_dtype(self) -> torch.dtype:

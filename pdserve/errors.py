@@ -18,6 +18,8 @@ class ErrorCode(enum.StrEnum):
     SAMPLING_FAILED = "sampling_failed"  # sampling this request's row raised (its neighbours were sampled)
     POSTPROCESS_FAILED = "postprocess_failed"  # detokenizing or stop checks raised for this request
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # PD disaggregation: pulling the prompt's KV failed
+    # PD disaggregation: kv_transfer_params not signed by a trusted router, or naming a peer off the allow-list
+    KV_TRANSFER_PARAMS_REJECTED = "kv_transfer_params_rejected"
 
 
 class RequestRejected(ValueError):

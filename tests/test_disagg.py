@@ -303,8 +303,9 @@ def _start_in_ns(ns: str, tmp: Path, cmd: list[str], url: str, name: str, timeou
         probe = f"import httpx,sys; sys.exit(0 if httpx.get('{url}/health', timeout=1).status_code == 200 else 1)"
         return _sh("ip", "netns", "exec", ns, sys.executable, "-c", probe).returncode == 0
 
-    return start_pdserve(tmp, name, cmd, url, timeout, prefix=["ip", "netns", "exec", ns],
-                         env={"NO_PROXY": "*", "no_proxy": "*"}, healthy=healthy)
+    # two hosts: hand-offs need the shared secret (without one an instance pulls only from loopback peers)
+    env = {"NO_PROXY": "*", "no_proxy": "*", "PDSERVE_KV_TRANSFER_SECRET": "netns-test-secret"}
+    return start_pdserve(tmp, name, cmd, url, timeout, prefix=["ip", "netns", "exec", ns], env=env, healthy=healthy)
 
 
 @pytest.mark.parametrize("connector", ["zmq", "nixl"])

@@ -219,3 +219,127 @@ def test_router_pool_picks_least_loaded_with_round_robin_ties() -> None:
     assert pool.pick() is b  # unhealthy instances are skipped while a healthy one is left
     assert pool.pick({a, b}) is c  # ...and used as the last resort
     assert pool.pick({a, b, c}) is None
+
+
+def test_prefill_pool_has_no_last_resort() -> None:
+    from pdserve.disagg.router import Instance, Pool
+
+    a = Instance("a", "prefill", healthy=False)
+    assert Pool("prefill", [a], last_resort=False).pick() is None  # the decode instance computes the prompt
+    assert Pool("decode", [a]).pick() is a
+
+
+# ---- trust: who may hand KV over (pdserve/disagg/trust.py) -------------------------------------------------
+def test_verify_kv_transfer_params() -> None:
+    from pdserve.disagg.trust import KVTransferTrust, PeerAllowList, sign_kv_transfer_params, verify_kv_transfer_params
+    from pdserve.errors import ErrorCode, RequestRejected
+
+    p = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r",
+         "remote_block_ids": [0, 1], "prompt_hash": "你好"}
+    signed = KVTransferTrust.create("s3cret", None)
+    assert verify_kv_transfer_params(sign_kv_transfer_params(p, "s3cret"), signed)["remote_port"] == 5600
+    assert signed.verify({"do_remote_prefill": False}) == {"do_remote_prefill": False}  # asks for nothing
+    remote = {**p, "remote_host": "10.1.2.3"}
+    assert signed.verify(sign_kv_transfer_params(remote, "s3cret"))  # a signed peer: the router vouches for it
+    bad = [p, sign_kv_transfer_params(p, "other"), {**sign_kv_transfer_params(p, "s3cret"), "remote_port": 6000},
+           sign_kv_transfer_params({"do_remote_decode": True}, "other")]
+    for params in bad:
+        with pytest.raises(RequestRejected) as exc:
+            signed.verify(params)
+        assert exc.value.code == ErrorCode.KV_TRANSFER_PARAMS_REJECTED and exc.value.param == "kv_transfer_params"
+    unsigned = KVTransferTrust.create(None, None)  # loopback only
+    assert unsigned.verify(p) and unsigned.verify({**p, "remote_host": "localhost"})
+    assert unsigned.verify({"do_remote_decode": True})
+    for params in [remote, {**p, "remote_host": "evil.example"}, {**p, "remote_port": "80"},
+                   {**p, "remote_port": 0}, {**p, "remote_block_ids": [-1]}, {**p, "remote_block_ids": "1"},
+                   {**p, "remote_request_id": None}]:
+        with pytest.raises(RequestRejected):
+            unsigned.verify(params)
+    peers = PeerAllowList.parse("10.0.0.0/8, kv-host-1, ::1")
+    assert peers.allows("10.9.9.9") and peers.allows("KV-HOST-1") and peers.allows("[::1]")
+    assert not peers.allows("127.0.0.1") and not peers.allows("11.0.0.1")
+    assert PeerAllowList.parse("*").allows("anything")
+    assert "s3cret" not in signed.describe() and "s3cret" not in repr(EngineConfig(kv_transfer_secret="s3cret"))
+
+
+class ConnectRecorder:
+    """A TCP listener that accepts and counts connections and never answers (a forged `remote_host:port`)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[Any] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_secret_refuses_unsigned_params_without_connecting(make_engine: Callable[..., LLMEngine]) -> None:
+    from pdserve.disagg.trust import sign_kv_transfer_params
+
+    pre = make_engine(kv_role="prefill", kv_transfer_secret="s3cret")
+    dec = make_engine(kv_role="decode", kv_transfer_secret="s3cret")
+    prompt = PROMPTS[1]
+    # an unsigned do_remote_decode pins nothing
+    req = pre.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), "p-unsigned")
+    req.kv_transfer_params = {"do_remote_decode": True}
+    pre.add_request(req)
+    run(pre, [req])
+    assert pre.block_manager.is_at_baseline() and pre.kv_transfer.num_pinned_blocks == 0
+    # forged do_remote_prefill params: computed here, nothing contacted (no pull, no release)
+    rec = ConnectRecorder()
+    try:
+        forged = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": rec.port,
+                  "remote_request_id": "x", "remote_block_ids": list(range(8))}
+        d = decode(dec, prompt, forged, "d-forged")
+        time.sleep(0.2)
+        assert d.status == RequestStatus.FINISHED_LENGTH and rec.conns == []
+        assert "signature" in (d.kv_transfer_result or {})["error"]
+    finally:
+        rec.close()
+    # signed params (as the router sends them) hand off as usual, with the same output
+    p = pre.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), "p0")
+    p.kv_transfer_params = sign_kv_transfer_params({"do_remote_decode": True}, "s3cret")
+    pre.add_request(p)
+    run(pre, [p])
+    params = sign_kv_transfer_params(p.kv_transfer_result or {}, "s3cret")
+    ok = decode(dec, prompt, params, "d0")
+    assert (ok.kv_transfer_result or {})["ok"] and ok.output_token_ids == d.output_token_ids
+    settle(pre)
+    assert pre.block_manager.is_at_baseline() and dec.block_manager.is_at_baseline()
+
+
+def test_peer_that_never_answers_fails_fast(make_engine: Callable[..., LLMEngine]) -> None:
+    """A peer that accepts TCP but never speaks ZeroMQ fails the pull within the connect timeout, not the whole
+    kv_transfer_timeout, so it cannot hold a loader thread."""
+    from pdserve.disagg.zmq_connector import CONNECT_TIMEOUT_S
+
+    dec = make_engine(kv_role="decode", kv_transfer_timeout=30.0)
+    rec = ConnectRecorder()
+    try:
+        params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": rec.port,
+                  "remote_request_id": "x", "remote_block_ids": list(range(8))}
+        t0 = time.monotonic()
+        d = decode(dec, PROMPTS[0], params, "d0")
+        assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 3
+        res = d.kv_transfer_result or {}
+        assert d.status == RequestStatus.FINISHED_LENGTH and not res["ok"] and "KV side channel" in res["error"]
+        assert dec.block_manager.is_at_baseline()
+    finally:
+        rec.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,3 +273,105 @@ def test_router_app_routes() -> None:
         dec.down = True
         r = client.post("/v1/completions", json={**BODY, "stream": False})
         assert r.status_code == 502
+
+
+# ---- hardening: signed hand-offs, frozen prefill instances, bad bodies ---------------------------------------
+def test_router_signs_handoff_params_and_drops_the_clients() -> None:
+    from pdserve.disagg.trust import KVTransferTrust
+
+    pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1")
+    forged = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 80}
+    events = run_stream(serving([pre], [dec], kv_transfer_secret="s3cret"), {**BODY, "kv_transfer_params": forged})
+    assert text_of(events) == "Hello world"
+    trust = KVTransferTrust.create("s3cret", None)
+    assert trust.verify(pre.bodies[0]["kv_transfer_params"])["do_remote_decode"] is True
+    sent = trust.verify(dec.bodies[0]["kv_transfer_params"])
+    assert {k: v for k, v in sent.items() if k != "signature"} == PARAMS  # the prefill's params, not the client's
+    # colocated requests (n > 1) never carry a client's kv_transfer_params either
+    run_stream(serving([pre], [dec], kv_transfer_secret="s3cret"), {**BODY, "n": 2, "kv_transfer_params": forged})
+    assert "kv_transfer_params" not in dec.bodies[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_refusing_the_params_is_asked_again_without_them(stream: bool) -> None:
+    async def refuses_signed(body: dict[str, Any]) -> httpx.Response:
+        if "kv_transfer_params" in body:  # e.g. a secret mismatch between the router and the instance
+            return httpx.Response(400, json=error(ErrorCode.KV_TRANSFER_PARAMS_REJECTED.value))
+        return await tokens_stream(body)
+
+    pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1", refuses_signed)
+    srv = serving([pre], [dec], kv_transfer_secret="s3cret")
+    if stream:
+        events = run_stream(srv, BODY)
+    else:
+        async def go() -> Any:
+            await srv.start(poll=False)
+            try:
+                return await srv.complete("/v1/completions", {**BODY, "stream": False}, {})
+            finally:
+                await srv.close()
+
+        r = asyncio.run(go())
+        events = events_of([ev + "\n\n" for ev in r.content.decode().split("\n\n") if ev])
+    assert text_of(events) == "Hello world"
+    assert len(dec.bodies) == 2 and "kv_transfer_params" not in dec.bodies[1]
+
+
+def test_frozen_prefill_instance_gets_no_work_and_its_request_is_recomputed() -> None:
+    async def frozen(_: dict[str, Any]) -> httpx.Response:  # a SIGSTOPped process: accepts, never answers
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    pre, dec = Fake("http://p:1", frozen), Fake("http://d:1")
+    srv = serving([pre], [dec])
+
+    async def go() -> tuple[list[str], list[str], float]:
+        await srv.start(poll=False)
+        try:
+            async def poll_finds_it_frozen() -> None:
+                await asyncio.sleep(0.3)
+                srv.registry.prefill.instances[0].healthy = False
+
+            t0 = time.perf_counter()
+            marker = asyncio.create_task(poll_finds_it_frozen())
+            first = [ev async for ev in srv.stream("/v1/completions", BODY, {})]  # waiting on it: abandoned
+            await marker
+            second = [ev async for ev in srv.stream("/v1/completions", BODY, {})]  # never sent to it
+            return first, second, time.perf_counter() - t0
+        finally:
+            await srv.close()
+
+    first, second, took = asyncio.run(go())
+    assert text_of(events_of(first)) == text_of(events_of(second)) == "Hello world"
+    assert took < 3 and len(pre.bodies) == 1 and len(dec.bodies) == 2
+    assert all("kv_transfer_params" not in b for b in dec.bodies)  # the decode instance computed the prompts
+    assert "pdserve:router_recomputes_total 2.0" in metrics_text(srv)
+
+
+def test_router_app_refuses_bad_bodies_with_openai_errors() -> None:
+    pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1")
+    cfg = RouterConfig([pre.url], [dec.url], poll_interval=0.05, max_body_bytes=4096)
+    with TestClient(create_router_app(cfg, transport(pre, dec))) as client:
+        cases = [({"prompt": "Hi", "n": "abc"}, "n"), ({"prompt": {"x": 1}}, "prompt"),
+                 ({"prompt": "Hi", "max_tokens": "many"}, "max_tokens"), ([1, 2], None), ("text", None)]
+        for body, param in cases:
+            r = client.post("/v1/completions", json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["type"] == "invalid_request_error", (body, r.text)
+            assert set(err) == {"message", "type", "param", "code"}
+            assert param is None or err["param"].startswith(param)
+        r = client.post("/v1/chat/completions", json={"messages": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+        r = client.post("/v1/completions", content="{\"prompt\": \"\xff".encode("latin-1"))  # bad UTF-8
+        assert r.status_code == 400
+        big = json.dumps({"prompt": "你好" * 4096}).encode()
+        r = client.post("/v1/completions", content=big)  # declared Content-Length
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        r = client.post("/v1/completions", content=iter([big[:3000], big[3000:]]))  # chunked, no length
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+        assert r.headers["content-type"] == "application/json"
+        assert pre.bodies == [] and dec.bodies == []  # nothing reached an instance
+        r = client.post("/v1/completions", json={"prompt": "你好", "n": "1", "stream": "false", "max_tokens": 2})
+        assert r.status_code == 200 and pre.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
+        assert client.post("/v1/nothing", json={}).json()["error"]["code"] == 404
+        assert 'pdserve:router_request_errors_total{kind="payload_too_large"} 2.0' in client.get("/metrics").text

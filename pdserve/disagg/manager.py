@@ -34,9 +34,11 @@ import torch
 
 from pdserve.disagg.connector import KVConnector, LoadJob, Pin, PinTable
 from pdserve.disagg.factory import make_connector
+from pdserve.disagg.trust import trust_from_config
 from pdserve.engine.block_manager import BlockManager, KVCacheBlock
 from pdserve.engine.kv_transfer import FinishedLoad
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.errors import RequestRejected
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
@@ -78,6 +80,8 @@ class KVTransferManager:
         self.connector = connector or make_connector(config.kv_connector, self.engine_id, kv_cache, config.kv_host,
                                                      config.kv_port, self.pins, config.kv_transfer_timeout)
         self.connector.start()
+        self.trust = trust_from_config(config)
+        logger.info("KV transfer (%s role): %s", config.kv_role, self.trust.describe())
         self.loading: dict[str, PendingLoad] = {}
         self.orphans: set[str] = set()  # aborted during their pull: blocks freed when the pull ends
         self.stats = KVTransferStats()
@@ -115,6 +119,12 @@ class KVTransferManager:
         p = req.kv_transfer_params
         if not p or not p.get("do_remote_prefill") or req.kv_transfer_result is not None:
             return False
+        try:  # the server verified them already; checked again so that nothing unverified ever connects out
+            self.trust.verify(p)
+        except RequestRejected as exc:
+            req.kv_transfer_result = {"ok": False, "bytes": 0, "seconds": 0.0, "error": str(exc)}
+            logger.warning("request %s: %s; computing the prompt here", req.request_id, exc)
+            return False  # no release either: that would contact the untrusted peer
         error = self._check_params(req, p)
         ok = error is None
         if ok and req.num_prompt_tokens - 1 <= num_cached:
@@ -177,6 +187,11 @@ class KVTransferManager:
         p = req.kv_transfer_params
         if not p or not p.get("do_remote_decode") or status not in (RequestStatus.FINISHED_STOPPED,
                                                                      RequestStatus.FINISHED_LENGTH):
+            return False
+        try:  # pins only for the router (the server verified the params already)
+            self.trust.verify(p)
+        except RequestRejected as exc:
+            logger.warning("request %s: not pinning its KV: %s", rid, exc)
             return False
         ids = self.block_manager.get_block_ids(rid)
         if not ids:

@@ -6,10 +6,9 @@ instances, health and the least-loaded choice live in router_pool.py.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 from fastapi import FastAPI, Request
@@ -17,7 +16,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 
 from pdserve.disagg.router_pool import Instance, Pool
-from pdserve.disagg.router_serving import RoutedResponse, RouterConfig, RouterError, RouterServing
+from pdserve.disagg.router_serving import RoutedResponse, RouterConfig, RouterServing, parse_body
+from pdserve.disagg.trust import secret_from_env
+from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
+from pdserve.server.errors import install_exception_handlers
+
+if TYPE_CHECKING:
+    from pdserve.server.metrics import Metrics
 
 __all__ = ["Instance", "Pool", "RouterConfig", "RouterServing", "add_router_parser", "create_router_app"]
 
@@ -34,15 +39,14 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.serving = serving
+    # the server's guards and error bodies: a body over the cap is refused before it is read (413), every error
+    # leaves as an OpenAI body. They only call `error(kind)` on their metrics, which RouterMetrics has.
+    metrics = cast("Metrics", serving.metrics)
+    app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes, metrics=metrics)
+    install_exception_handlers(app, metrics)
 
     async def route(path: str, raw: Request) -> Response:
-        try:
-            body = json.loads(await raw.body())
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as exc:
-            err = RouterError(400, f"malformed JSON body: {exc}", "invalid_request_error")
-            return JSONResponse(err.body(), status_code=400)
+        body = parse_body(path, await raw.body())  # APIError -> 400 with an OpenAI body
         headers = dict(raw.headers.items())
         if body.get("stream"):
             events = serving.stream(path, body, headers, raw.is_disconnected)
@@ -86,13 +90,18 @@ def add_router_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /metrics polls")
-    p.add_argument("--connect-timeout", type=float, default=3.0)
-    p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds one prefill request may take")
-    p.add_argument("--decode-timeout", type=float, default=120.0,
-                   help="longest silence on a decode stream (whole non-streaming decode)")
+    p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to connect to an instance")
+    p.add_argument("--prefill-timeout", type=float, default=30.0,
+                   help="seconds one prefill request may take; then the decode instance computes the prompt")
+    p.add_argument("--decode-timeout", type=float, default=60.0,
+                   help="longest silence on a decode stream (whole non-streaming decode), in seconds")
     p.add_argument("--max-decode-attempts", type=int, default=2, help="decode instances tried per request")
     p.add_argument("--on-prefill-failure", choices=["recompute", "fail"], default="recompute",
                    help="when no prefill instance succeeds: the decode instance computes the prompt, or 502")
+    p.add_argument("--kv-transfer-secret", default=None,
+                   help="shared secret to sign kv_transfer_params with (the instances' --kv-transfer-secret; "
+                   "default: env PDSERVE_KV_TRANSFER_SECRET); never logged")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="reject larger request bodies (413)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_router)
 
@@ -103,6 +112,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     cfg = RouterConfig(prefill=args.prefill, decode=args.decode, poll_interval=args.poll_interval,
                        connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
                        decode_timeout=args.decode_timeout, max_decode_attempts=args.max_decode_attempts,
-                       on_prefill_failure=args.on_prefill_failure)
+                       on_prefill_failure=args.on_prefill_failure,
+                       kv_transfer_secret=secret_from_env(args.kv_transfer_secret), max_body_bytes=args.max_body_bytes)
     uvicorn.run(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -32,12 +32,18 @@ class RouterMetrics:
                                   "(no usable prefill hand-off).", registry=r)
         self.up = Gauge("pdserve:router_instance_up", "Instance health as seen by the router's polls.",
                         ["role", "url"], registry=r)
+        self.errors = Counter("pdserve:router_request_errors", "Requests the router refused itself, by kind "
+                              "(bad_request, payload_too_large, ...).", ["kind"], registry=r)
         self.load = Gauge("pdserve:router_instance_load", "Instance load: running + waiting requests.",
                           ["role", "url"], registry=r)
         for o in ("ok", "error", "client_disconnect"):
             self.requests.labels(o)
         for s in ("prefill", "decode"):
             self.retries.labels(s)
+
+    def error(self, kind: str) -> None:
+        """Count a refused request (the server's error middleware and handlers call this)."""
+        self.errors.labels(kind).inc()
 
 
 @dataclass

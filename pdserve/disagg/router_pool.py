@@ -3,7 +3,9 @@ loop that tries a request on the instances of a pool until one serves it.
 
 Load is `pdserve:num_requests_running + num_requests_waiting` (or vLLM's names) from each instance's /metrics,
 polled every `poll_interval`, plus the router's own requests in flight there; ties go round-robin. An instance that
-fails a poll or a connection is skipped until a poll finds it healthy again (it is still the last resort).
+fails a poll (no answer within max(poll_interval, 1s): down, or frozen) or a connection gets no new work until a
+poll finds it healthy again. Only a decode pool falls back on unhealthy instances when no healthy one is left
+(nothing else could serve the request); a prefill pool has the decode instance compute the prompt instead.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ class Instance:
 class Pool:
     role: str
     instances: list[Instance]
+    last_resort: bool = True  # pick an unhealthy instance when no healthy one is left
     _rr: itertools.count = field(default_factory=itertools.count)
 
     def pick(self, exclude: set[Instance] | None = None) -> Instance | None:
-        """Least loaded healthy instance not in `exclude` (unhealthy ones only when no healthy one is left)."""
+        """Least loaded healthy instance not in `exclude` (unhealthy ones only as the `last_resort`)."""
         exclude = exclude or set()
         cands = [i for i in self.instances if i not in exclude]
         healthy = [i for i in cands if i.healthy]
-        cands = healthy or cands
+        cands = healthy or (cands if self.last_resort else [])
         if not cands:
             return None
         best = min(i.load + i.inflight for i in cands)
@@ -59,7 +62,7 @@ class InstanceRegistry:
     """The prefill and decode pools; `poll_once` refreshes every instance's health and load from its /metrics."""
 
     def __init__(self, prefill: list[str], decode: list[str], metrics: RouterMetrics, poll_interval: float) -> None:
-        self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill])
+        self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill], last_resort=False)
         self.decode = Pool("decode", [Instance(u, "decode") for u in decode])
         self.metrics, self.poll_interval = metrics, poll_interval
 

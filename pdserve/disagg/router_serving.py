@@ -8,14 +8,19 @@ the result.
                       ──(original body + those kv_transfer_params)──────────────────────────────► decode
                ◄── tokens (SSE or JSON), relayed as they come
 
+Trust: with a shared secret (`kv_transfer_secret`) the router signs every kv_transfer_params it sends, to prefill
+and decode instances alike (pdserve/disagg/trust.py); instances act on hand-off params only when signed.
+
 Failures (every wait is bounded by a timeout):
-- prefill fails (connection error, 5xx, 429, timeout) -> the next prefill instance; when none is left, the decode
-  instance computes the prompt itself (`on_prefill_failure=recompute`) or the client gets a 502
+- prefill fails (connection error, 5xx, 429, timeout, its instance turns unhealthy while it runs, or it refuses the
+  hand-off params) -> the next healthy prefill instance; unhealthy ones get no new work. When none is left, the
+  decode instance computes the prompt itself (`on_prefill_failure=recompute`) or the client gets a 502
   (`on_prefill_failure=fail`). A 4xx from an instance (a bad request) goes back to the client as it is.
 - decode fails before any token reached the client -> another decode instance, up to `max_decode_attempts`; the
   retry carries the same kv_transfer_params (the new instance pulls the pinned blocks if they are still there, else
   recomputes them per its own kv_load_failure_policy); after an error with code `kv_transfer_failed` it is retried
-  without them (recompute from the prompt).
+  without them (recompute from the prompt); after `kv_transfer_params_rejected` (the instance does not trust the
+  params: a secret mismatch) the same instance is asked again without them.
 - decode fails after tokens were streamed -> no retry (it would repeat tokens): the stream ends with an OpenAI
   error event and `data: [DONE]`.
 - client disconnects -> the upstream HTTP requests are closed, which aborts them in pdserve (prefill or decode).
@@ -34,20 +39,27 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from pdserve.disagg.router_metrics import RouterMetrics, RouteTrace
-from pdserve.disagg.router_pool import Attempt, InstanceFailed, InstanceRegistry, Tries
+from pdserve.disagg.router_pool import Attempt, Instance, InstanceFailed, InstanceRegistry, Tries
+from pdserve.disagg.trust import sign_kv_transfer_params
 from pdserve.errors import ErrorCode
+from pdserve.server.errors import APIError, error_body, validation_message
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("pdserve.router")
 
 T = TypeVar("T")
 Disconnected = Callable[[], Awaitable[bool]]  # asks whether the client went away
 FORWARDED_HEADERS = ("authorization", "x-tenant")  # passed on to the instances
+# the instance cannot use the hand-off params: the next try computes the prompt instead
+KV_CODES = (ErrorCode.KV_TRANSFER_FAILED, ErrorCode.KV_TRANSFER_PARAMS_REJECTED)
 
 
 @dataclass
@@ -56,16 +68,22 @@ class RouterConfig:
     decode: list[str]
     poll_interval: float = 0.5
     connect_timeout: float = 3.0
-    prefill_timeout: float = 300.0  # one prefill request, end to end
-    decode_timeout: float = 120.0  # longest silence on a decode stream (or a whole non-streaming decode)
+    prefill_timeout: float = 30.0  # one prefill request, end to end; then the decode instance computes the prompt
+    decode_timeout: float = 60.0  # longest silence on a decode stream (or a whole non-streaming decode)
     max_decode_attempts: int = 2
     on_prefill_failure: str = "recompute"  # recompute | fail
+    kv_transfer_secret: str | None = field(default=None, repr=False)  # signs kv_transfer_params; never logged
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413 before they are read
 
     def __post_init__(self) -> None:
         if not self.decode:
             raise ValueError("the router needs at least one decode instance (--decode URL)")
         if self.on_prefill_failure not in ("recompute", "fail"):
             raise ValueError("on_prefill_failure must be recompute or fail")
+        if min(self.poll_interval, self.connect_timeout, self.prefill_timeout, self.decode_timeout) <= 0:
+            raise ValueError("poll_interval and the timeouts must be > 0")
+        if self.max_decode_attempts < 1 or self.max_body_bytes < 1:
+            raise ValueError("max_decode_attempts and max_body_bytes must be >= 1")
         self.prefill = [u.rstrip("/") for u in self.prefill]
         self.decode = [u.rstrip("/") for u in self.decode]
 
@@ -78,7 +96,7 @@ class RouterError(Exception):
         self.status, self.message, self.type, self.code = status, message, type_, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code or self.status}}
+        return error_body(self.status, self.message, self.type, None, self.code)
 
 
 class UpstreamRejected(Exception):
@@ -109,6 +127,28 @@ class RoutedResponse:
     content: bytes
 
 
+def parse_body(path: str, raw: bytes) -> dict[str, Any]:
+    """The client's JSON body, checked against the server's request schema so that a bad body gets the server's
+    400 here (never a 500, never an upstream call). The body is forwarded as sent (fields the schema does not know
+    included), but with `n` and `stream` in the types the router acts on."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # also bad UTF-8
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    schema = ChatCompletionRequest if path.endswith("/chat/completions") else CompletionRequest
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as exc:
+        raise validation_message(RequestValidationError(exc.errors())) from None
+    if "n" in body:
+        body["n"] = req.n
+    if "stream" in body:
+        body["stream"] = req.stream
+    return body
+
+
 def error_code(error: Any) -> str | None:
     """The `code` of an OpenAI error object (`{"message", "type", "code"}`), when it is a string."""
     code = error.get("code") if isinstance(error, dict) else None
@@ -120,18 +160,18 @@ def check_upstream(status: int, content: bytes) -> None:
     may serve (5xx, 429), with the error body's code."""
     if status == 200:
         return
-    if 400 <= status < 500 and status != 429:
-        raise UpstreamRejected(status, content)
     try:
         code = error_code(json.loads(content).get("error"))
     except (ValueError, AttributeError):
         code = None
+    if 400 <= status < 500 and status != 429 and code != ErrorCode.KV_TRANSFER_PARAMS_REJECTED:
+        raise UpstreamRejected(status, content)
     raise InstanceFailed(f"answered {status}: {content[:300].decode(errors='replace')}", code)
 
 
 def is_disaggregatable(path: str, body: dict[str, Any]) -> bool:
-    """One prompt, one sample: what the prefill -> decode hand-off can express."""
-    if int(body.get("n") or 1) != 1:
+    """One prompt, one sample: what the prefill -> decode hand-off can express (the body was validated)."""
+    if body.get("n") not in (None, 1):
         return False
     if path.endswith("/completions") and "chat" not in path:
         p = body.get("prompt")
@@ -139,17 +179,20 @@ def is_disaggregatable(path: str, body: dict[str, Any]) -> bool:
     return True
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], secret: str | None = None) -> dict[str, Any]:
     b = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "logprobs", "top_logprobs",
                                                      "echo", "kv_transfer_params", "max_completion_tokens")}
-    b.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+    params = sign_kv_transfer_params({"do_remote_decode": True, "do_remote_prefill": False}, secret)
+    b.update(stream=False, max_tokens=1, kv_transfer_params=params)
     return b
 
 
-def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None, secret: str | None = None) -> dict[str, Any]:
+    """The client's body for a decode instance: a client's own kv_transfer_params never pass, the router's
+    (from the prefill instance) go signed."""
     b = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     if params:
-        b["kv_transfer_params"] = params
+        b["kv_transfer_params"] = sign_kv_transfer_params(params, secret)
     return b
 
 
@@ -164,8 +207,10 @@ def has_token(chunk: dict[str, Any]) -> bool:
     return False
 
 
-async def watch_disconnect(coro: Awaitable[T], disconnected: Disconnected | None, every: float = 0.25) -> T:
-    """Await `coro`, cancelling it (which closes its upstream connections) if the client goes away."""
+async def watch_disconnect(coro: Awaitable[T], disconnected: Disconnected | None, every: float = 0.25,
+                           inst: Instance | None = None) -> T:
+    """Await `coro`, cancelling it (which closes its upstream connections) if the client goes away, or if `inst`
+    (the instance it waits on) is found unhealthy meanwhile (InstanceFailed: e.g. a frozen process)."""
     task = asyncio.ensure_future(coro)
     try:
         while True:
@@ -175,6 +220,8 @@ async def watch_disconnect(coro: Awaitable[T], disconnected: Disconnected | None
             if disconnected is not None and await disconnected():
                 task.cancel()
                 raise ClientDisconnected()
+            if inst is not None and not inst.healthy:
+                raise InstanceFailed("turned unhealthy while serving the request; abandoned")
     finally:
         if not task.done():
             task.cancel()
@@ -203,6 +250,11 @@ class RouterServing:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.decode_timeout,
                                                                connect=self.cfg.connect_timeout),
                                          limits=limits, transport=self._transport)
+        if self.cfg.kv_transfer_secret:
+            logger.info("signing kv_transfer_params with the shared secret (kv_transfer_secret)")
+        else:
+            logger.warning("no kv_transfer_secret: instances accept unsigned hand-offs, from the peers on their "
+                           "kv_allowed_peers (loopback by default)")
         await self.registry.poll_once(self._client)
         if poll:
             self._poller = asyncio.create_task(self.registry.poll_forever(self._client))
@@ -294,14 +346,15 @@ class RouterServing:
     async def _prefill(self, path: str, body: dict[str, Any], tr: RouteTrace) -> dict[str, Any] | None:
         """Run the prompt on a prefill instance; None when none could (recompute). Raises RouterError or
         UpstreamRejected."""
-        pbody = prefill_body(body)
+        pbody = prefill_body(body, self.cfg.kv_transfer_secret)
         timeout = httpx.Timeout(self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
         tries = Tries(self.registry.prefill, on_retry=self.metrics.retries.labels("prefill").inc,
                       log_prefix=f"request {tr.request_id}: ")
         t0 = time.perf_counter()
         for attempt in tries:
             with attempt as inst:
-                r = await self.client.post(inst.url + path, json=pbody, headers=tr.headers, timeout=timeout)
+                r = await watch_disconnect(self.client.post(inst.url + path, json=pbody, headers=tr.headers,
+                                                            timeout=timeout), None, inst=inst)
                 check_upstream(r.status_code, r.content)
                 tr.prefill_url, tr.prefill_s = inst.url, time.perf_counter() - t0
                 self.metrics.prefill.observe(tr.prefill_s)
@@ -321,19 +374,25 @@ class RouterServing:
         tries = Tries(self.registry.decode, self.cfg.max_decode_attempts,
                       on_retry=self.metrics.retries.labels("decode").inc, log_prefix=f"request {tr.request_id}: ")
         for attempt in tries:
-            if tries.last_code == ErrorCode.KV_TRANSFER_FAILED:
+            if tries.last_code in KV_CODES:
                 params = None  # the prefilled KV cannot be pulled: the next instance computes the prompt
             tr.decode_url, tr.decode_attempts = attempt.inst.url, tr.decode_attempts + 1
             tr.recomputed = tr.recomputed or not params
             yield attempt, params
+            if params and tries.last_code == ErrorCode.KV_TRANSFER_PARAMS_REJECTED and attempt.failure:
+                logger.error("request %s: %s refused the router's kv_transfer_params; is kv_transfer_secret the "
+                             "same on the router and the instances? Asking it again without them", tr.request_id,
+                             attempt.inst.url)
+                params, tr.recomputed, tr.decode_attempts = None, True, tr.decode_attempts + 1
+                yield Attempt(attempt.inst, tries), None  # the same instance computes the prompt
         raise RouterError(502, f"no decode instance could serve the request: {tries.last}")
 
     async def _decode_json(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
                            tr: RouteTrace) -> RoutedResponse:
         for attempt, attempt_params in self._decode_tries(tr, params):
             with attempt as inst:
-                r = await self.client.post(inst.url + path, json=decode_body(body, attempt_params),
-                                           headers=tr.headers)
+                dbody = decode_body(body, attempt_params, self.cfg.kv_transfer_secret)
+                r = await self.client.post(inst.url + path, json=dbody, headers=tr.headers)
                 check_upstream(r.status_code, r.content)
                 tr.ttft_s = time.perf_counter() - tr.t0  # non-streaming: the whole answer is the first token
                 return RoutedResponse(200, r.content)
@@ -344,8 +403,8 @@ class RouterServing:
         emitted = False  # a token reached the client: from here on a failure cannot be retried
         for attempt, attempt_params in self._decode_tries(tr, params):
             with attempt as inst:
-                async with self.client.stream("POST", inst.url + path, json=decode_body(body, attempt_params),
-                                              headers=tr.headers) as resp:
+                dbody = decode_body(body, attempt_params, self.cfg.kv_transfer_secret)
+                async with self.client.stream("POST", inst.url + path, json=dbody, headers=tr.headers) as resp:
                     if resp.status_code != 200:
                         check_upstream(resp.status_code, await resp.aread())
                     held: list[str] = []  # events before the first token (the chat role chunk) wait for it

@@ -10,6 +10,11 @@ The server gathers the pinned blocks (one index_select per layer, under the pin 
 mid-read) and sends them with `copy=False`: libzmq reads the gathered tensors' memory directly. The loader (a
 small thread pool; one DEALER socket per pull) copies each layer frame into the freshly allocated local blocks
 with one `index_copy_`. Every pull ends with a `release`, whether it worked or not.
+
+Loader capacity: at most `LOAD_WORKERS` pulls run at once and later ones queue (FIFO) behind them; a peer that
+does not complete the ZeroMQ handshake within `CONNECT_TIMEOUT_S` fails the pull at once, so a dead or foreign
+address cannot hold a loader thread for the whole transfer timeout. Releases run on their own thread so they never
+take a loader's place.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from pdserve.disagg.connector import KVConnector, KVTransferError, LoadJob, Load
 logger = logging.getLogger("pdserve.disagg")
 
 
+LOAD_WORKERS = 4  # concurrent pulls; more queue
+CONNECT_TIMEOUT_S = 2.0  # until the peer's side channel has answered the ZeroMQ handshake
+
+
 class ZmqConnector(KVConnector):
     name = "zmq"
     _poll_ms = 50
@@ -38,7 +47,8 @@ class ZmqConnector(KVConnector):
                  timeout: float) -> None:
         super().__init__(engine_id, kv_cache, host, port, pins, timeout)
         self.ctx = zmq.Context()
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdserve-kv-load")
+        self._pool = ThreadPoolExecutor(max_workers=LOAD_WORKERS, thread_name_prefix="pdserve-kv-load")
+        self._release_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-kv-release")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pdserve-kv-server", daemon=True)
         self._sock: zmq.Socket | None = None
@@ -61,6 +71,7 @@ class ZmqConnector(KVConnector):
         if self._thread.is_alive():
             self._thread.join(2.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._release_pool.shutdown(wait=False, cancel_futures=True)
         self.ctx.destroy(linger=0)
 
     # ---- server side (prefill) -----------------------------------------------------------------------------
@@ -125,7 +136,7 @@ class ZmqConnector(KVConnector):
         self._pool.submit(self._run_load, job)
 
     def send_release(self, params: dict[str, Any]) -> None:
-        self._pool.submit(self._release_quietly, params)
+        self._release_pool.submit(self._release_quietly, params)
 
     def _run_load(self, job: LoadJob) -> None:
         t0 = time.perf_counter()
@@ -139,7 +150,7 @@ class ZmqConnector(KVConnector):
                            job.params.get("remote_host"), job.params.get("remote_port"), result.error)
         self.deliver(result)
         if release:
-            self._release_quietly(job.params)
+            self.send_release(job.params)
 
     def _pull(self, job: LoadJob) -> tuple[int, bool]:
         """Copy the job's blocks into the local cache; returns (bytes moved, whether a release must follow)."""
@@ -179,8 +190,12 @@ class ZmqConnector(KVConnector):
         addr = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # writable only once the handshake with the peer completed
         try:
             sock.connect(addr)
+            connect_ms = max(int(min(CONNECT_TIMEOUT_S, deadline - time.monotonic()) * 1000), 1)
+            if not sock.poll(connect_ms, zmq.POLLOUT):
+                raise TimeoutError(f"no KV side channel answered at {addr} within {connect_ms} ms")
             sock.send_multipart([op, encode_json(msg)])
             wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             if not sock.poll(wait_ms, zmq.POLLIN):
