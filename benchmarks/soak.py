@@ -1,0 +1,221 @@
+"""Soak: a server at saturation for a long time, with good, abusive and disconnecting clients mixed.
+
+    .venv/bin/python benchmarks/soak.py [--minutes 30] [--good 8] [--abusive 2] [--disconnecting 2]
+
+Starts `pdserve serve` (default model) on loopback and runs three kinds of clients until the time is up:
+- good: streamed greedy chat requests with a few fixed prompts; every answer must equal the first answer to the
+  same prompt (a neighbour's bad input must not change it);
+- abusive: the inputs a hostile or careless client sends (huge `n`, out-of-range sampling values, oversized and
+  malformed bodies, lone surrogates, unsupported fields, thousands of stop strings, forged KV hand-off params);
+  each must be refused with a 4xx and an OpenAI error body;
+- disconnecting: streams dropped after a few chunks.
+Every 10 s it samples the server's RSS and `/debug/kv`. At the end, after the clients stop, KV usage and open requests
+must be back at their baseline. Prints a report (errors by kind, good clients' latency percentiles, RSS over time).
+All traffic goes to 127.0.0.1; every loop is bounded by the deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.launch import start_server
+from pdserve.roofline import machine_info
+
+GOOD_PROMPTS = ["Name three colours.", "用一句话介绍长城。", "What is 2+2? Answer briefly.", "Say hello in French."]
+
+
+def abusive_requests() -> list[tuple[str, str, dict[str, str], bytes]]:
+    """(kind, path, headers, body) of each abusive input."""
+    j = {"content-type": "application/json"}
+
+    def chat(**extra: Any) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}).encode()
+
+    def cmpl(**extra: Any) -> bytes:
+        return json.dumps({"prompt": "Hi", "max_tokens": 1, **extra}).encode()
+
+    return [
+        ("huge_n", "/v1/completions", j, cmpl(n=1_000_000_000)),
+        ("top_k_2^63", "/v1/completions", j, cmpl(top_k=2**63)),
+        ("stop_token_out_of_vocab", "/v1/completions", j, cmpl(min_tokens=1, max_tokens=2, stop_token_ids=[10**7])),
+        ("temperature_inf", "/v1/completions", j, b'{"prompt": "Hi", "max_tokens": 1, "temperature": 1e309}'),
+        ("seed_2^70", "/v1/completions", j, cmpl(seed=2**70)),
+        ("many_stop_strings", "/v1/completions", j, cmpl(stop=[f"s{i}" for i in range(100_000)])),
+        ("huge_prompt", "/v1/completions", j, json.dumps({"prompt": "a " * 2_000_000, "max_tokens": 1}).encode()),
+        ("lone_surrogate", "/v1/completions", j, b'{"prompt": "bad \\ud800 text", "max_tokens": 1}'),
+        ("bad_json", "/v1/chat/completions", j, b'{"messages": [{"role": "user", "content": "Hi"}'),
+        ("wrong_type_n", "/v1/completions", j, cmpl(n="abc")),
+        ("tools_unsupported", "/v1/chat/completions", j, chat(tools=[{"type": "function", "function": {"name": "f"}}])),
+        ("image_part", "/v1/chat/completions", j, json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode()),
+        ("forged_kv_params", "/v1/completions", j, cmpl(kv_transfer_params={
+            "do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 1, "remote_block_ids": [1],
+            "remote_engine_id": "x", "remote_request_id": "y"})),
+        ("oversized_body", "/v1/completions", j, b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'),
+    ]
+
+
+class Soak:
+    def __init__(self, url: str, deadline: float) -> None:
+        self.url, self.deadline = url, deadline
+        self.outcomes: Counter[str] = Counter()  # "good:ok", "abusive:<kind>:<status>", ...
+        self.good_latency: list[float] = []
+        self.good_ttft: list[float] = []
+        self.expected: dict[str, str] = {}
+        self.mismatches = 0
+
+    async def good(self, http: httpx.AsyncClient, seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < self.deadline:
+            prompt = rng.choice(GOOD_PROMPTS)
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "temperature": 0,
+                    "stream": True}
+            t0 = time.monotonic()
+            text, ttft = "", None
+            try:
+                async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                    if r.status_code != 200:
+                        self.outcomes[f"good:http_{r.status_code}"] += 1
+                        await asyncio.sleep(0.5)
+                        continue
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                self.outcomes[f"good:stream_error_{chunk['error'].get('code')}"] += 1
+                                break
+                            if chunk.get("choices"):
+                                ttft = ttft if ttft is not None else time.monotonic() - t0
+                                text += chunk["choices"][0]["delta"].get("content") or ""
+            except httpx.HTTPError as e:
+                self.outcomes[f"good:{type(e).__name__}"] += 1
+                continue
+            self.good_latency.append(time.monotonic() - t0)
+            if ttft is not None:
+                self.good_ttft.append(ttft)
+            first = self.expected.setdefault(prompt, text)
+            self.mismatches += first != text
+            self.outcomes["good:ok"] += 1
+
+    async def abusive(self, http: httpx.AsyncClient, seed: int) -> None:
+        rng = random.Random(seed)
+        cases = abusive_requests()
+        while time.monotonic() < self.deadline:
+            kind, path, headers, body = rng.choice(cases)
+            try:
+                r = await http.post(self.url + path, content=body, headers=headers)
+                ok_body = "error" in r.json() if r.headers.get("content-type", "").startswith("application/json") \
+                    else False
+                self.outcomes[f"abusive:{kind}:{r.status_code}{'' if ok_body else ':no_openai_body'}"] += 1
+            except (httpx.HTTPError, ValueError) as e:
+                self.outcomes[f"abusive:{kind}:{type(e).__name__}"] += 1
+            await asyncio.sleep(0.2)
+
+    async def disconnecting(self, http: httpx.AsyncClient, seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < self.deadline:
+            body = {"messages": [{"role": "user", "content": rng.choice(GOOD_PROMPTS)}], "max_tokens": 200,
+                    "stream": True, "ignore_eos": True}
+            try:
+                async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                    n = 0
+                    async for line in r.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n >= rng.randint(1, 6):
+                            break  # leaving the block closes the connection mid-stream
+                self.outcomes["disconnecting:dropped"] += 1
+            except httpx.HTTPError as e:
+                self.outcomes[f"disconnecting:{type(e).__name__}"] += 1
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def sample(url: str, pid: int, deadline: float, out: list[dict[str, Any]], t_start: float) -> None:
+    async with httpx.AsyncClient(timeout=10) as http:
+        while time.monotonic() < deadline:
+            kv = (await http.get(url + "/debug/kv")).json()
+            out.append({"t_s": round(time.monotonic() - t_start), "rss_mib": round(rss_mib(pid), 1),
+                        "used_blocks": kv["num_used_blocks"], "open_requests": kv["open_requests"]})
+            await asyncio.sleep(10)
+
+
+async def run(args: argparse.Namespace, url: str, pid: int) -> tuple[Soak, list[dict[str, Any]]]:
+    t_start = time.monotonic()
+    soak = Soak(url, t_start + args.minutes * 60)
+    samples: list[dict[str, Any]] = []
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10), limits=limits) as http:
+        tasks = [soak.good(http, i) for i in range(args.good)]
+        tasks += [soak.abusive(http, 100 + i) for i in range(args.abusive)]
+        tasks += [soak.disconnecting(http, 200 + i) for i in range(args.disconnecting)]
+        await asyncio.gather(sample(url, pid, soak.deadline, samples, t_start), *tasks)
+    return soak, samples
+
+
+def pct(xs: list[float], p: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(p / 100 * len(xs)))] * 1e3 if xs else float("nan")
+
+
+def report(soak: Soak, samples: list[dict[str, Any]], end_kv: dict[str, Any], base_kv: dict[str, Any]) -> None:
+    print("\n## outcomes by kind")
+    for k, v in sorted(soak.outcomes.items()):
+        print(f"- {k}: {v}")
+    print(f"\ngood clients: {soak.outcomes['good:ok']} completed, {soak.mismatches} outputs differed from the first "
+          f"answer to the same prompt")
+    print(f"good TTFT p50/p99: {pct(soak.good_ttft, 50):.0f} / {pct(soak.good_ttft, 99):.0f} ms; "
+          f"E2E p50/p99: {pct(soak.good_latency, 50):.0f} / {pct(soak.good_latency, 99):.0f} ms")
+    rss = [s["rss_mib"] for s in samples]
+    if rss:
+        print(f"RSS: start {rss[0]:.0f} MiB, max {max(rss):.0f}, end {rss[-1]:.0f}; "
+              f"median of the last quarter {statistics.median(rss[-max(1, len(rss) // 4):]):.0f}")
+    print("RSS/KV samples (every 10th): " + json.dumps(samples[::10]))
+    print(f"KV at baseline: used {base_kv['num_used_blocks']} -> {end_kv['num_used_blocks']}, open requests "
+          f"{end_kv['open_requests']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--good", type=int, default=8)
+    ap.add_argument("--abusive", type=int, default=2)
+    ap.add_argument("--disconnecting", type=int, default=2)
+    ap.add_argument("--server-args", default="", help="extra `pdserve serve` flags")
+    args = ap.parse_args()
+    info = machine_info()
+    print(f"# soak: {args.minutes} min, {args.good} good / {args.abusive} abusive / {args.disconnecting} "
+          f"disconnecting clients; {info.get('cpu')}, {info.get('date')}")
+    with tempfile.TemporaryDirectory() as d:
+        srv = start_server(Path(d), "--log-level", "warning", *args.server_args.split())
+        try:
+            base_kv = httpx.get(srv.base_url + "/debug/kv").json()
+            soak, samples = asyncio.run(run(args, srv.base_url, srv.proc.pid))
+            time.sleep(2)  # aborts of the last dropped streams land within a step
+            end_kv = httpx.get(srv.base_url + "/debug/kv").json()
+            report(soak, samples, end_kv, base_kv)
+            ok = (end_kv["num_used_blocks"] == base_kv["num_used_blocks"] and end_kv["open_requests"] == 0
+                  and soak.mismatches == 0 and srv.proc.poll() is None)
+        finally:
+            srv.stop()
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
