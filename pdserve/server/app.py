@@ -81,9 +81,10 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn with a draining shutdown. At SIGTERM the listener stays open: /health answers 503 "draining" and new
-    requests get 503, while open requests run for up to `grace` seconds; then the streams still open end with an
-    error event and [DONE] (non-streamed ones with a 503), and uvicorn's own shutdown closes the connections."""
+    """uvicorn with a draining shutdown. At SIGTERM the listener stays open: /health answers 503 "draining" (load
+    balancers stop sending) while requests, open or arriving, run for up to `grace` seconds; then the streams still
+    open end with an error event and [DONE] (non-streamed ones with a 503), new requests get 503, and uvicorn's own
+    shutdown closes the connections."""
 
     FLUSH_S = 2  # after the grace: time for handlers to write their error events
 
@@ -96,7 +97,9 @@ class DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + self.grace
         if self.aengine.num_unfinished:
             logger.info("draining: %d open request(s), up to %.0f s", self.aengine.num_unfinished, self.grace)
-        while self.aengine.num_unfinished and time.monotonic() < deadline and not self.force_exit:
+        # open HTTP requests (uvicorn's tasks), including ones received but not yet admitted to the engine
+        while (self.aengine.num_unfinished or self.server_state.tasks) and time.monotonic() < deadline \
+                and not self.force_exit:
             await asyncio.sleep(0.1)
         if self.aengine.num_unfinished:
             logger.warning("shutdown grace ran out: ending %d open request(s)", self.aengine.num_unfinished)

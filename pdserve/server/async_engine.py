@@ -36,7 +36,7 @@ class EngineDead(RuntimeError):
 
 
 class ShuttingDown(RuntimeError):
-    """The server is draining (SIGTERM): new requests are refused, and open ones end when the grace runs out."""
+    """The shutdown grace ran out: open requests end, new ones are refused."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,8 @@ class AsyncEngine:
         self._loop_done: Future[Any] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self.dead: BaseException | None = None
-        self.draining = False  # set at SIGTERM: /health answers 503, new requests are refused
+        self.draining = False  # set at SIGTERM: /health answers 503 (requests are still served during the grace)
+        self.closed = False  # set when the grace ran out: new requests are refused
         self._kv_snapshot = KVSnapshot.of(engine)  # replaced whole (one reference store) by the engine thread
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
@@ -167,7 +168,7 @@ class AsyncEngine:
         `on_finished` runs on the engine thread when a child finishes, however it ends."""
         if self.dead is not None:
             raise EngineDead(f"engine loop died: {self.dead!r}")
-        if self.draining:
+        if self.closed:
             raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -208,7 +209,9 @@ class AsyncEngine:
             yield out
 
     def fail_all(self, reason: str) -> None:
-        """Shutdown grace ran out: every open stream ends with ShuttingDown, and its request is aborted."""
+        """Shutdown grace ran out: every open stream ends with ShuttingDown, its request is aborted, and new
+        requests are refused."""
+        self.closed = True
         with self._lock:
             streams = list(self._streams.values())
         for s in streams:
