@@ -93,11 +93,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pdserve.engine.engine import LLMEngine
     from pdserve.roofline import resolve_device_peaks
-    from pdserve.server.app import ServerConfig, create_app
+    from pdserve.server.app import ServerConfig, create_app, run_server
     from pdserve.server.async_engine import EngineThread
 
     cfg = engine_config_from_args(args)
@@ -108,11 +106,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or engine.model_name
     app = create_app(engine, ServerConfig(served_model_name=name, api_key=args.api_key,
                                           max_waiting_requests=args.max_waiting_requests,
-                                          max_body_bytes=args.max_body_bytes), engine_thread)
-    # SIGTERM/SIGINT: uvicorn stops accepting, lets open requests finish for up to the grace period, then the
-    # app's shutdown aborts what is left and frees its blocks.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_grace)
+                                          max_body_bytes=args.max_body_bytes,
+                                          body_read_timeout=args.body_read_timeout, max_n=args.max_n,
+                                          max_sequences_per_request=args.max_sequences_per_request,
+                                          max_prompt_chars=args.max_prompt_chars,
+                                          prefix_cache_isolation=args.prefix_cache_isolation), engine_thread)
+    # SIGTERM/SIGINT: /health turns 503 "draining", open requests finish for up to the grace period, then the
+    # streams still open end with an error event and the app's shutdown aborts what is left and frees its blocks.
+    run_server(app, args.host, args.port, args.log_level, args.shutdown_grace)
     return 0
 
 
@@ -139,13 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="same as --kv-role: PD disaggregation role (see `pdserve router`)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, "
+                     "/detokenize, /debug and the API docs (/health and /metrics stay open)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model name)")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="answer 429 when this many requests wait for their first step")
     srv.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="reject larger request bodies (413)")
+    srv.add_argument("--body-read-timeout", type=float, default=30.0,
+                     help="seconds a client has to send its whole request body (408 after)")
+    srv.add_argument("--max-n", type=int, default=128, help="largest n (and best_of) of one request (400 above)")
+    srv.add_argument("--max-sequences-per-request", type=int, default=None,
+                     help="largest prompts x n of one request (400 above; default: --max-waiting-requests)")
+    srv.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="longest text prompt or conversation in characters, checked before tokenizing (400 "
+                     "above; default: 16 x max model length)")
+    srv.add_argument("--prefix-cache-isolation", choices=["none", "tenant"], default="none",
+                     help="tenant: prefix-cache blocks are shared only within a tenant (X-Tenant header, else "
+                     "the body's user), combined with the body's cache_salt")
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
-                     help="seconds open requests may run after SIGTERM before they are aborted")
+                     help="seconds open requests may run after SIGTERM (while /health answers 503 draining) "
+                     "before the rest end with an error")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_cmd_serve)
 

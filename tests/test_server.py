@@ -305,6 +305,7 @@ def test_api_key_queue_limit_and_sigterm(tmp_path: Path) -> None:
                 await asyncio.sleep(0.5)
                 srv.proc.terminate()
                 r = await task
+                assert "usage" in r.json(), r.text
                 return r.status_code, r.json()["usage"]["completion_tokens"]
 
         assert asyncio.run(in_flight()) == (200, 40)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -199,3 +200,50 @@ def test_client_gone_while_collecting_aborts(aengine: AsyncEngine) -> None:
     assert snap.num_used_blocks == 0 and snap.num_requests_holding_blocks == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         snap.num_used_blocks = 1  # type: ignore[misc]
+
+
+def test_admission_is_all_or_none_before_the_response(aengine: AsyncEngine) -> None:
+    """A request whose children do not all fit the waiting queue is a 429 raised before any stream starts, and
+    none of its children is left in the engine (no orphan holds KV blocks)."""
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    aengine.max_waiting_requests = 2
+    try:
+        for stream in (False, True):
+            body = CompletionRequest(prompt="hi", n=3, max_tokens=50, ignore_eos=True, stream=stream)
+            with pytest.raises(APIError) as e:
+                asyncio.run(serving.create_completion(body, RequestContext()))
+            assert (e.value.status, e.value.code) == (429, "too_many_requests")
+            assert aengine.num_unfinished == 0
+    finally:
+        aengine.max_waiting_requests = None
+    assert wait_kv_baseline(aengine).num_used_blocks == 0
+
+
+def test_aborts_write_a_log_line_and_unread_streams_abort(aengine: AsyncEngine,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    serving = OpenAIServingCompletion(aengine, MODEL)
+
+    async def gone() -> bool:
+        return True
+
+    with caplog.at_level(logging.INFO, logger="pdserve.requests"):
+        body = CompletionRequest(prompt="Once upon a time", max_tokens=400, ignore_eos=True)
+        with pytest.raises(APIError):
+            asyncio.run(serving.create_completion(body, RequestContext(tenant="gone", is_disconnected=gone)))
+        deadline = time.monotonic() + 10
+        while aengine.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.02)
+    recs = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.requests"]
+    assert [(r["tenant"], r["finish_reason"]) for r in recs] == [("gone", "abort")]
+
+    async def never_read() -> None:  # the response never starts (client gone before its first byte)
+        s = await serving.create_completion(CompletionRequest(prompt="hi", max_tokens=400, ignore_eos=True, n=2,
+                                                              stream=True), RequestContext())
+        assert aengine.num_unfinished == 2
+        del s
+
+    asyncio.run(never_read())
+    deadline = time.monotonic() + 10
+    while aengine.num_unfinished and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert aengine.num_unfinished == 0 and wait_kv_baseline(aengine).num_used_blocks == 0

@@ -1,7 +1,8 @@
 """AsyncEngine: the engine loop in its own thread, per-request output streams for asyncio handlers.
 
-HTTP work (parsing, tokenizing, JSON, SSE writes) happens on the event-loop thread; the engine thread only drains
-a command queue (adds, aborts) and steps. Torch kernels release the GIL, so the event loop keeps serving clients
+HTTP work (parsing, JSON, SSE writes) happens on the event-loop thread, tokenizing in worker threads; the engine
+thread only drains a command queue (adds, aborts) and steps. An API request's children are admitted all or none
+(`add_requests`), before its response starts. Torch kernels release the GIL, so the event loop keeps serving clients
 while a step runs. An abort (client gone) is applied before the next step starts.
 """
 
@@ -34,6 +35,10 @@ class EngineDead(RuntimeError):
     pass
 
 
+class ShuttingDown(RuntimeError):
+    """The shutdown grace ran out: open requests end, new ones are refused."""
+
+
 @dataclass(frozen=True)
 class KVSnapshot:
     """Block-manager and KV-transfer state as the engine thread last saw it (after a step, or while idle).
@@ -59,10 +64,13 @@ class KVSnapshot:
 
 
 @dataclass
-class _Stream:
+class RequestStream:
+    """One admitted request's outputs, queued for its consumer's event loop."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     request: Request
+    on_finished: Callable[[Request], None] | None = None  # runs on the engine thread once, aborts included
 
     def deliver(self, item: RequestOutput | BaseException) -> None:
         """Hand an item to the consumer's event loop (from the engine thread)."""
@@ -110,13 +118,15 @@ class AsyncEngine:
         self.max_waiting_requests = max_waiting_requests
         self._cmds: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()  # guards _streams between the event loop and the engine thread
         self._stop = threading.Event()
         self._engine_thread = engine_thread  # the thread that built the engine runs its loop too
         self._loop_done: Future[Any] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self.dead: BaseException | None = None
+        self.draining = False  # set at SIGTERM: /health answers 503 (requests are still served during the grace)
+        self.closed = False  # set when the grace ran out: new requests are refused
         self._kv_snapshot = KVSnapshot.of(engine)  # replaced whole (one reference store) by the engine thread
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
@@ -150,27 +160,34 @@ class AsyncEngine:
         """The latest published KV state; safe to read from any thread."""
         return self._kv_snapshot
 
-    @property
-    def num_waiting(self) -> int:
-        with self._lock:
-            return sum(1 for s in self._streams.values() if s.request.times.first_scheduled is None)
-
     # ---- requests ------------------------------------------------------------------------------------------
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit a validated request and yield its outputs until it finishes. Cancelling the consumer (client
-        disconnect) aborts the request."""
+    def add_requests(self, requests: list[Request],
+                     on_finished: Callable[[Request], None] | None = None) -> list[RequestStream]:
+        """Admit an API request's children all or none (raises QueueFull, EngineDead or ShuttingDown before any is
+        added), then hand them to the engine. Call on the event loop; read each returned stream with `stream`.
+        `on_finished` runs on the engine thread when a child finishes, however it ends."""
         if self.dead is not None:
             raise EngineDead(f"engine loop died: {self.dead!r}")
-        if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
-            raise QueueFull(f"too many waiting requests ({self.max_waiting_requests}); retry later")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request)
-        rid = request.request_id
+        if self.closed:
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
         with self._lock:
-            if rid in self._streams:
-                raise ValueError(f"duplicate request id {rid!r}")
-            self._streams[rid] = stream
-        self._cmds.put(("add", request))
+            waiting = sum(1 for s in self._streams.values() if s.request.times.first_scheduled is None)
+            if self.max_waiting_requests is not None and waiting + len(requests) > self.max_waiting_requests:
+                raise QueueFull(f"too many waiting requests ({self.max_waiting_requests}); retry later")
+            if dup := [r.request_id for r in requests if r.request_id in self._streams]:
+                raise ValueError(f"duplicate request id {dup[0]!r}")
+            streams = [RequestStream(loop, asyncio.Queue(), r, on_finished) for r in requests]
+            for st in streams:
+                self._streams[st.request.request_id] = st
+        for r in requests:
+            self._cmds.put(("add", r))
         self._wake.set()
+        return streams
+
+    async def stream(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yield an admitted request's outputs until it finishes. Closing or cancelling the consumer (client
+        disconnect) aborts the request."""
         finished = False
         try:
             while True:
@@ -183,7 +200,23 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(rid)
+                self.abort(stream.request.request_id)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Admit one request and yield its outputs (`add_requests` + `stream`)."""
+        [stream] = self.add_requests([request])
+        async for out in self.stream(stream):
+            yield out
+
+    def fail_all(self, reason: str) -> None:
+        """Shutdown grace ran out: every open stream ends with ShuttingDown, its request is aborted, and new
+        requests are refused."""
+        self.closed = True
+        with self._lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            s.deliver(ShuttingDown(reason))
+            self.abort(s.request.request_id)
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -241,6 +274,11 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
+        if stream is not None and out.finished and stream.on_finished is not None:
+            try:
+                stream.on_finished(stream.request)
+            except Exception:  # a logging callback never takes the engine loop down
+                logger.exception("on_finished callback failed")
         if self.metrics is not None and stream is not None:
             req = stream.request
             if out.outputs[0].delta_token_ids:

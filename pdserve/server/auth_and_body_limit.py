@@ -1,24 +1,36 @@
-"""ASGI middleware that guards the API before any route runs: the API key and the request body size cap."""
+"""ASGI middleware that guards the API before any route runs: the API key, the body size cap, the body read
+deadline."""
 
 from __future__ import annotations
+
+import asyncio
+import hmac
+import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.server.errors import APIError, error_response
 from pdserve.server.metrics import Metrics
 
-# Paths that need the API key (when one is set); /health, /metrics and /debug stay open for probes.
-_KEYED_PREFIX = "/v1"
-_KEYED_PATHS = ("/tokenize", "/detokenize")
+# Paths that need the API key (when one is set); /health and /metrics stay open for probes.
+_KEYED_PREFIXES = ("/v1", "/debug", "/docs", "/redoc")
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/openapi.json")
 
 
 class AuthAndBodyLimitMiddleware:
-    """Refuse requests without `Authorization: Bearer <api_key>` (401) on the API paths, and bodies over
-    `max_body_bytes` (413), checked on the declared Content-Length and again on the bytes actually received
-    (a chunked upload declares none)."""
+    """Refuse requests without `Authorization: Bearer <api_key>` (401; scheme case-insensitive, key compared in
+    constant time) on the API and introspection paths; bodies over `max_body_bytes` (413), checked on the declared
+    Content-Length and on the bytes received (a chunked upload declares none); and bodies not received within
+    `body_read_timeout` seconds (408: a client that trickles its body cannot hold a connection open).
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: Metrics) -> None:
-        self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+    The body is read here in full (it is needed in full anyway) and replayed to the app; later receives (the
+    app listening for a disconnect) go to the client."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: Metrics,
+                 body_read_timeout: float = 30.0) -> None:
+        self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
+        self.api_key = api_key.encode() if api_key else None
+        self.body_read_timeout = body_read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -26,29 +38,56 @@ class AuthAndBodyLimitMiddleware:
             return
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and (path.startswith(_KEYED_PREFIX) or path in _KEYED_PATHS):
-            if headers.get("authorization", "") != f"Bearer {self.api_key}":
-                self.metrics.error("unauthorized")
-                await error_response(APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                              "authentication_error", code="invalid_api_key"))(scope, receive, send)
-                return
-        limit = self.max_body_bytes
-        if int(headers.get("content-length", "0") or 0) > limit:
-            self.metrics.error("payload_too_large")
-            await error_response(_too_large(limit))(scope, receive, send)
+        try:
+            if self.api_key and (path.startswith(_KEYED_PREFIXES) or path in _KEYED_PATHS):
+                self._check_key(headers.get("authorization", ""))
+            if int(headers.get("content-length", "0") or 0) > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+            body, more = await self._read_body(receive) if scope["method"] in ("POST", "PUT", "PATCH") else (b"", [])
+        except ValueError:  # a Content-Length that is not a number
+            await self._refuse(APIError(400, "invalid Content-Length header"), scope, receive, send)
             return
+        except APIError as e:
+            await self._refuse(e, scope, receive, send)
+            return
+        replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}, *more]
+
+        async def replaying_receive() -> Message:
+            return replay.pop(0) if replay else await receive()
+
+        await self.app(scope, replaying_receive if scope["method"] in ("POST", "PUT", "PATCH") else receive, send)
+
+    def _check_key(self, authorization: str) -> None:
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key or b""):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                           "authentication_error", code="invalid_api_key", kind="unauthorized")
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, list[Message]]:
+        """The whole body, within the size cap and the read deadline. A disconnect ends it early (returned as a
+        message for the app to see)."""
+        parts: list[bytes] = []
         seen = 0
+        deadline = time.monotonic() + self.body_read_timeout
+        while True:
+            try:
+                msg = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                raise APIError(408, f"request body not received within {self.body_read_timeout:g} s",
+                               code="request_timeout", kind="request_timeout") from None
+            if msg["type"] != "http.request":  # http.disconnect
+                return b"".join(parts), [msg]
+            chunk = msg.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+            parts.append(chunk)
+            if not msg.get("more_body", False):
+                return b"".join(parts), []
 
-        async def limited_receive() -> Message:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    raise _too_large(limit)  # reaches the app's APIError handler, which counts it
-            return msg
-
-        await self.app(scope, limited_receive, send)
+    async def _refuse(self, e: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+        self.metrics.error(e.kind)
+        await error_response(e)(scope, receive, send)
 
 
 def _too_large(limit: int) -> APIError:

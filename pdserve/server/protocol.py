@@ -1,4 +1,8 @@
-"""OpenAI request bodies (pydantic) and their mapping to SamplingParams."""
+"""OpenAI request bodies (pydantic) and their mapping to SamplingParams.
+
+Unknown fields are kept (`model_extra`) so the serving layer can log them; fields pdserve parses but cannot honour
+are declared, and `unsupported()` names the first one set to a value that would otherwise be dropped silently.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,11 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=False)
+    model_config = ConfigDict(extra="allow", strict=False)
 
     model: str | None = None
-    n: int = 1
+    n: int | None = 1  # null: the default, 1
+    best_of: int | None = None  # only None, 1 or n (every sample returned): no server-side ranking
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -36,19 +41,58 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[int, float] | None = None  # token id (a string key in JSON, converted) -> bias in [-100, 100]
+    cache_salt: str | None = Field(None, max_length=1024, description="prefix-cache blocks are shared only between "
+                                   "requests with the same salt")
+    # parsed only to be refused when set: pdserve has no structured output, tools or prompt logprobs
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_timings: bool = Field(False, description="pdserve extension: add per-phase timings to the response")
     kv_transfer_params: dict[str, Any] | None = Field(
         None, description="PD disaggregation hand-off, as vLLM's NixlConnector: do_remote_decode (to a prefill "
         "instance) or do_remote_prefill + remote_* (to a decode instance)")
 
+    @property
+    def num_samples(self) -> int:
+        return 1 if self.n is None else self.n
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def unsupported(self) -> str | None:
+        """The first field set to a value pdserve cannot honour, or None."""
+        for name, harmless in self._harmless().items():
+            if not harmless:
+                return name
+        return None
+
+    def _harmless(self) -> dict[str, bool]:
+        guided = {f: getattr(self, f) is None for f in ("guided_json", "guided_regex", "guided_choice",
+                                                        "guided_grammar")}
+        return {"best_of": self.best_of in (None, 1, self.num_samples),
+                "response_format": self.response_format is None or self.response_format.get("type") == "text",
+                "tools": not self.tools, "tool_choice": self.tool_choice in (None, "none", "auto"),
+                "functions": not self.functions, "function_call": self.function_call in (None, "none", "auto"),
+                "prompt_logprobs": self.prompt_logprobs is None, **guided}
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        # logit_bias goes in only when given (SamplingParams gains the field in the engine branch)
+        extra: dict[str, Any] = {} if self.logit_bias is None else {"logit_bias": self.logit_bias}
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            **extra, n=self.num_samples, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
             min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, seed=self.seed,
-            stop=stop, stop_token_ids=list(self.stop_token_ids or []), max_tokens=max_tokens,
+            stop=self.stop_list, stop_token_ids=list(self.stop_token_ids or []), max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
@@ -58,7 +102,10 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # refused when non-empty: no fill-in-the-middle
+
+    def _harmless(self) -> dict[str, bool]:
+        return {**super()._harmless(), "suffix": not self.suffix}
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
@@ -77,24 +124,49 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's per-request template: refused, the model's own is used
+
+    def _harmless(self) -> dict[str, bool]:
+        return {**super()._harmless(), "modalities": self.modalities in (None, ["text"]), "audio": self.audio is None,
+                "prediction": self.prediction is None, "chat_template": self.chat_template is None}
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         n_top = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, n_top)
 
-    def plain_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):  # OpenAI content parts: keep the text parts
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            out.append({"role": m.role, "content": content or ""})
-        return out
+
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text content only. A content part that is not text (image_url,
+    input_audio, file) raises ValueError naming it: it is refused, never dropped."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts
+            texts = []
+            for j, part in enumerate(content):
+                text = part.get("text")
+                if part.get("type") != "text" or not isinstance(text, str):
+                    raise ContentPartError(f"messages[{i}].content[{j}]: content part type {part.get('type')!r} is "
+                                           "not supported (text parts only)", f"messages[{i}].content[{j}]")
+                texts.append(text)
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+class ContentPartError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
@@ -103,7 +175,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     tokens: list[int]

@@ -50,13 +50,13 @@ async def models(raw: Request) -> dict[str, Any]:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
     serving: OpenAIServingTokenization = raw.app.state.serving_tokenization
-    return serving.tokenize(body)
+    return await serving.tokenize(body)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
     serving: OpenAIServingTokenization = raw.app.state.serving_tokenization
-    return serving.detokenize(body)
+    return await serving.detokenize(body)
 
 
 @router.get("/health")
@@ -64,6 +64,8 @@ async def health(raw: Request) -> Response:
     aengine: AsyncEngine = raw.app.state.engine
     if aengine.dead is not None:
         return JSONResponse({"status": "dead", "error": repr(aengine.dead)}, status_code=503)
+    if aengine.draining:  # SIGTERM: load balancers stop sending, open requests finish
+        return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 

@@ -1,9 +1,11 @@
 """The serving layer shared by the OpenAI endpoints, usable without HTTP (tests drive it directly).
 
 One API request fans out into child engine requests (`LLMEngine.make_requests`: several prompts, n > 1), ids
-`<id>-<prompt>-<sample>`; choice index = prompt * n + sample. A serving object validates the body, makes the
-children, then either collects them (a response dict) or streams them (an iterator of SSE `data:` lines). A child
-that fails ends the whole API request with a 500 whose body `code` is the child's ErrorCode.
+`<id>-<prompt>-<sample>`; choice index = prompt * n + sample. A serving object validates the body (bounds first,
+before any work: n, sequences, prompt characters), tokenizes in a worker thread (never on the event loop), admits
+the children all or none (429 before the response starts), then either collects them (a response dict) or streams
+them (an iterator of SSE `data:` lines). A child that fails ends the whole API request with a 500 whose body
+`code` is the child's ErrorCode. Every child writes one request-log line when it finishes, aborts included.
 """
 
 from __future__ import annotations
@@ -12,36 +14,71 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pdserve.engine.engine import LLMEngine, PromptType
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from pdserve.server.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream, ShuttingDown
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPartError,
+    plain_messages,
+)
 
 request_log = logging.getLogger("pdserve.requests")
+logger = logging.getLogger("pdserve.server")
+
+PROMPT_CHARS_PER_TOKEN = 16  # default prompt-character bound = this x max_model_len (generous: ~4 is typical)
+_MAX_LOGGED_FIELDS = 256  # unknown field names logged once each, up to this many (a client cannot flood the log)
+_logged_fields: set[str] = set()
 
 # What a non-streaming call returns (the JSON body) or a streaming one (SSE lines, ending with `data: [DONE]`).
 ServingResult = dict[str, Any] | AsyncIterator[str]
 
 
 @dataclass(frozen=True)
+class ServingOptions:
+    """Bounds checked before any work is done, and the prefix-cache policy (the `serve` options of these names)."""
+
+    max_n: int = 128  # n and best_of
+    max_sequences_per_request: int = 256  # prompts x n, the engine requests one API request becomes
+    max_prompt_chars: int | None = None  # per prompt or conversation; None: PROMPT_CHARS_PER_TOKEN x max_model_len
+    prefix_cache_isolation: Literal["none", "tenant"] = "none"  # tenant: no prefix-cache sharing across tenants
+
+
+@dataclass
+class Children:
+    """An API request's admitted engine requests and their output streams (same order: choice index)."""
+
+    reqs: list[EngineRequest]
+    streams: list[RequestStream]
+
+
+@dataclass(frozen=True)
 class RequestContext:
     """What the serving layer needs from the HTTP request besides its body."""
 
-    tenant: str | None = None  # X-Tenant header, else the body's `user`; only logged
+    tenant: str | None = None  # X-Tenant header, else the body's `user`: logged, and the cache salt's tenant
     is_disconnected: Callable[[], Awaitable[bool]] | None = None  # polled while collecting a non-streamed reply
 
 
 def sse(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def shutting_down(e: Exception) -> APIError:
+    return APIError(503, f"{e}; retry on another instance", "service_unavailable", code="server_shutting_down",
+                    kind="shutting_down")
 
 
 def child_error(out: RequestOutput) -> APIError:
@@ -55,10 +92,13 @@ class OpenAIServing:
 
     _DISCONNECT_POLL_S = 0.25
 
-    def __init__(self, aengine: AsyncEngine, model_name: str, metrics: Metrics | None = None) -> None:
+    def __init__(self, aengine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
+                 options: ServingOptions | None = None) -> None:
         self.aengine = aengine
         self.model_name = model_name
         self.metrics = metrics
+        self.options = options or ServingOptions()
+        self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine.max_model_len
         tok = self.engine.tokenizer
         # token id -> its text, for logprobs (a few hot ids dominate)
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(lambda t: str(tok.decode([t])))
@@ -73,6 +113,48 @@ class OpenAIServing:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found", kind="not_found")
 
+    def check_body(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
+        """Checks that cost nothing, before any work: the model, fields that cannot be honoured, the fan-out
+        bounds (a request that can never fit is a 400, not a 429), and stop strings. Logs unknown fields."""
+        self.check_model(body.model)
+        self.log_unknown_fields(body.model_extra)
+        if (field := body.unsupported()) is not None:
+            raise APIError(400, f"{field} is not supported by this server", param=field,
+                           code="unsupported_parameter")
+        o, n = self.options, body.num_samples
+        for name, value in (("n", n), ("best_of", body.best_of)):
+            if value is not None and value > o.max_n:
+                raise APIError(400, f"{name} is {value}; this server allows at most {o.max_n} (--max-n)", param=name,
+                               code=ErrorCode.INVALID_PARAMETER.value)
+        if n >= 1 and num_prompts * n > o.max_sequences_per_request:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; this server "
+                           f"allows at most {o.max_sequences_per_request} per request (--max-sequences-per-request)",
+                           param="n" if n > 1 else "prompt", code=ErrorCode.INVALID_PARAMETER.value)
+        self.check_texts(body.stop_list, "stop")
+        self.check_texts([body.user or ""], "user")
+        self.check_texts([body.cache_salt or ""], "cache_salt")
+
+    def check_texts(self, texts: Iterable[str], param: str) -> None:
+        """Each text at most max_prompt_chars characters and valid Unicode (JSON may carry lone surrogates)."""
+        for t in texts:
+            if len(t) > self.max_prompt_chars:
+                raise APIError(400, f"{param} is {len(t)} characters; this server accepts at most "
+                               f"{self.max_prompt_chars} (--max-prompt-chars)", param=param,
+                               code=ErrorCode.CONTEXT_LENGTH_EXCEEDED.value, kind="context_length")
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{param} is not valid Unicode (a lone surrogate at character {e.start})",
+                               param=param, code=ErrorCode.INVALID_PROMPT.value) from e
+
+    @staticmethod
+    def log_unknown_fields(extra: dict[str, Any] | None) -> None:
+        """Unknown fields are accepted (clients send vendor extras) and logged once per field name."""
+        for name in extra or ():
+            if name not in _logged_fields and len(_logged_fields) < _MAX_LOGGED_FIELDS:
+                _logged_fields.add(name)
+                logger.warning("ignoring unknown request field %r (logged once per field name)", name)
+
     @staticmethod
     def to_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         try:
@@ -80,12 +162,56 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    def cache_salt(self, body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> str | None:
+        """The body's cache_salt; with tenant isolation, combined with the tenant (unambiguously, as JSON)."""
+        if self.options.prefix_cache_isolation == "tenant" and ctx.tenant is not None:
+            return json.dumps([ctx.tenant, body.cache_salt], ensure_ascii=False)
+        return body.cache_salt
+
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run tokenizer work (encode, chat templates, large decodes) off the event loop: the HF fast tokenizer
+        releases the GIL, so /health and other streams keep going meanwhile."""
+        return await asyncio.to_thread(fn, *args)
+
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict[str, Any]:
+        """Messages through the chat template (in a worker thread) to a token-id prompt; 400 for content that is
+        not text, text over the character bound or not valid Unicode, and conversations the template rejects."""
+        try:
+            plain = plain_messages(messages)
+        except ContentPartError as e:
+            raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from e
+        self.check_texts(["".join(m["content"] for m in plain)], "messages")
+        try:
+            prompt: dict[str, Any] = await self.in_thread(self.engine.encode_chat, plain, add_generation_prompt)
+        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        return prompt
+
+    async def start(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
+                    body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:
+        """Tokenize and validate the children (in a worker thread), then admit them all or none."""
+        reqs = await self.in_thread(self.make_children, prompts, params, base_id, body.kv_transfer_params,
+                                    self.cache_salt(body, ctx))
+        tenant = ctx.tenant
+        try:
+            streams = self.aengine.add_requests(reqs, on_finished=lambda r: self.log_finished(r, tenant))
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_error", code="too_many_requests", kind="rate_limited") from e
+        except ShuttingDown as e:
+            raise shutting_down(e) from e
+        except EngineDead as e:
+            raise APIError(500, str(e), "internal_error", kind="engine") from e
+        return Children(reqs, streams)
+
     def make_children(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
-                      kv_params: dict[str, Any] | None = None) -> list[EngineRequest]:
+                      kv_params: dict[str, Any] | None = None, cache_salt: str | None = None) -> list[EngineRequest]:
+        """Tokenize and validate (no engine state touched: safe in a worker thread)."""
         if kv_params and (len(prompts) > 1 or params.n > 1):
             raise APIError(400, "kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
+        # the salt goes in only when given (make_requests gains the parameter in the engine branch)
+        salt: dict[str, Any] = {} if cache_salt is None else {"cache_salt": cache_salt}
         try:
-            reqs = self.engine.make_requests(prompts, params, base_id)
+            reqs = self.engine.make_requests(prompts, params, base_id, **salt)
         except RequestRejected as e:
             too_long = e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
             raise APIError(400, str(e), param=e.param, code=e.code.value,
@@ -95,34 +221,30 @@ class OpenAIServing:
         return reqs
 
     # ---- running the children ------------------------------------------------------------------------------
-    async def stream_all(self, reqs: list[EngineRequest],
-                         tenant: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def stream_all(self, children: Children) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Merge the children's output streams as (choice index, output); raises APIError when one fails.
         Closing or cancelling this generator aborts every unfinished child."""
         merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-        async def pump(idx: int, req: EngineRequest) -> None:
+        async def pump(idx: int, stream: RequestStream) -> None:
             try:
-                async for out in self.aengine.generate(req):
+                async for out in self.aengine.stream(stream):
                     await merged.put((idx, out))
                 await merged.put((idx, None))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await merged.put((idx, e))
                 if isinstance(e, asyncio.CancelledError):
                     raise
-            finally:
-                if req.is_finished:
-                    self.log_finished(req, tenant)
 
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(children.streams)]
         try:
             remaining = len(tasks)
             while remaining:
                 idx, item = await merged.get()
                 if item is None:
                     remaining -= 1
-                elif isinstance(item, QueueFull):
-                    raise APIError(429, str(item), "rate_limit_error", code="too_many_requests", kind="rate_limited")
+                elif isinstance(item, ShuttingDown):
+                    raise shutting_down(item)
                 elif isinstance(item, EngineDead):
                     raise APIError(500, str(item), "internal_error", kind="engine")
                 elif isinstance(item, BaseException):
@@ -134,13 +256,19 @@ class OpenAIServing:
         finally:
             for t in tasks:
                 t.cancel()
+            self.abort_unfinished(children)  # a pump cancelled before it started never aborts its child
 
-    async def collect(self, reqs: list[EngineRequest], ctx: RequestContext) -> list[RequestOutput]:
+    def abort_unfinished(self, children: Children) -> None:
+        for r in children.reqs:
+            if not r.is_finished:
+                self.aengine.abort(r.request_id)
+
+    async def collect(self, children: Children, ctx: RequestContext) -> list[RequestOutput]:
         """Run the children to completion (non-streaming); abort them if the client goes away."""
         finals: dict[int, RequestOutput] = {}
 
         async def consume() -> None:
-            async for idx, out in self.stream_all(reqs, ctx.tenant):
+            async for idx, out in self.stream_all(children):
                 if out.finished:
                     finals[idx] = out
 
@@ -153,11 +281,19 @@ class OpenAIServing:
         finally:
             if not task.done():
                 task.cancel()
+                self.abort_unfinished(children)
         task.result()
-        return [finals[i] for i in range(len(reqs))]
+        return [finals[i] for i in range(len(children.reqs))]
 
-    async def sse_stream(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-        """SSE lines for the chunks; an error mid-stream becomes an error event. Always ends with [DONE]."""
+    def sse_stream(self, chunks: AsyncIterator[dict[str, Any]], children: Children) -> AsyncIterator[str]:
+        """SSE lines for the chunks; an error mid-stream becomes an error event. Always ends with [DONE].
+        If the response never starts iterating (client gone before its first byte), the children are aborted
+        when the iterator is dropped."""
+        lines = self._sse_lines(chunks)
+        weakref.finalize(lines, self.abort_unfinished, children).atexit = False
+        return lines
+
+    async def _sse_lines(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield sse(chunk)

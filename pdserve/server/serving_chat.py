@@ -7,28 +7,24 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.engine.request import Request as EngineRequest
-from pdserve.server.errors import APIError
 from pdserve.server.protocol import ChatCompletionRequest
-from pdserve.server.serving import OpenAIServing, RequestContext, ServingResult
+from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: ChatCompletionRequest, ctx: RequestContext) -> ServingResult:
         """Validate and start the request. Raises APIError before anything is sent when the body is refused."""
-        self.check_model(body.model)
+        self.check_body(body, 1)
         params = self.to_params(body)
-        try:
-            prompt = self.engine.encode_chat(body.plain_messages(), body.add_generation_prompt)
-        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        prompt = await self.render_chat(body.messages, body.add_generation_prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        reqs = self.make_children([prompt], params, rid, body.kv_transfer_params)
+        children = await self.start([prompt], params, rid, body, ctx)
+        reqs = children.reqs
         created = int(time.time())
         if body.stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-            return self.sse_stream(self._chunks(body, reqs, base, ctx))
-        outs = await self.collect(reqs, ctx)
+            return self.sse_stream(self._chunks(body, children, base), children)
+        outs = await self.collect(children, ctx)
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
@@ -39,13 +35,14 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices}
         return self.finish_response(resp, reqs, body)
 
-    async def _chunks(self, body: ChatCompletionRequest, reqs: list[EngineRequest], base: dict[str, Any],
-                      ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    async def _chunks(self, body: ChatCompletionRequest, children: Children,
+                      base: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         # A choice's role chunk goes out right before its first token's chunk, never at arrival: clients (vLLM's
         # bench, the openai SDK) stamp time to first token at the first chunk, so an early one would book the
         # whole prefill as an inter-token gap. vLLM does the same.
         started: set[int] = set()
-        async for i, out in self.stream_all(reqs, ctx.tenant):
+        reqs = children.reqs
+        async for i, out in self.stream_all(children):
             if i not in started:
                 started.add(i)
                 yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},

@@ -11,7 +11,7 @@ from pdserve.engine.engine import PromptType
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.server.errors import APIError
 from pdserve.server.protocol import CompletionRequest
-from pdserve.server.serving import OpenAIServing, RequestContext, ServingResult
+from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult
 
 
 def prompts_of(body: CompletionRequest) -> list[PromptType]:
@@ -32,14 +32,17 @@ def prompts_of(body: CompletionRequest) -> list[PromptType]:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: CompletionRequest, ctx: RequestContext) -> ServingResult:
         """Validate and start the request. Raises APIError before anything is sent when the body is refused."""
-        self.check_model(body.model)
+        prompts = prompts_of(body)
+        self.check_body(body, len(prompts))
+        self.check_texts((p for p in prompts if isinstance(p, str)), "prompt")
         params = self.to_params(body)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = self.make_children(prompts_of(body), params, rid, body.kv_transfer_params)
+        children = await self.start(prompts, params, rid, body, ctx)
+        reqs = children.reqs
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            return self.sse_stream(self._chunks(body, reqs, base, ctx))
-        outs = await self.collect(reqs, ctx)
+            return self.sse_stream(self._chunks(body, children, base), children)
+        outs = await self.collect(children, ctx)
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
@@ -49,12 +52,13 @@ class OpenAIServingCompletion(OpenAIServing):
                             "stop_reason": c.stop_reason})
         return self.finish_response({**base, "choices": choices}, reqs, body)
 
-    async def _chunks(self, body: CompletionRequest, reqs: list[EngineRequest], base: dict[str, Any],
-                      ctx: RequestContext) -> AsyncIterator[dict[str, Any]]:
+    async def _chunks(self, body: CompletionRequest, children: Children,
+                      base: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         # Nothing goes out for a choice before its first token: the echoed prompt rides on the first token's
         # chunk (as vLLM does), so a client's time to first chunk is the time to first token.
         started: set[int] = set()
-        async for i, out in self.stream_all(reqs, ctx.tenant):
+        reqs = children.reqs
+        async for i, out in self.stream_all(children):
             c = out.outputs[0]
             text = c.delta_text
             if i not in started:

@@ -1,0 +1,317 @@
+"""Fault and abuse probes against a real `pdserve serve` process (tiny model: outputs only need to be stable).
+
+Every case checks the status and OpenAI error body, that a concurrent well-behaved request completes with its
+expected greedy output, and that the KV pool and running requests return to baseline afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.launch import ServerProc, start_server
+from pdserve.sampling_params import SamplingParams
+
+from conftest import make_tiny_hf_model
+
+pytestmark = pytest.mark.slow
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_PROMPT_CHARS = 3_000_000
+TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1"]
+GOOD = {"prompt": "你好，世界！The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+HAS_SALT = "cache_salt" in inspect.signature(LLMEngine.make_requests).parameters
+HAS_LOGIT_BIAS = "logit_bias" in SamplingParams.__dataclass_fields__
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    d = tmp_path_factory.mktemp("tiny-model")
+    make_tiny_hf_model().save_pretrained(d, safe_serialization=True)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[ServerProc]:
+    srv = start_server(tmp_path_factory.mktemp("abuse"), "--model", str(tiny_dir), *TINY, "--api-key", KEY,
+                       "--max-num-seqs", "4", "--max-waiting-requests", "16", "--body-read-timeout", "1",
+                       "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--prefix-cache-isolation", "tenant")
+    yield srv
+    assert srv.stop() in (0, -15)
+
+
+@pytest.fixture(scope="module")
+def expected(server: ServerProc) -> str:
+    r = httpx.post(server.base_url + "/v1/completions", json=GOOD, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
+
+
+def baseline(srv: ServerProc, timeout: float = 10.0) -> None:
+    """KV pool empty, no open requests, nothing running (as /debug/kv and /metrics report)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = httpx.get(srv.base_url + "/debug/kv", headers=AUTH).json()
+        running = [ln for ln in httpx.get(srv.base_url + "/metrics").text.splitlines()
+                   if ln.startswith("pdserve:num_requests_running")]
+        idle = kv["num_used_blocks"] == 0 and kv["open_requests"] == 0 and running[0].endswith(" 0.0")
+        if idle:
+            return
+        assert time.monotonic() < deadline, (kv, running)
+        time.sleep(0.05)
+
+
+async def with_neighbour(srv: ServerProc, expected: str, path: str, headers: dict[str, str] | None = None,
+                         **kw: Any) -> httpx.Response:
+    """Send the probe while a well-behaved request runs; that request must complete unchanged."""
+    async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
+        good = asyncio.create_task(http.post("/v1/completions", json=GOOD, headers=AUTH))
+        bad = await http.post(path, headers={**AUTH, **(headers or {})}, **kw)
+        g = await good
+    assert g.status_code == 200 and g.json()["choices"][0]["text"] == expected, g.text
+    return bad
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSG = [{"role": "user", "content": "你好"}]
+CASES: list[tuple[str, str, dict[str, Any], int, str | None, str | None]] = [
+    ("huge n", CMPL, {"json": {"prompt": "Hi", "max_tokens": 1, "n": 1_000_000_000}}, 400, "n", "invalid_parameter"),
+    ("n 20000 stream", CMPL, {"json": {"prompt": "Hi", "n": 20000, "stream": True}}, 400, "n", None),
+    ("n over max-n", CHAT, {"json": {"messages": MSG, "n": 129}}, 400, "n", None),
+    ("prompts x n", CMPL, {"json": {"prompt": ["Hi"] * 9, "n": 2}}, 400, "n", "invalid_parameter"),
+    ("prompts alone", CMPL, {"json": {"prompt": ["Hi"] * 17}}, 400, "prompt", None),
+    ("huge best_of", CMPL, {"json": {"prompt": "Hi", "best_of": 10**9}}, 400, "best_of", None),
+    ("best_of > n", CMPL, {"json": {"prompt": "Hi", "best_of": 2}}, 400, "best_of", "unsupported_parameter"),
+    ("suffix", CMPL, {"json": {"prompt": "Hi", "suffix": "end"}}, 400, "suffix", "unsupported_parameter"),
+    ("response_format", CHAT, {"json": {"messages": MSG, "response_format": {"type": "json_object"}}}, 400,
+     "response_format", "unsupported_parameter"),
+    ("tools", CHAT, {"json": {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}}, 400,
+     "tools", None),
+    ("tool_choice", CHAT, {"json": {"messages": MSG, "tool_choice": "required"}}, 400, "tool_choice", None),
+    ("functions", CHAT, {"json": {"messages": MSG, "functions": [{"name": "f"}]}}, 400, "functions", None),
+    ("image part", CHAT, {"json": {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}},
+     400, "messages[0].content[1]", "unsupported_parameter"),
+    ("surrogate prompt", CMPL, {"content": b'{"prompt": "a\\ud800b", "max_tokens": 2}'}, 400, "prompt",
+     "invalid_prompt"),
+    ("surrogate message", CHAT, {"content": b'{"messages": [{"role": "user", "content": "\\udfff"}]}'}, 400,
+     "messages", None),
+    ("surrogate stop", CMPL, {"content": b'{"prompt": "Hi", "stop": ["\\ud83d"]}'}, 400, "stop", None),
+    ("surrogate tokenize", "/tokenize", {"content": b'{"prompt": "\\ud800"}'}, 400, "prompt", None),
+    ("prompt over chars", CMPL, {"json": {"prompt": "x" * (MAX_PROMPT_CHARS + 1)}}, 400, "prompt",
+     "context_length_exceeded"),
+    ("bad logit_bias key", CMPL, {"json": {"prompt": "Hi", "logit_bias": {"abc": 1}}}, 400, None, None),
+    ("chunked over limit", CMPL, {"content": "chunked"}, 413, None, "payload_too_large"),
+]
+
+
+async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+@pytest.mark.parametrize("name,path,kw,status,param,code", CASES, ids=[c[0] for c in CASES])
+def test_refused(server: ServerProc, expected: str, name: str, path: str, kw: dict[str, Any], status: int,
+                 param: str | None, code: str | None) -> None:
+    headers = {"content-type": "application/json"} if "content" in kw else None
+    if kw.get("content") == "chunked":  # no Content-Length: only the bytes received can tell it is too large
+        kw = {"content": _chunks([b'{"prompt": "', b"x" * 5 * 2**20, b"x" * 4 * 2**20, b'"}'])}
+    t0 = time.monotonic()
+    r = asyncio.run(with_neighbour(server, expected, path, headers, **kw))
+    assert_error(r, status, param, code)
+    assert time.monotonic() - t0 < 30  # refused before any work (no fan-out, no tokenizing a refused prompt)
+    baseline(server)
+
+
+def test_accepted_quirks(server: ServerProc, expected: str) -> None:
+    """n: null is the default; harmless values of unsupported fields and unknown fields are accepted, the unknown
+    ones logged once per field name."""
+    for body in [{**GOOD, "n": None}, {**GOOD, "best_of": 1, "tool_choice": "none", "response_format": {"type": "text"},
+                                       "x_vendor_extra": 1}, {**GOOD, "x_vendor_extra": 2}]:
+        r = asyncio.run(with_neighbour(server, expected, CMPL, json=body))
+        assert r.status_code == 200 and [c["text"] for c in r.json()["choices"]] == [expected], r.text
+    assert server.log().count("ignoring unknown request field 'x_vendor_extra'") == 1
+    baseline(server)
+
+
+def test_auth(server: ServerProc) -> None:
+    base = server.base_url
+    for path in ["/debug/kv", "/docs", "/openapi.json", "/redoc", "/v1/models"]:
+        assert_error(httpx.get(base + path), 401, code="invalid_api_key")
+        assert_error(httpx.get(base + path, headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error(httpx.get(base + path, headers={"Authorization": f"Basic {KEY}"}), 401)
+        assert httpx.get(base + path, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+        assert httpx.get(base + path, headers={"Authorization": f"BEARER  {KEY}"}).status_code == 200
+    assert httpx.get(base + "/health").status_code == 200 and httpx.get(base + "/metrics").status_code == 200
+
+
+def test_slow_body_is_cut_off(server: ServerProc) -> None:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"".encode())
+        t0 = time.monotonic()
+        reply = ""
+        while not reply.endswith("}}") and (part := s.recv(65536).decode()):
+            reply += part
+        assert time.monotonic() - t0 < 5
+    assert reply.startswith("HTTP/1.1 408") and '"code":"request_timeout"' in reply.replace(" ", "")
+    baseline(server)
+
+
+def test_streaming_rate_limit_is_a_429(server: ServerProc, expected: str) -> None:
+    """With 4 running and some waiting, a streamed request whose children do not fit gets a 429 before its
+    response starts (not a 200 and an error event); the long requests, then dropped, leave nothing behind."""
+    long = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60, headers=AUTH) as http:
+            streams = [http.stream("POST", CMPL, json=long) for _ in range(6)]
+            opened = [await s.__aenter__() for s in streams]
+            deadline = time.monotonic() + 20
+            while "num_requests_waiting{" not in (m := (await http.get("/metrics")).text) or not any(
+                    ln.startswith("pdserve:num_requests_waiting") and not ln.endswith(" 0.0") for ln in m.splitlines()):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            r = await http.post(CMPL, json={"prompt": "Hi", "n": 16, "stream": True})
+            for s, o in zip(streams, opened):
+                await s.__aexit__(None, None, None)
+                assert o.status_code == 200
+            return r
+
+    assert_error(asyncio.run(run()), 429, code="too_many_requests")
+    baseline(server)
+    r = httpx.post(server.base_url + CMPL, json=GOOD, headers=AUTH, timeout=60)
+    assert r.json()["choices"][0]["text"] == expected
+
+
+def test_large_prompt_is_tokenized_off_the_event_loop(server: ServerProc) -> None:
+    """A 2 MB prompt (allowed by --max-prompt-chars, then too long in tokens) does not stall /health."""
+    async def run() -> tuple[httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60, headers=AUTH) as http:
+            big = asyncio.create_task(http.post(CMPL, json={"prompt": "hello world, " * 160_000}))
+            worst = 0.0
+            while not big.done():
+                t0 = time.monotonic()
+                assert (await http.get("/health")).status_code == 200
+                worst = max(worst, time.monotonic() - t0)
+                await asyncio.sleep(0.02)
+            return await big, worst
+
+    r, worst = asyncio.run(run())
+    assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert worst < 1.0, f"/health took {worst:.2f} s while a large prompt was tokenized"
+    baseline(server)
+
+
+async def _drop_after_first_chunk(base: str) -> str:
+    """Stream a long completion and hang up after its first chunk; returns the response id."""
+    async with httpx.AsyncClient(base_url=base, timeout=60, headers=AUTH) as http:
+        async with http.stream("POST", CMPL, json={"prompt": "Hi", "max_tokens": 1500, "ignore_eos": True,
+                                                   "stream": True}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    return str(json.loads(line[6:])["id"])
+    raise AssertionError("no chunk")
+
+
+def test_aborted_request_is_logged(server: ServerProc) -> None:
+    rid = asyncio.run(_drop_after_first_chunk(server.base_url))
+    baseline(server)
+    deadline = time.monotonic() + 5
+    while True:
+        recs = [json.loads(ln.split("pdserve.requests: ", 1)[1]) for ln in server.log().splitlines()
+                if "pdserve.requests: " in ln]
+        mine = [r for r in recs if r["request_id"] == f"{rid}-0-0"]
+        if mine or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [r["finish_reason"] for r in mine] == ["abort"]
+
+
+@pytest.mark.skipif(not HAS_SALT, reason="needs LLMEngine.make_requests(cache_salt=...) (engine branch)")
+def test_prefix_cache_is_isolated_by_tenant_and_salt(server: ServerProc) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8  # several KV blocks
+
+    def cached(tenant: str, **extra: Any) -> int:
+        r = httpx.post(server.base_url + CMPL, headers={**AUTH, "X-Tenant": tenant}, timeout=60,
+                       json={"prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0  # same tenant: shared
+    assert cached("tenant-b") == 0  # another tenant: not shared
+    assert cached("tenant-a", cache_salt="s1") == 0  # the body's salt splits a tenant further
+    assert cached("tenant-a", cache_salt="s1") > 0
+    baseline(server)
+
+
+@pytest.mark.skipif(not HAS_LOGIT_BIAS, reason="needs SamplingParams(logit_bias=...) (engine branch)")
+def test_logit_bias(server: ServerProc) -> None:
+    r = httpx.post(server.base_url + CMPL, headers=AUTH, timeout=60, json={**GOOD, "logit_bias": {"42": 100}})
+    assert r.status_code == 200, r.text
+    ids = httpx.post(server.base_url + "/tokenize", headers=AUTH, json={
+        "prompt": r.json()["choices"][0]["text"], "add_special_tokens": False}).json()["tokens"]
+    assert set(ids) == {42}
+    assert_error(httpx.post(server.base_url + CMPL, headers=AUTH, json={**GOOD, "logit_bias": {"42": 1000}}), 400)
+    baseline(server)
+
+
+def test_shutdown_drains(tmp_path: Path, tiny_dir: Path) -> None:
+    """SIGTERM: /health answers 503 draining (not connection refused), requests arriving during the grace are still
+    served, and when the grace runs out an open stream ends with an error event and [DONE]."""
+    srv = start_server(tmp_path, "--model", str(tiny_dir), *TINY, "--shutdown-grace", "2")
+
+    async def run() -> tuple[list[str], list[int], int]:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
+            lines: list[str] = []
+
+            async def read(resp: httpx.Response) -> None:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+
+            async with http.stream("POST", CMPL, json={"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True,
+                                                       "stream": True}) as resp:
+                reader = asyncio.create_task(read(resp))
+                while not lines:
+                    await asyncio.sleep(0.02)
+                srv.proc.terminate()
+                await asyncio.sleep(0.5)
+                health = [(await http.get("/health")).status_code]
+                served = (await http.post(CMPL, json=GOOD)).status_code
+                await reader
+            return lines, health, served
+
+    try:
+        lines, health, served = asyncio.run(run())
+        assert health == [503] and served == 200
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "server_shutting_down"
+        srv.proc.wait(30)
+        assert srv.proc.returncode in (0, -15)
+    finally:
+        srv.stop()
