@@ -169,8 +169,6 @@ def test_forged_handoff_never_connects_and_neighbours_are_unaffected(pd: PD) -> 
     assert_baseline(pd)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the server to call pdserve.disagg.trust.check_kv_transfer_params in "
-                   "OpenAIServing.make_children (integration with the server branch)")
 def test_forged_handoff_is_a_400(pd: PD) -> None:
     rec = ConnectRecorder()
     try:

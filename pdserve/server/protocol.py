@@ -85,10 +85,9 @@ class _Sampling(BaseModel):
                 "prompt_logprobs": self.prompt_logprobs is None, **guided}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        # logit_bias goes in only when given (SamplingParams gains the field in the engine branch)
-        extra: dict[str, Any] = {} if self.logit_bias is None else {"logit_bias": self.logit_bias}
         return SamplingParams(
-            **extra, n=self.num_samples, temperature=1.0 if self.temperature is None else self.temperature,
+            logit_bias=self.logit_bias, n=self.num_samples,
+            temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
             min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty, seed=self.seed,

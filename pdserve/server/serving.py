@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdserve.disagg.trust import check_kv_transfer_params
 from pdserve.engine.engine import LLMEngine, PromptType
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.errors import ErrorCode, RequestRejected
@@ -159,6 +160,8 @@ class OpenAIServing:
     def to_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         try:
             return body.to_sampling_params()
+        except RequestRejected as e:
+            raise APIError(400, str(e), param=e.param, code=e.code.value) from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -208,10 +211,10 @@ class OpenAIServing:
         """Tokenize and validate (no engine state touched: safe in a worker thread)."""
         if kv_params and (len(prompts) > 1 or params.n > 1):
             raise APIError(400, "kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
-        # the salt goes in only when given (make_requests gains the parameter in the engine branch)
-        salt: dict[str, Any] = {} if cache_salt is None else {"cache_salt": cache_salt}
         try:
-            reqs = self.engine.make_requests(prompts, params, base_id, **salt)
+            reqs = self.engine.make_requests(prompts, params, base_id, cache_salt=cache_salt)
+            if kv_params and self.engine.kv_transfer is not None:  # signed by a trusted router, or a known peer
+                kv_params = check_kv_transfer_params(kv_params, self.engine.config)
         except RequestRejected as e:
             too_long = e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
             raise APIError(400, str(e), param=e.param, code=e.code.value,
