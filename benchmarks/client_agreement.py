@@ -112,11 +112,12 @@ def run_guidellm(url: str, args: argparse.Namespace, out: Path, model: str) -> d
     hf = PEERS_DIR / "smollm2-135m-hf"
     path = out / "guidellm.json"
     proc = subprocess.run(
-        [str(exe), "run", "--backend", f"kind=openai_http,target={url},model={model}",
+        [str(exe), "run", "--backend",
+         f"kind=openai_http,target={url},model={model},request_format=/v1/chat/completions",
          "--profile", f"kind=concurrent,streams={args.concurrency}",
-         "--constraint", f"kind=max_requests,max_num={args.num_prompts}",
+         "--constraint", f"kind=max_requests,count={args.num_prompts}",
          "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
-         "--tokenizer", f"kind=huggingface_auto,name_or_path={hf}",
+         "--tokenizer", f"kind=huggingface_auto,model={hf}",
          "--output", f"kind=json,path={path}", "--disable-console-interactive"],
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0 or not path.exists():

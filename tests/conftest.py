@@ -77,6 +77,15 @@ def loaded_from_hf(model: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Any:
+    """The tiny random Llama as a Hugging Face directory (weights + the default model's tokenizer), for servers."""
+    d = tmp_path_factory.mktemp("tiny-model")
+    make_tiny_hf_model().save_pretrained(d, safe_serialization=True)
+    tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_model() -> Any:
     return make_tiny_hf_model()
 

@@ -18,22 +18,12 @@ import pytest
 
 from pdserve.launch import ServerProc, start_server
 
-from conftest import make_tiny_hf_model
-
 pytestmark = pytest.mark.slow
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_PROMPT_CHARS = 3_000_000
 TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1"]
 GOOD = {"prompt": "你好，世界！The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    d = tmp_path_factory.mktemp("tiny-model")
-    make_tiny_hf_model().save_pretrained(d, safe_serialization=True)
-    tokenizer.save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")

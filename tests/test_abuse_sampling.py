@@ -20,19 +20,14 @@ import pytest
 
 from pdserve.launch import ServerProc, start_server
 
-from conftest import make_tiny_hf_model
-
 pytestmark = pytest.mark.slow
 VOCAB = 49152  # the tiny model's vocabulary (SmolLM2's)
 GOOD = ["The quick brown fox jumps over the lazy dog.", "你好，世界！请用中文介绍一下你自己。", "Once upon a time,"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[ServerProc]:
-    d = tmp_path_factory.mktemp("tiny-model")
-    make_tiny_hf_model().save_pretrained(d, safe_serialization=True)
-    tokenizer.save_pretrained(d)
-    srv = start_server(tmp_path_factory.mktemp("abuse-srv"), "--model", str(d), "--dtype", "float32",
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Any) -> Iterator[ServerProc]:
+    srv = start_server(tmp_path_factory.mktemp("abuse-srv"), "--model", str(tiny_dir), "--dtype", "float32",
                        "--num-kv-blocks", "256", "--num-threads", "1")
     yield srv
     srv.stop()

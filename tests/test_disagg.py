@@ -24,22 +24,12 @@ import pytest
 
 from pdserve.launch import ServerProc, free_port, start_pdserve, start_server
 
-from conftest import make_tiny_hf_model
-
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 5,  # several KV blocks
     "你好，世界！请用中文介绍一下你自己，谢谢。" * 2,
     "Hi",
 ]
 TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
-    d = tmp_path_factory.mktemp("tiny-model")
-    make_tiny_hf_model().save_pretrained(d, safe_serialization=True)
-    tokenizer.save_pretrained(d)
-    return d
 
 
 def start_router(tmp: Path, prefill: list[str], decode: list[str], *args: str, timeout: float = 60.0) -> ServerProc:
