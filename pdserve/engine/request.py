@@ -76,6 +76,8 @@ class Request:
         # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
         self.kv_transfer_params: dict[str, Any] | None = None
         self.kv_transfer_result: dict[str, Any] | None = None
+        # structured output: an xgrammar GrammarMatcher over the output tokens accepted so far; None: unconstrained
+        self.matcher: Any = None
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

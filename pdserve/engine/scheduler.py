@@ -43,12 +43,14 @@ def make_sampling_metadata(requests: Sequence[Request]) -> SamplingMetadata:
         md.generators.append(r.generator)
         md.num_logprobs.append(p.logprobs)
         banned: list[int] = []
-        if r.num_output_tokens < p.min_tokens:  # no stop token (nor EOS) before min_tokens
+        # no stop token (nor EOS) before min_tokens; a constrained row's grammar alone decides when it may end
+        if r.num_output_tokens < p.min_tokens and r.matcher is None:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(r.eos_token_ids))
         md.banned_token_ids.append(banned)
         md.prompt_token_ids.append(r.prompt_token_ids)
         md.output_token_ids.append(r.output_token_ids)
         md.logit_bias.append(p.logit_bias)
+        md.token_bitmask.append(None)  # the engine fills constrained rows (LLMEngine._fill_token_bitmasks)
     return md
 
 

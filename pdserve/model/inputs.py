@@ -57,6 +57,9 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]] = field(default_factory=list)  # for the repetition penalty
     output_token_ids: list[list[int]] = field(default_factory=list)  # for all penalties
     logit_bias: list[dict[int, float] | None] = field(default_factory=list)  # token id -> bias; None: none
+    # structured output: int32 [ceil(vocab / 32)], bit t set when token t is allowed next; None: unconstrained.
+    # Constrained rows' masks are views of one bitmask tensor the engine fills per step.
+    token_bitmask: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

@@ -1,4 +1,5 @@
-"""Batched sampling on tensors: logit_bias, penalties, min_tokens, temperature, top-k/p, min-p, seeds, logprobs.
+"""Batched sampling on tensors: logit_bias, penalties, min_tokens, grammar masks, temperature, top-k/p, min-p,
+seeds, logprobs.
 
 Each step samples one token for every request whose last pending token was computed. All rows are processed as
 one [B, vocab] tensor; only the random draws of seeded rows use their own `torch.Generator`, so a seeded request
@@ -79,6 +80,17 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: Sequence[torch.Tensor]) -> None:
+    """In place: logits[rows[k], t] = -inf where bit t of masks[k] (int32 words, bit t % 32 of word t // 32) is
+    clear. xgrammar's CPU kernel (no triton needed; 4x faster than unpacking the bits with torch), imported only
+    when a row is constrained: xgrammar is installed wherever a request could be."""
+    import xgrammar as xgr
+
+    bits = torch.empty(logits.shape[0], masks[0].shape[0], dtype=torch.int32)  # rows outside `rows` are not read
+    bits[rows] = torch.stack(list(masks))
+    xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=logits.shape[1], indices=rows)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: float32 [B, vocab], row i described by row i of `md`; never modified.
@@ -120,7 +132,8 @@ class Sampler:
 
         bias_rows = [(i, b) for i, b in enumerate(md.logit_bias) if b]
         banned_rows = [(i, b) for i, b in enumerate(md.banned_token_ids) if b]
-        if bias_rows or banned_rows or not md.no_penalties:
+        grammar_rows = [i for i, m in enumerate(md.token_bitmask) if m is not None]
+        if bias_rows or banned_rows or grammar_rows or not md.no_penalties:
             logits = logits.clone()  # the caller's logits stay intact for the per-row fallback
         for i, bias in bias_rows:  # OpenAI logit_bias: added before everything else
             logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
@@ -128,6 +141,8 @@ class Sampler:
             apply_penalties(logits, md)
         for i, banned in banned_rows:
             logits[i, banned] = float("-inf")
+        if grammar_rows:  # structured output: after logit_bias, before temperature/top-k/p (greedy rows too)
+            apply_token_bitmask(logits, grammar_rows, [m for m in md.token_bitmask if m is not None])
 
         tokens = logits.argmax(-1)
         rows = [i for i, g in enumerate(md.greedy) if not g]

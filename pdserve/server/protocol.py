@@ -10,7 +10,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.sampling_params import SamplingParams, StructuredOutputs
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
@@ -44,8 +47,10 @@ class _Sampling(BaseModel):
     logit_bias: dict[int, float] | None = None  # token id (a string key in JSON, converted) -> bias in [-100, 100]
     cache_salt: str | None = Field(None, max_length=1024, description="prefix-cache blocks are shared only between "
                                    "requests with the same salt")
-    # parsed only to be refused when set: pdserve has no structured output, tools or prompt logprobs
+    # structured output: one of response_format (OpenAI), structured_outputs (vLLM) or a guided_* field (older vLLM)
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # parsed only to be refused when set: pdserve has no tools or prompt logprobs
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -76,13 +81,26 @@ class _Sampling(BaseModel):
         return None
 
     def _harmless(self) -> dict[str, bool]:
-        guided = {f: getattr(self, f) is None for f in ("guided_json", "guided_regex", "guided_choice",
-                                                        "guided_grammar")}
         return {"best_of": self.best_of in (None, 1, self.num_samples),
-                "response_format": self.response_format is None or self.response_format.get("type") == "text",
                 "tools": not self.tools, "tool_choice": self.tool_choice in (None, "none", "auto"),
                 "functions": not self.functions, "function_call": self.function_call in (None, "none", "auto"),
-                "prompt_logprobs": self.prompt_logprobs is None, **guided}
+                "prompt_logprobs": self.prompt_logprobs is None}
+
+    def structured(self) -> StructuredOutputs | None:
+        """The output constraint, from whichever one field sets it; RequestRejected (400) naming the field when it
+        is malformed or when two fields set one."""
+        found: list[StructuredOutputs] = []
+        if self.response_format is not None:
+            found += [so for so in [_response_format(self.response_format)] if so is not None]
+        if self.structured_outputs is not None:
+            found.append(StructuredOutputs.from_dict(self.structured_outputs, "structured_outputs"))
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                found.append(StructuredOutputs(**{kind: getattr(self, name)}, param=name))
+        if len(found) > 1:
+            raise RequestRejected(f"{found[0].param} and {found[1].param} both constrain the output; set one",
+                                  found[1].param, ErrorCode.INVALID_STRUCTURED_OUTPUT)
+        return found[0] if found else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -94,7 +112,24 @@ class _Sampling(BaseModel):
             stop=self.stop_list, stop_token_ids=list(self.stop_token_ids or []), max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs)
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, structured_outputs=self.structured())
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True, param="response_format")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise RequestRejected("response_format.json_schema.schema must be a JSON schema object",
+                                  "response_format.json_schema.schema", ErrorCode.INVALID_STRUCTURED_OUTPUT)
+        return StructuredOutputs(json=js["schema"], param="response_format.json_schema.schema")
+    raise RequestRejected(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format.type", ErrorCode.INVALID_STRUCTURED_OUTPUT)
 
 
 class CompletionRequest(_Sampling):

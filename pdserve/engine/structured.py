@@ -1,0 +1,107 @@
+"""Constrained decoding with xgrammar: compile a request's constraint to a grammar, give each sequence a matcher,
+and build the per-step token bitmask of the constrained rows.
+
+xgrammar is imported lazily, on the first constrained request: unconstrained serving never loads it. Compiling
+runs where `LLMEngine.make_requests` runs (a server worker thread), never on the engine thread, and is cached by
+(kind, spec). A matcher's state is the output tokens it accepted; preemption recomputes those tokens' KV but never
+samples them again, so the matcher stays valid as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.sampling_params import StructuredOutputs
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (LRU); xgrammar's own cache is off so this bound holds
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF for exactly one of `choices`. JSON string literals are valid EBNF string literals (same escapes), and
+    keep CJK characters as they are."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one tokenizer/vocabulary. Thread-safe: server worker threads compile concurrently."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)  # EOS is allowed exactly when the grammar is complete
+        self._lock = threading.Lock()
+        self._compiler: Any = None  # xgrammar.GrammarCompiler, built on first use (tokenizer scan: ~0.2 s)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.num_compiled = 0  # cache misses, for tests and metrics
+
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1),
+                                                     cache_enabled=False)
+            return self._compiler
+
+    def compile(self, so: StructuredOutputs) -> Any:
+        """The compiled grammar for `so` (cached); RequestRejected (invalid_structured_output) if it does not
+        compile."""
+        key = (so.kind, so.spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        compiler = self._get_compiler()
+        try:
+            compiled = self._compile(compiler, so)
+        except Exception as e:  # xgrammar raises RuntimeError (and sometimes others) with a parser message
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            msg = msg.split("] ", 1)[-1] if msg.startswith("[") else msg  # drop xgrammar's "[time] file:line"
+            raise RequestRejected(f"the {so.kind} constraint does not compile: {msg}", so.param or so.kind,
+                                  ErrorCode.INVALID_STRUCTURED_OUTPUT) from e
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    @staticmethod
+    def _compile(compiler: Any, so: StructuredOutputs) -> Any:
+        kind = so.kind
+        # compact JSON (no free whitespace): a weak model cannot pad forever between tokens
+        if kind == "json":
+            return compiler.compile_json_schema(so.spec, any_whitespace=False)
+        if kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(so.spec)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(so.choice or []))
+        return compiler.compile_grammar(so.spec)
+
+    @staticmethod
+    def new_matcher(compiled: Any) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+
+def fill_bitmask(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:
+    """int32 [len(matchers), ceil(vocab / 32)]: bit t of row i set when matchers[i] allows token t next."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bitmask, i)
+    return bitmask
