@@ -126,6 +126,20 @@ def test_router_output_equals_colocated(cluster: Cluster, stream: bool, chat: bo
     assert metric(cluster.prefill, "pdserve:kv_pin_timeouts_total") == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_through_the_router(cluster: Cluster, stream: bool) -> None:
+    """A constraint travels with the hand-off: the decode instance's own matcher sees every output token (it
+    computes the last prompt token itself), so the routed answer equals the colocated one and obeys the grammar."""
+    kw: dict[str, Any] = {"ignore_eos": False, "max_tokens": 48,
+                          "structured_outputs": {"choice": ["晴天", "rainy", "cloudy"]}}
+    for chat in (False, True):
+        want = complete(cluster.ref, PROMPTS[0], stream=False, chat=chat, **kw)
+        got = complete(cluster.router.base_url, PROMPTS[0], stream=stream, chat=chat, **kw)
+        assert got == want and got in {"晴天", "rainy", "cloudy"}
+    assert metric(cluster.decode[0], "pdserve:kv_transfer_failures_total") == 0
+    assert wait_baseline(cluster.decode[0])["num_used_blocks"] == 0
+
+
 def test_router_metrics_and_logs(cluster: Cluster) -> None:
     complete(cluster.router.base_url, PROMPTS[0], stream=True)
     text = httpx.get(cluster.router.base_url + "/metrics").text
