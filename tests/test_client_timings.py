@@ -33,7 +33,7 @@ SLACK_S = 3.0  # client TTFT <= server TTFT + SLACK_S: HTTP, JSON and a loaded 2
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("timings"), "--dtype", "bfloat16", "--kv-cache-memory", "256MiB",
+    srv = start_server(tmp_path_factory.mktemp("timings"), "--dtype", "float32", "--kv-cache-memory", "256MiB",
                        "--max-model-len", "2048")
     yield srv
     srv.stop()

@@ -112,6 +112,9 @@ class KVTransferManager:
     def close(self) -> None:
         self.connector.close()
 
+    def check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        return self.trust.verify(params)
+
     # ---- decode side ---------------------------------------------------------------------------------------
     def wants_remote_load(self, req: Request, num_cached: int) -> bool:
         """True when the request should pull KV before computing. Consumes the params either way, so a later

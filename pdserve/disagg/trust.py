@@ -129,11 +129,6 @@ def trust_from_config(config: EngineConfig) -> KVTransferTrust:
     return trust_of(config.kv_transfer_secret, config.kv_allowed_peers)
 
 
-def check_kv_transfer_params(params: dict[str, Any], config: EngineConfig) -> dict[str, Any]:
-    """The server's check, before a request is queued: `params` if acceptable, else RequestRejected."""
-    return verify_kv_transfer_params(params, trust_from_config(config))
-
-
 def _reject(message: str) -> RequestRejected:
     return RequestRejected(message, "kv_transfer_params", ErrorCode.KV_TRANSFER_PARAMS_REJECTED)
 

@@ -247,7 +247,8 @@ class LLMEngine:
             return StepResult(kv_failed, StepStats(StepKind.IDLE, 0, 0, len(sched.preempted_req_ids),
                                                    time.perf_counter() - t0))
         reqs = [self.scheduler.requests[d.req_id] for d in sched.scheduled_reqs]
-        self._fill_token_bitmasks(sched, reqs)
+        sampled_reqs = [r for r, d in zip(reqs, sched.scheduled_reqs) if d.sample]  # the sampler's rows, in order
+        self._fill_token_bitmasks(sched, sampled_reqs)
         seqs = [(d.num_computed_tokens, d.num_scheduled_tokens) for d in sched.scheduled_reqs]
         stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens,
                           len(sched.preempted_req_ids), 0.0)
@@ -260,37 +261,35 @@ class LLMEngine:
             failed = [self._fail(r, f"model step failed: {exc!r}", ErrorCode.MODEL_STEP_FAILED) for r in reqs]
             stats.duration = time.perf_counter() - t0
             return StepResult(kv_failed + failed, stats)
-        outs = kv_failed + self._postprocess(sched, reqs, sampled.token_ids, sampled.logprobs, sampled.errors)
+        outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled.token_ids, sampled.logprobs,
+                                             sampled.errors)
         stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
         self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
         stats.model_time, stats.duration = t_run, time.perf_counter() - t0
         return StepResult(outs, stats)
 
-    def _fill_token_bitmasks(self, sched: SchedulerOutput, reqs: list[Request]) -> None:
+    def _fill_token_bitmasks(self, sched: SchedulerOutput, sampled_reqs: list[Request]) -> None:
         """Structured output: the next-token bitmask of each constrained sampled row, from its matcher. A batch with
         no constrained row costs one pass over the rows."""
-        md = sched.sampling_metadata
-        rows = [(k, r.matcher) for k, r in enumerate(r for r, d in zip(reqs, sched.scheduled_reqs) if d.sample)
-                if r.matcher is not None]
+        rows = [k for k, r in enumerate(sampled_reqs) if r.matcher is not None]
         if not rows:
             return
-        bitmask = fill_bitmask([m for _, m in rows], self.arch.vocab_size)
-        for j, (k, _) in enumerate(rows):
-            md.token_bitmask[k] = bitmask[j]
+        bitmask = fill_bitmask([sampled_reqs[k].matcher for k in rows], self.arch.vocab_size)
+        for j, k in enumerate(rows):
+            sched.sampling_metadata.token_bitmask[k] = bitmask[j]
 
-    def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], tokens: list[int],
+    def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], sampled: list[Request], tokens: list[int],
                      logprobs: list[TokenLogprobs | None],
                      sample_errors: list[str | None] | None = None) -> list[RequestOutput]:
         """reqs[i] is sched.scheduled_reqs[i]; tokens, logprobs and sample_errors (None or empty: none failed)
-        are per sampled request, in that order."""
+        are per request of `sampled` (the scheduled requests that sample), in that order."""
         now = time.perf_counter()
         for req, d in zip(reqs, sched.scheduled_reqs):
             if not is_decode(req, d.num_scheduled_tokens):
                 req.times.prefill_chunks.append((now, d.num_scheduled_tokens))
             req.num_computed_tokens += d.num_scheduled_tokens
             self.block_manager.cache_full_blocks(req)
-        sampled = [req for req, d in zip(reqs, sched.scheduled_reqs) if d.sample]
         errors = sample_errors or [None] * len(sampled)
         outs = []
         for req, tok, lp, err in zip(sampled, tokens, logprobs, errors):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from pdserve.engine.block_manager import KVCacheBlock
@@ -44,6 +44,11 @@ class KVTransfer(Protocol):
 
     @property
     def num_pinned_requests(self) -> int: ...
+
+    def check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A request's `kv_transfer_params` if this instance may act on them (signed by the router, or from an
+        allowed peer); raises RequestRejected otherwise, having contacted nothing."""
+        ...
 
     def wants_remote_load(self, request: Request, num_cached: int) -> bool:
         """True when the waiting request should pull its prompt's KV instead of computing it."""

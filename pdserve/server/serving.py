@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.disagg.trust import check_kv_transfer_params
 from pdserve.engine.engine import LLMEngine, PromptType
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.errors import ErrorCode, RequestRejected
@@ -121,7 +120,7 @@ class OpenAIServing:
         self.log_unknown_fields(body.model_extra)
         if (field := body.unsupported()) is not None:
             raise APIError(400, f"{field} is not supported by this server", param=field,
-                           code="unsupported_parameter")
+                           code=ErrorCode.UNSUPPORTED_PARAMETER.value)
         o, n = self.options, body.num_samples
         for name, value in (("n", n), ("best_of", body.best_of)):
             if value is not None and value > o.max_n:
@@ -182,7 +181,7 @@ class OpenAIServing:
         try:
             plain = plain_messages(messages)
         except ContentPartError as e:
-            raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from e
+            raise APIError(400, str(e), param=e.param, code=ErrorCode.UNSUPPORTED_PARAMETER.value) from e
         self.check_texts(["".join(m["content"] for m in plain)], "messages")
         try:
             prompt: dict[str, Any] = await self.in_thread(self.engine.encode_chat, plain, add_generation_prompt)
@@ -214,7 +213,7 @@ class OpenAIServing:
         try:
             reqs = self.engine.make_requests(prompts, params, base_id, cache_salt=cache_salt)
             if kv_params and self.engine.kv_transfer is not None:  # signed by a trusted router, or a known peer
-                kv_params = check_kv_transfer_params(kv_params, self.engine.config)
+                kv_params = self.engine.kv_transfer.check_params(kv_params)
         except RequestRejected as e:
             too_long = e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
             raise APIError(400, str(e), param=e.param, code=e.code.value,
