@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
+KERNELS := pdserve/kernels/_build/sources.sha256   # native CPU kernels (C++), rebuilt when csrc/ changes
 
 .PHONY: install serve generate test test-fast lint clean
 
@@ -16,7 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
-install: $(STAMP)
+$(KERNELS): $(STAMP) $(wildcard pdserve/kernels/csrc/*) pdserve/kernels/build.py
+	$(PY) -m pdserve.kernels
+
+install: $(STAMP) $(KERNELS)
 
 serve: install
 	$(VENV)/bin/pdserve serve $(SERVE_ARGS)

@@ -1,0 +1,82 @@
+"""pdserve's native CPU kernels (C++, `csrc/`), loaded once per process.
+
+`load()` returns the extension module or None when it is not built (or built from other sources); `require()`
+raises instead. `isa()` names the instruction-set path the kernels run (avx512 | avx2 | generic), chosen at run
+time from the CPU; `PDSERVE_KERNEL_ISA` lowers it (tests run every path the machine has).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+from pdserve.kernels.build import MODULE, built_library
+
+log = logging.getLogger("pdserve.kernels")
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+ISA_ENV = "PDSERVE_KERNEL_ISA"
+
+
+class KernelsUnavailable(RuntimeError):
+    """The native kernels were required but are not built for the current sources."""
+
+
+_module: ModuleType | None = None
+_tried = False
+
+
+def load() -> ModuleType | None:
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    import torch  # noqa: F401  (loads libtorch and its OpenMP runtime, which the extension shares)
+
+    lib = built_library()
+    if lib is None:
+        log.warning("native kernels are not built for these sources; run `make install` "
+                    "(or `python -m pdserve.kernels`). Using the PyTorch path.")
+        return None
+    spec = importlib.util.spec_from_file_location(MODULE, lib)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        mod.set_active_isa(forced)
+    _module = mod
+    return mod
+
+
+def require() -> Any:
+    mod = load()
+    if mod is None:
+        raise KernelsUnavailable("native kernels are not built for these sources: run `make install` "
+                                 "(or `python -m pdserve.kernels`)")
+    return mod
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def isa() -> str:
+    """The ISA path the native kernels run now, or "none" when they are not built."""
+    mod = load()
+    return mod.active_isa() if mod is not None else "none"
+
+
+def use_native(kernels: str) -> bool:
+    """auto: native where built; native: require them; torch: never."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if kernels == "torch":
+        return False
+    if kernels == "native":
+        require()
+        return True
+    return available()

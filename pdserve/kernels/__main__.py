@@ -1,0 +1,3 @@
+from pdserve.kernels.build import main
+
+raise SystemExit(main())
