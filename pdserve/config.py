@@ -157,9 +157,16 @@ class EngineConfig:
     max_num_seqs: int = option(64, "most sequences in one step")
     max_num_batched_tokens: int = option(512, "token budget of one step: decodes + prefill chunks")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps (off: `--no-chunked-prefill`)")
+    max_step_ms: float | None = option(
+        None, "bound of a step that mixes decodes with prefill chunks, in ms: its prefill tokens are capped so the "
+        "step time predicted by the cost model (fitted to measured steps) stays within it; `0`: no cap",
+        "3x the predicted time of the step's decodes alone")
     # runtime
     num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")
-    attention_backend: str = option("sdpa", "attention kernel: `sdpa` (PyTorch scaled_dot_product_attention)")
+    kernels: str = option(
+        "auto", "`native`: pdserve's C++ CPU kernels (GGUF Q4_0/Q4_1/Q8_0 and `--quantization` weights read as "
+        "stored, paged attention in place, fused layer ops; float32 activations), `torch`: the PyTorch reference "
+        "path, `auto`: native where built and the dtype is float32")
     # live roofline
     device_peaks: str = option(
         "auto", "peaks the live roofline measures MFU/MBU against: `auto` (this machine: measured on a quiet machine "
@@ -169,8 +176,8 @@ class EngineConfig:
         "auto", "`auto`/`onednn`: oneDNN with weights packed once at load (fp32, where available); `torch`: plain "
         "`F.linear`")
     quantization: str | None = option(
-        None, "`int8`: weight-only int8, per output channel; small-batch steps read the int8 weights, larger ones "
-        "run an fp32 GEMM on the dequantized copy (unset: weights in `dtype`)")
+        None, "weight-only quantization of a float checkpoint: `int8` (native: Q8_0 blocks, a scale per 32 "
+        "weights; torch: per output channel) or `int4` (native only: Q4_1 blocks); GGUF files keep their own types")
     # PD disaggregation (pdserve.disagg)
     kv_role: str = option("both", "PD disaggregation role: `both` (colocated), `prefill` or `decode` (`--role` on "
                           "`serve`)")
@@ -191,8 +198,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be int8, int4 or unset, got {self.quantization!r}")
+        if self.kernels not in ("auto", "native", "torch"):
+            raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
         if self.kv_role not in ("both", "prefill", "decode"):
             raise ValueError(f"kv_role must be both, prefill or decode, got {self.kv_role!r}")
         if self.kv_connector not in ("zmq", "nixl"):
@@ -208,6 +217,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if parse_size(self.kv_cache_memory) <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.max_step_ms is not None and self.max_step_ms < 0:
+            raise ValueError("max_step_ms must be >= 0 (0: no cap)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:

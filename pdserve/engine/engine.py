@@ -22,8 +22,10 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
+from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.kernels import kernels_description, resolve_kernels
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
 from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -68,7 +70,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        loaded = model if model is not None else load_model(config.model, dtype=config.torch_dtype)
+        self.kernels = resolve_kernels(config.kernels, config.torch_dtype)  # "native" | "torch"
+        loaded = model if model is not None else load_model(config.model, dtype=config.torch_dtype,
+                                                            keep_quantized=self.kernels == "native")
         self.arch = loaded.arch
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer()
         self.model_name = config.model or "smollm2-135m"
@@ -78,7 +82,7 @@ class LLMEngine:
         self.num_blocks = self._num_blocks(config)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, self.num_blocks,
-                                  config.block_size, self.max_model_len, config.attention_backend,
+                                  config.block_size, self.max_model_len, self.kernels,
                                   config.quantization, config.linear_backend)
         # PD disaggregation (prefill/decode roles): KV hand-off over a connector
         self.kv_transfer: KVTransfer | None = None
@@ -86,16 +90,19 @@ class LLMEngine:
             from pdserve.disagg.manager import KVTransferManager
 
             self.kv_transfer = KVTransferManager(config, self.block_manager, self.runner.kv_cache)
+        self.step_cost = self.runner.step_cost_model()
+        self.step_budget = StepBudget(self.step_cost, config.max_step_ms)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy)
+                                   config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy,
+                                   self.step_budget)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
-        self.step_cost = self.runner.step_cost_model()
         self.roofline = RooflineMeter(device_peaks, config.torch_dtype)
-        logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
+        logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, kernels %s",
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
-                    self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len)
+                    self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
+                    kernels_description(self.kernels))
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
@@ -265,6 +272,7 @@ class LLMEngine:
                                              sampled.errors)
         stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
         self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
+        self.step_budget.observe(stats.flops, stats.bytes, t_run)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
         stats.model_time, stats.duration = t_run, time.perf_counter() - t0
         return StepResult(outs, stats)

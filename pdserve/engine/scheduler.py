@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.step_budget import StepBudget
 from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput, StepKind
 
 __all__ = ["Scheduler", "SchedulerOutput", "StepKind", "is_decode", "make_sampling_metadata"]
@@ -57,8 +58,9 @@ def make_sampling_metadata(requests: Sequence[Request]) -> SamplingMetadata:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, kv_transfer: KVTransfer | None = None,
-                 kv_load_failure_policy: str = "recompute") -> None:
+                 kv_load_failure_policy: str = "recompute", step_budget: StepBudget | None = None) -> None:
         self.block_manager = block_manager
+        self.step_budget = step_budget  # caps the prefill tokens of steps that carry decodes (ITL tail)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -155,11 +157,18 @@ class Scheduler:
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
 
+        cap = self._prefill_cap(budget)  # None: prefill chunks limited by the token budget only
+
         # 1. running requests, in order; preempt the latest arrival when blocks run out
         queue = list(self.running)
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if cap is not None and not is_decode(req, num_new):
+                if cap <= 0:
+                    continue
+                num_new = min(num_new, cap)
+                cap -= num_new
             while not self.block_manager.allocate_slots(req, num_new):
                 victim = queue[-1] if queue else req  # `running` is in arrival order
                 self._preempt(victim, now, out)
@@ -192,6 +201,10 @@ class Scheduler:
             if not self.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
+            if cap is not None and self.enable_chunked_prefill:
+                if cap <= 0:
+                    break
+                num_new = min(num_new, cap)
             if not self.block_manager.allocate_slots(req, num_new, computed_blocks):
                 break
             self.waiting.popleft()
@@ -203,6 +216,8 @@ class Scheduler:
             self._add_running(req)
             prefills.append((req, num_new))
             budget -= num_new
+            if cap is not None:
+                cap -= num_new
 
         out.scheduled_reqs = [self._scheduled(r, n) for r, n in decodes + prefills]
         out.num_decode_tokens = len(decodes)
@@ -210,6 +225,14 @@ class Scheduler:
         out.sampling_metadata = make_sampling_metadata(
             [r for (r, _), s in zip(decodes + prefills, out.scheduled_reqs) if s.sample])
         return out
+
+    def _prefill_cap(self, budget: int) -> int | None:
+        """The step budget's prefill cap for this step's decodes (the running requests one token behind)."""
+        if self.step_budget is None:
+            return None
+        decodes = [(r.num_computed_tokens, 1) for r in self.running
+                   if is_decode(r, r.num_tokens - r.num_computed_tokens)]
+        return self.step_budget.prefill_cap(decodes, budget - len(decodes))
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         c = req.num_computed_tokens

@@ -13,12 +13,16 @@ import os
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from pdserve.kernels.build import MODULE, built_library
 
 log = logging.getLogger("pdserve.kernels")
 
 KERNEL_CHOICES = ("auto", "native", "torch")
 ISA_ENV = "PDSERVE_KERNEL_ISA"
+REQUIRED_OPS = ("quant_linear", "dequantize", "embedding", "quantize", "paged_attention", "reshape_and_cache",
+                "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 
 
 class KernelsUnavailable(RuntimeError):
@@ -34,9 +38,7 @@ def load() -> ModuleType | None:
     if _tried:
         return _module
     _tried = True
-    import torch  # noqa: F401  (loads libtorch and its OpenMP runtime, which the extension shares)
-
-    lib = built_library()
+    lib = built_library()  # torch is imported above: libtorch and its OpenMP runtime, shared by the extension
     if lib is None:
         log.warning("native kernels are not built for these sources; run `make install` "
                     "(or `python -m pdserve.kernels`). Using the PyTorch path.")
@@ -45,6 +47,10 @@ def load() -> ModuleType | None:
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    missing = [op for op in REQUIRED_OPS if not hasattr(mod, op)]
+    if missing:
+        log.warning("the native kernel library lacks %s; using the PyTorch path", ", ".join(missing))
+        return None
     forced = os.environ.get(ISA_ENV)
     if forced:
         mod.set_active_isa(forced)
@@ -70,13 +76,21 @@ def isa() -> str:
     return mod.active_isa() if mod is not None else "none"
 
 
-def use_native(kernels: str) -> bool:
-    """auto: native where built; native: require them; torch: never."""
+def resolve_kernels(kernels: str, dtype: torch.dtype) -> str:
+    """"native" or "torch" for `--kernels auto|native|torch`: auto takes the native kernels where they are built
+    and the compute dtype is float32 (their activations are float32; bf16/fp16 models keep the PyTorch path)."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if kernels == "torch":
-        return False
+        return "torch"
     if kernels == "native":
         require()
-        return True
-    return available()
+        if dtype != torch.float32:
+            raise ValueError(f"--kernels native computes in float32; got dtype {dtype} (use --dtype float32)")
+        return "native"
+    return "native" if dtype == torch.float32 and available() else "torch"
+
+
+def kernels_description(kernels: str) -> str:
+    """What ran, for the start-up log and /metrics: "native (avx512)" or "torch"."""
+    return f"native ({isa()})" if kernels == "native" else "torch"

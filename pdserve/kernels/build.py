@@ -53,8 +53,9 @@ def build(verbose: bool = False) -> Path:
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     cpp = [str(p) for p in sources() if p.suffix == ".cpp"]
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    load(name=MODULE, sources=cpp, build_directory=str(BUILD_DIR), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),  # load() appends to them
-         verbose=verbose, is_python_module=True)
+    # copies: load() appends to the flag lists it is given
+    load(name=MODULE, sources=cpp, build_directory=str(BUILD_DIR), extra_cflags=list(CFLAGS),
+         extra_ldflags=list(LDFLAGS), verbose=verbose, is_python_module=True)
     (BUILD_DIR / STAMP).write_text(sources_hash() + "\n")
     lib = built_library()
     assert lib is not None, f"build finished but no {MODULE}*.so in {BUILD_DIR}"

@@ -36,6 +36,11 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # long [num_decodes, max_blocks] (padded with block 0)
     decode_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_blocks * block_size]: key is valid
     prefills: list[PrefillChunk]
+    # Varlen form of the same step, one row per sequence (decodes first), for the native kernel: sequence s owns
+    # query rows query_start_loc[s]..query_start_loc[s+1] and has seq_lens[s] keys once this step's K/V are written.
+    block_table: torch.Tensor | None = None  # int32 [S, max_blocks] (padded with block 0)
+    query_start_loc: torch.Tensor | None = None  # int32 [S + 1]
+    seq_lens: torch.Tensor | None = None  # int32 [S]
 
 
 class AttentionBackend(Protocol):
@@ -105,7 +110,27 @@ class SDPABackend:
         return kv[0], kv[1]
 
 
-_BACKENDS: dict[str, type] = {"sdpa": SDPABackend}
+class NativeBackend:
+    """pdserve's C++ paged attention (pdserve/kernels): reads K/V blocks in place through the block table, one
+    kernel for decodes, multi-token decode rows and prefill chunks with context (GQA-aware, online softmax)."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        from pdserve import kernels
+
+        self.ops = kernels.require()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert meta.block_table is not None and meta.query_start_loc is not None and meta.seq_lens is not None
+        self.ops.reshape_and_cache(k, v, layer_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=torch.float32)
+        self.ops.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale)
+        return out
+
+
+_BACKENDS: dict[str, type] = {"sdpa": SDPABackend, "native": NativeBackend}
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

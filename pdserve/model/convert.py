@@ -32,8 +32,8 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.
     gen["transformers_version"] = transformers.__version__
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2, sort_keys=True)
-    save_file({k: v.contiguous() for k, v in loaded.state_dict.items()}, os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
+    tensors = {k: v.contiguous() for k, v in loaded.state_dict.items() if isinstance(v, torch.Tensor)}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     tok = load_tokenizer(gguf_path)
     tok.save_pretrained(out_dir)
     _portable_tokenizer_config(out_dir)

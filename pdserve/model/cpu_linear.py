@@ -61,7 +61,7 @@ def use_onednn(backend: str, dtype: torch.dtype) -> bool:
 def pack_model_linears(model: nn.Module) -> None:
     """Replace every nn.Linear under `model` (decoder projections and lm_head) by a PackedLinear, in place."""
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
+        if type(child) is nn.Linear:  # not subclasses, not already-quantized layers
             setattr(model, name, PackedLinear(child))
         else:
             pack_model_linears(child)

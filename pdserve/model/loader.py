@@ -32,6 +32,7 @@ import torch
 
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
+from pdserve.model.quant_linear import QTYPES, QuantizedWeight, StateDict
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class LoadedModel:
 
     arch: ModelArchConfig
     hf_config: dict[str, Any]
-    state_dict: dict[str, torch.Tensor]
+    state_dict: StateDict
     source: str
     _tokenizer: Any = field(default=None, init=False, repr=False, compare=False)
 
@@ -127,10 +128,10 @@ class LoadedModel:
         return self._tokenizer
 
 
-def load_model(model: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> LoadedModel:
     """Resolve `model` (see resolve_model_path) and load it as a GGUF file or a Hugging Face directory."""
     path = resolve_model_path(model)
-    return load_hf_dir(path, dtype) if os.path.isdir(path) else load_gguf(path, dtype)
+    return load_hf_dir(path, dtype) if os.path.isdir(path) else load_gguf(path, dtype, keep_quantized)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -430,8 +431,16 @@ def _dequantize(t: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3), dequantizing every tensor to `dtype`."""
+def _raw_blocks(t: GGUFTensorInfo) -> QuantizedWeight:
+    """A Q4_0/Q4_1/Q8_0 matrix as stored: uint8 [rows, bytes_per_row], no dequantization."""
+    rows, cols = t.hf_shape
+    data = torch.from_numpy(np.array(t.data, copy=True).reshape(rows, -1))
+    return QuantizedWeight(data, int(t.qtype), (rows, cols))
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> LoadedModel:
+    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3), dequantizing every tensor to `dtype`, or with
+    `keep_quantized` keeping Q4_0/Q4_1/Q8_0 matrices as `QuantizedWeight` blocks (other types still dequantize)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
@@ -451,11 +460,20 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     permuted = meta.arch in _PERMUTED_QK_ARCHS
 
-    def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor]:
+    def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | QuantizedWeight]:
+        name = gguf_to_hf_name(t.name)
+        assert name is not None
+        qk_heads = (n_head if ".attn_q." in t.name else n_kv) if permuted and (
+            ".attn_q." in t.name or ".attn_k." in t.name) else 0
+        if keep_quantized and int(t.qtype) in QTYPES and len(t.ne) == 2:
+            q = _raw_blocks(t)
+            if qk_heads:  # a permutation of whole rows: applies to the blocks as to the floats
+                q = QuantizedWeight(reverse_permute_qk(q.data, qk_heads).contiguous(), q.qtype, q.shape)
+            return name, q
         w = _dequantize(t)
-        if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
-            w = reverse_permute_qk(w, n_head if ".attn_q." in t.name else n_kv)
-        return gguf_to_hf_name(t.name), w.to(dtype).contiguous()  # type: ignore[return-value]
+        if qk_heads:
+            w = reverse_permute_qk(w, qk_heads)
+        return name, w.to(dtype).contiguous()
 
     items = [t for n, t in tensors.items() if n not in _IGNORED_TENSORS]
     # numpy dequantization releases the GIL in its vector ops; a small pool overlaps the per-tensor Python overhead.

@@ -1,4 +1,8 @@
-"""Weight-only int8 quantization (`--quantization int8`) through PyTorch's own CPU kernel.
+"""Weight-only quantization of float checkpoints (`--quantization int8|int4`).
+
+With the native kernels (the default where they are built), every projection becomes a `QuantLinear` over GGUF
+blocks of 32 weights with their own scale (int8 -> Q8_0, int4 -> Q4_1), read as stored by pdserve/kernels. The rest
+of this file is the PyTorch path (`--kernels torch`, int8 only), through PyTorch's own CPU kernel:
 
 Each linear layer's weight becomes int8 with one scale per output channel (symmetric, round to nearest). The scale
 is rounded to bfloat16 *before* quantizing, so the int8 kernel (which takes bf16 scales) and the dequantized copy
@@ -22,11 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.cpu_linear import PACKED_MAX_ROWS, pack_weight, packed_linear
+from pdserve.model.quant_linear import QUANTIZATION_QTYPES, QuantizedWeight, QuantLinear
 
 if TYPE_CHECKING:
     from pdserve.model.llama import DecoderLayer, LlamaForCausalLM
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "int4")
 # Steps with at most this many tokens read the int8 weights. Measured crossover on 2 AVX2 cores: 8-16 rows
 # against MKL's fp32 GEMM, ~8 rows against oneDNN with pre-packed fp32 weights (cpu_linear.py).
 INT8_MAX_ROWS = 12
@@ -61,16 +66,29 @@ class Int8Linear(nn.Module):
         return F.linear(x, self.weight_dequant, self.bias)
 
 
-def quantize_model(model: LlamaForCausalLM, method: str, packed: bool = False) -> LlamaForCausalLM:
-    """Replace every decoder-layer projection and the lm_head by its quantized form, in place. The embedding table
-    stays in the compute dtype (a step reads only its own rows of it)."""
+def quantize_model(model: LlamaForCausalLM, method: str, packed: bool = False,
+                   native: bool = False) -> LlamaForCausalLM:
+    """Replace every float decoder-layer projection and the lm_head by its quantized form, in place (projections
+    already in GGUF blocks are left as they are). The embedding table stays in the compute dtype (a step reads
+    only its own rows of it)."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
+    if method == "int4" and not native:
+        raise ValueError("--quantization int4 runs on the native kernels only (not with --kernels torch)")
+
+    def convert(linear: nn.Module) -> nn.Module:
+        if not isinstance(linear, nn.Linear):
+            return linear
+        if native:
+            weight = QuantizedWeight.quantize(linear.weight, QUANTIZATION_QTYPES[method])
+            return QuantLinear(weight, linear.bias)
+        return Int8Linear(linear, packed)
+
     for layer in cast("list[DecoderLayer]", model.layers):
         att, mlp = layer.self_attn, layer.mlp
-        att.qkv_proj = Int8Linear(att.qkv_proj, packed)  # type: ignore[assignment]
-        att.o_proj = Int8Linear(att.o_proj, packed)  # type: ignore[assignment]
-        mlp.gate_up_proj = Int8Linear(mlp.gate_up_proj, packed)  # type: ignore[assignment]
-        mlp.down_proj = Int8Linear(mlp.down_proj, packed)  # type: ignore[assignment]
-    model.lm_head = Int8Linear(cast(nn.Linear, model.lm_head), packed)  # type: ignore[assignment]
+        att.qkv_proj = convert(att.qkv_proj)  # type: ignore[assignment]
+        att.o_proj = convert(att.o_proj)  # type: ignore[assignment]
+        mlp.gate_up_proj = convert(mlp.gate_up_proj)  # type: ignore[assignment]
+        mlp.down_proj = convert(mlp.down_proj)  # type: ignore[assignment]
+    model.lm_head = convert(model.lm_head)  # type: ignore[assignment]
     return model

@@ -5,8 +5,10 @@ masks) are built once per step and shared by all layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch import nn
 
 from pdserve.config import ModelArchConfig
 from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
@@ -14,6 +16,7 @@ from pdserve.model.cpu_linear import pack_model_linears, use_onednn
 from pdserve.model.inputs import SchedulerOutput
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.quant import quantize_model
+from pdserve.model.quant_linear import QuantEmbedding, QuantLinear, StateDict
 from pdserve.model.sampler import Sampler, SamplerOutput
 from pdserve.roofline import StepCostModel
 
@@ -27,9 +30,11 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, arch: ModelArchConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                 num_blocks: int, block_size: int, max_model_len: int, attention_backend: str = "sdpa",
+    def __init__(self, arch: ModelArchConfig, state_dict: StateDict, dtype: torch.dtype,
+                 num_blocks: int, block_size: int, max_model_len: int, kernels: str = "torch",
                  quantization: str | None = None, linear_backend: str = "auto") -> None:
+        """`kernels`: "native" (pdserve/kernels: fused layer ops, paged attention in place, GGUF-block linears) or
+        "torch" (the PyTorch reference path); the engine resolves "auto" before this."""
         self.arch = arch
         self.dtype = dtype
         self.block_size = block_size
@@ -41,11 +46,12 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
+        native = kernels == "native"
         if quantization:
-            quantize_model(self.model, quantization, packed=use_onednn(linear_backend, dtype))
-        elif use_onednn(linear_backend, dtype):
-            pack_model_linears(self.model)
-        self.backend = get_attention_backend(attention_backend)
+            quantize_model(self.model, quantization, packed=use_onednn(linear_backend, dtype), native=native)
+        if use_onednn(linear_backend, dtype):
+            pack_model_linears(self.model)  # the float projections that remain
+        self.backend = get_attention_backend("native" if native else "sdpa")
         self.sampler = Sampler()
         self.kv_cache = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
                                     arch.head_dim, dtype=dtype)
@@ -55,17 +61,52 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in _weights(self.model))
 
     def step_cost_model(self) -> StepCostModel:
-        """The live roofline's FLOP and byte counts, from the weights as stored (int8 weights count 1 byte)."""
-        layers = [t for layer in self.model.layers for t in _weights(layer) if t.dim() == 2]
-        head = _weights(self.model.lm_head)
-        emb = self.model.embed_tokens.weight
+        """The live roofline's FLOP and byte counts, from the weights as stored (int8 weights count 1 byte, GGUF
+        blocks their bytes per block)."""
+        layer_params = layer_bytes = 0
+        for layer in self.model.layers:
+            p, b = _matrix_stats(layer)
+            layer_params, layer_bytes = layer_params + p, layer_bytes + b
+        head_params, head_bytes = _matrix_stats(self.model.lm_head)
+        emb = cast(nn.Module, self.model.embed_tokens)
+        emb_w = cast(torch.Tensor, emb.qweight if isinstance(emb, QuantEmbedding) else emb.weight)
+        emb_row_bytes = int(emb_w.shape[1] * emb_w.element_size())
         return StepCostModel.for_model(
-            self.arch, layer_params=sum(t.numel() for t in layers),
-            layer_weight_bytes=sum(t.numel() * t.element_size() for t in layers),
-            lm_head_params=max(t.numel() for t in head), lm_head_bytes=sum(t.numel() * t.element_size() for t in head),
-            embed_row_bytes=emb.shape[1] * emb.element_size(), kv_dtype_bytes=self.kv_cache.element_size())
+            self.arch, layer_params=layer_params, layer_weight_bytes=layer_bytes, lm_head_params=head_params,
+            lm_head_bytes=head_bytes, embed_row_bytes=emb_row_bytes, kv_dtype_bytes=self.kv_cache.element_size())
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        return self._prepare_varlen(sched) if self.backend.name == "native" else self._prepare_sdpa(sched)
+
+    def _prepare_varlen(self, sched: SchedulerOutput) -> StepInputs:
+        """One row per sequence (decodes first): the native kernel's block_table / query_start_loc / seq_lens."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl, seq_lens, tables, sample_rows = [0], [], [], []
+        for i, r in enumerate(sched.scheduled_reqs):
+            c, n, b = r.num_computed_tokens, r.num_scheduled_tokens, r.block_ids
+            ids.extend(r.token_ids)
+            span = range(c, c + n)
+            pos.extend(span)
+            slots.extend(b[p // bs] * bs + p % bs for p in span)
+            qsl.append(len(ids))
+            seq_lens.append(c + n)
+            tables.append(b)
+            if i < sched.num_decode_tokens or r.sample:  # a decode computes the newest token: always sampled
+                sample_rows.append(len(ids) - 1)
+        width = max(len(b) for b in tables)
+        block_table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
+                                 num_decodes=sched.num_decode_tokens, decode_block_tables=None, decode_mask=None,
+                                 prefills=[], block_table=block_table,
+                                 query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
+        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+                          sample_rows)
+
+    def _prepare_sdpa(self, sched: SchedulerOutput) -> StepInputs:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -114,6 +155,20 @@ class ModelRunner:
             return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[inp.sample_rows])
         return self.sampler(logits, sched.sampling_metadata)
+
+
+def _matrix_stats(module: torch.nn.Module) -> tuple[int, int]:
+    """(weights, bytes as stored) of the weight matrices under `module`; GGUF blocks count their real size."""
+    params = nbytes = 0
+    for m in module.modules():
+        if isinstance(m, QuantLinear):
+            params += m.out_features * m.in_features
+            nbytes += cast(torch.Tensor, m.qweight).numel()
+    for t in _weights(module):
+        if (t.dim() == 2 and t.is_floating_point()) or t.dtype == torch.int8:
+            params += t.numel()
+            nbytes += t.numel() * t.element_size()
+    return params, nbytes
 
 
 def _weights(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -1,0 +1,102 @@
+"""Step budget: how many prefill tokens may join a step that carries decodes, so the step stays short.
+
+A decode's inter-token latency is the duration of the steps it rides in. When a long prefill chunk joins a step of
+running decodes, every one of those decodes waits for the chunk: the ITL tail comes from mixed steps. pdserve
+predicts a step's model time from the live roofline's cost model (the step's FLOPs and bytes, `StepCostModel`),
+fitted online to the steps it actually ran:
+
+    t ≈ c0 + c1 · bytes + c2 · FLOPs      (least squares over the last `window` steps, coefficients >= 0)
+
+and caps a mixed step's prefill tokens so the prediction stays within `max_step_ms` — or, by default, within
+`ratio` times the predicted time of the same decodes alone. A step with no decodes has no cap (TTFT does not pay),
+and a capped step still takes at least `min_chunk` prefill tokens so a prompt always advances.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdserve.roofline import StepCostModel
+
+MIN_OBSERVATIONS = 16  # fitted steps before the budget applies (until then: no cap)
+REFIT_EVERY = 8
+
+
+class StepTimeModel:
+    """Seconds of model time of a step, predicted from its (FLOPs, bytes)."""
+
+    def __init__(self, window: int = 512) -> None:
+        self._obs: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._since_fit = 0
+        self.coef: np.ndarray | None = None  # [c0 (s), c1 (s per byte), c2 (s per FLOP)]
+
+    def observe(self, flops: float, nbytes: float, seconds: float) -> None:
+        self._obs.append((flops, nbytes, seconds))
+        self._since_fit += 1
+        if len(self._obs) >= MIN_OBSERVATIONS and (self.coef is None or self._since_fit >= REFIT_EVERY):
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since_fit = 0
+        data = np.asarray(self._obs, dtype=np.float64)
+        x = np.column_stack([np.ones(len(data)), data[:, 1], data[:, 0]])
+        y = data[:, 2]
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # normalised columns: a well-conditioned solve
+        keep = [0, 1, 2]
+        while keep:  # non-negative least squares by dropping the most negative coefficient (3 unknowns)
+            sol, *_ = np.linalg.lstsq(x[:, keep] / scale[keep], y, rcond=None)
+            if (sol >= 0).all():
+                break
+            keep.pop(int(np.argmin(sol)))
+        coef = np.zeros(3)
+        if keep:
+            coef[keep] = sol / scale[keep]
+        self.coef = coef
+
+    def predict(self, flops: float, nbytes: float) -> float | None:
+        if self.coef is None:
+            return None
+        return float(self.coef[0] + self.coef[1] * nbytes + self.coef[2] * flops)
+
+
+class StepBudget:
+    def __init__(self, cost: StepCostModel, max_step_ms: float | None, ratio: float = 3.0,
+                 min_chunk: int = 16) -> None:
+        """`max_step_ms`: absolute bound of a mixed step (None: `ratio` x its decodes alone; 0: no cap)."""
+        self.cost = cost
+        self.max_step_s = None if max_step_ms is None else max_step_ms / 1000
+        self.ratio = ratio
+        self.min_chunk = min_chunk
+        self.model = StepTimeModel()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_step_s != 0
+
+    def observe(self, flops: float, nbytes: float, seconds: float) -> None:
+        self.model.observe(flops, nbytes, seconds)
+
+    def _predict(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> float | None:
+        return self.model.predict(*self.cost.cost(seqs, num_sampled))
+
+    def prefill_cap(self, decodes: Sequence[tuple[int, int]], max_tokens: int) -> int | None:
+        """Most prefill tokens a step with these decodes ((context, 1) each) should take; None: no cap."""
+        if not decodes or not self.enabled or max_tokens <= self.min_chunk:
+            return None
+        alone = self._predict(decodes, len(decodes))
+        if alone is None:
+            return None
+        limit = self.max_step_s if self.max_step_s is not None else self.ratio * alone
+        lo, hi = self.min_chunk, max_tokens  # the largest n in [lo, hi] whose mixed step fits, else lo
+        if (self._predict([*decodes, (0, hi)], len(decodes) + 1) or 0.0) <= limit:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if (self._predict([*decodes, (0, mid)], len(decodes) + 1) or 0.0) <= limit:
+                lo = mid
+            else:
+                hi = mid
+        return lo
