@@ -93,13 +93,15 @@ def tiny_hf_model() -> Any:
 @pytest.fixture
 def make_llm(tiny_hf_model: Any, tokenizer: Any) -> Callable[..., Any]:
     """Factory for a pdserve.LLM on the tiny model (fp32, no device peaks by default: a test that needs MFU/MBU
-    passes explicit peaks, so nothing depends on how busy the machine is), engine options as keywords."""
+    passes explicit peaks, and no step budget: it depends on measured step times; so nothing depends on how busy the
+    machine is), engine options as keywords."""
     from pdserve.llm import LLM
 
     def factory(hf_model: Any = None, **options: Any) -> Any:
         options.setdefault("dtype", "float32")
         options.setdefault("device_peaks", "off")
         options.setdefault("num_kv_blocks", 256)
+        options.setdefault("max_step_ms", 0)
         return LLM(loaded_model=loaded_from_hf(hf_model or tiny_hf_model), tokenizer=tokenizer, **options)
 
     return factory

@@ -1,0 +1,98 @@
+"""Step budget: the step-time model fitted to (FLOPs, bytes) and the prefill cap it puts on steps with decodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.engine.step_budget import MIN_OBSERVATIONS, StepBudget, StepTimeModel
+from pdserve.roofline import StepCostModel
+
+
+def cost_model() -> StepCostModel:
+    return StepCostModel(layer_params=100_000_000, lm_head_params=28_000_000, layer_weight_bytes=66_000_000,
+                         lm_head_bytes=30_000_000, embed_row_bytes=2304, kv_bytes_per_token=23040,
+                         attn_flops_per_pair=4 * 30 * 9 * 64)
+
+
+def true_time(flops: float, nbytes: float) -> float:
+    return 0.002 + nbytes / 10e9 + flops / 100e9  # a 10 GB/s, 100 GFLOP/s machine with 2 ms of fixed cost
+
+
+def fitted_budget(max_step_ms: float | None = None) -> StepBudget:
+    budget = StepBudget(cost_model(), max_step_ms)
+    for batch, prefill in [(b, p) for b in (1, 4, 16, 32) for p in (0, 16, 64, 256, 512)]:
+        seqs = [(200, 1)] * batch + ([(0, prefill)] if prefill else [])
+        flops, nbytes = budget.cost.cost(seqs, batch + bool(prefill))
+        budget.observe(flops, nbytes, true_time(flops, nbytes))
+    return budget
+
+
+def test_time_model_recovers_a_linear_machine() -> None:
+    model = StepTimeModel()
+    assert model.predict(1e9, 1e8) is None
+    for i in range(MIN_OBSERVATIONS + 4):
+        flops, nbytes = 1e9 * (1 + i % 5) ** 2, 1e8 * (1 + i % 3)
+        model.observe(flops, nbytes, true_time(flops, nbytes))
+    for flops, nbytes in [(3e9, 2e8), (5e10, 1e8)]:
+        assert model.predict(flops, nbytes) == pytest.approx(true_time(flops, nbytes), rel=1e-6)
+
+
+def test_time_model_coefficients_are_never_negative() -> None:
+    model = StepTimeModel()
+    for i in range(40):  # time falls as FLOPs rise: noise a plain fit would turn into a negative FLOP cost
+        model.observe(1e9 * (i + 1), 1e8, 0.05 - 0.0001 * i)
+    assert model.coef is not None and (model.coef >= 0).all()
+
+
+def test_cap_keeps_mixed_step_within_ratio_of_decodes_alone() -> None:
+    budget = fitted_budget()
+    decodes = [(200, 1)] * 16
+    cap = budget.prefill_cap(decodes, 512)
+    assert cap is not None and budget.min_chunk <= cap < 512
+    alone = true_time(*budget.cost.cost(decodes, 16))
+    assert true_time(*budget.cost.cost([*decodes, (0, cap)], 17)) <= 3 * alone * 1.001
+    assert true_time(*budget.cost.cost([*decodes, (0, cap + 1)], 17)) > 3 * alone * 0.999
+
+
+def test_cap_absolute_and_off_and_without_decodes() -> None:
+    budget = fitted_budget(max_step_ms=100)
+    decodes = [(200, 1)] * 4
+    cap = budget.prefill_cap(decodes, 512)
+    assert cap is not None
+    assert budget.min_chunk < cap and true_time(*budget.cost.cost([*decodes, (0, cap)], 5)) <= 0.100 * 1.001
+    assert budget.prefill_cap([], 512) is None  # no decodes: prefill is never capped (TTFT)
+    assert fitted_budget(max_step_ms=0).prefill_cap(decodes, 512) is None
+    assert fitted_budget(max_step_ms=1).prefill_cap(decodes, 512) == budget.min_chunk  # always some progress
+    assert StepBudget(cost_model(), None).prefill_cap(decodes, 512) is None  # not fitted yet
+
+
+class FixedCap:
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.seen: list[int] = []
+
+    def prefill_cap(self, decodes: Any, max_tokens: int) -> int:
+        self.seen.append(len(decodes))
+        return self.cap
+
+
+def test_scheduler_applies_the_cap_to_new_and_running_prefills(make_llm: Any) -> None:
+    eng = make_llm(max_num_batched_tokens=256).engine
+    a = eng.add_request({"prompt_token_ids": list(range(100, 110))}, SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.step()
+    eng.scheduler.step_budget = FixedCap(24)
+    b = eng.add_request({"prompt_token_ids": list(range(200, 300))}, SamplingParams(max_tokens=2, ignore_eos=True))
+    chunks = []
+    while b.num_output_tokens == 0:
+        sched_tokens = b.num_computed_tokens
+        eng.step()
+        chunks.append(b.num_computed_tokens - sched_tokens)
+    assert chunks == [24, 24, 24, 24, 4] and a.num_output_tokens == 6  # a decoded in every step
+    assert eng.scheduler.step_budget.seen[0] == 1
+    eng.abort_request([a.request_id, b.request_id])
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.block_manager.is_at_baseline()
