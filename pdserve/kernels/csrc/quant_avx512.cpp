@@ -1,15 +1,17 @@
-// AVX-512 (F+BW+VL+DQ+VNNI) quantized-linear kernels. The dot product is _mm512_dpbusd_epi32 (u8 x s8), two
-// weight blocks (64 weights) per zmm.
+// AVX-512 (F+BW+VL+DQ+VNNI) quantized-linear kernels. The dot product is _mm512_dpbusd_epi32 (u8 weights x s8
+// activations), two weight blocks (64 weights) per zmm; a register tile of MR activation rows x NC weight rows.
 //
 // Activation row layout (P = ceil(nb/2) pairs of blocks; an odd last block is paired with a zero block):
-//   u8  q[P*64]     q + 128 (so activations are the unsigned operand for every weight type)
-//   f32 dx[P*16]    per-lane block scale dx (lanes as below)
-//   f32 sxd[P*16]   Q4_1 only: dx * sum(q) / 8 per lane (8 lanes per block sum back to dx * sum(q))
+//   s8  q[P*64]     quantized activations
+//   f32 dx[P*16]    the block scale in each of its 8 int32 lanes (lanes as below)
+//   ext[P*16]       per lane of a block (8 lanes sum to the block's term):
+//                   Q4_0: int32 -sum(q)      (the -8 zero point of the nibbles: -8 * sum(q))
+//                   Q8_0: int32 -16*sum(q)   (weights enter as w + 128 in u8: -128 * sum(q))
+//                   Q4_1: f32 dx*sum(q)/8    (times the block min m)
+// ext is the dpbusd accumulator's initial value for Q4_0/Q8_0, so the offsets cost no ALU work per row.
 // Lane order of a pair: Q8_0 natural (bytes 0..31 block 0, 32..63 block 1: int32 lanes 0-7 block 0, 8-15 block 1);
 // Q4_* [x0..15 of b0, x0..15 of b1, x16..31 of b0, x16..31 of b1], which is the order two 16-byte nibble arrays
 // unpack to without a cross-lane byte shuffle (int32 lanes 0-3 and 8-11 block 0, 4-7 and 12-15 block 1).
-// Weights become s8 w (Q4_0: q - 8, Q4_1: q, Q8_0: q) and the +128 offset is removed per int32 lane with
-// wcorr = -128 * sum(w over the lane's 4 bytes), which is the dpbusd accumulator's initial value.
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -29,9 +31,7 @@ constexpr int kMaxRows = 8;  // rows per register tile (8 accumulators of 32)
 
 int64_t npairs(int64_t k) { return (k / QK + 1) / 2; }
 
-size_t act_row_bytes(int64_t k, int qtype) {
-  return static_cast<size_t>(npairs(k) * 64 * (qtype == kQ41 ? 3 : 2));
-}
+size_t act_row_bytes(int64_t k, int /*qtype*/) { return static_cast<size_t>(npairs(k) * 64 * 3); }
 
 // Lane pattern of the two per-block values [v0, v1] for a pair (see the layout comment).
 __m512i pair_index(int qtype) {
@@ -41,6 +41,10 @@ __m512i pair_index(int qtype) {
 
 __m512 expand_pair(__m512i idx, float v0, float v1) {
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_setr_ps(v0, v1, 0.0f, 0.0f)));
+}
+
+__m512i expand_pair_i(__m512i idx, int32_t v0, int32_t v1) {
+  return _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(_mm_setr_epi32(v0, v1, 0, 0)));
 }
 
 // One block of 32 floats -> int8 q (half-to-even) in two 16-byte halves, its scale and the sum of q.
@@ -59,36 +63,38 @@ void quantize_act(const float* x, int64_t ldx, int64_t m0, int64_t m1, int64_t k
   const int64_t nb = k / QK, P = npairs(k);
   const size_t stride = act_row_bytes(k, qtype);
   const __m512i idx = pair_index(qtype);
-  const __m128i off = _mm_set1_epi8(static_cast<char>(0x80));
   const QBlock zero = {_mm_setzero_si128(), _mm_setzero_si128(), 0.0f, 0};
+  const bool q8 = qtype == kQ80;
   for (int64_t r = m0; r < m1; ++r) {
     const float* xr = x + r * ldx;
     uint8_t* q = xq + r * stride;
     float* dx = reinterpret_cast<float*>(q + P * 64);
-    float* sxd = dx + P * 16;
+    uint8_t* ext = q + P * 128;
     for (int64_t p = 0; p < P; ++p) {
       const QBlock b0 = quantize_block(xr + 2 * p * QK);
       const QBlock b1 = 2 * p + 1 < nb ? quantize_block(xr + (2 * p + 1) * QK) : zero;
       __m128i* o = reinterpret_cast<__m128i*>(q + p * 64);
-      const bool q8 = qtype == kQ80;
-      _mm_storeu_si128(o + 0, _mm_xor_si128(b0.lo, off));
-      _mm_storeu_si128(o + (q8 ? 1 : 2), _mm_xor_si128(b0.hi, off));
-      _mm_storeu_si128(o + (q8 ? 2 : 1), _mm_xor_si128(b1.lo, off));
-      _mm_storeu_si128(o + 3, _mm_xor_si128(b1.hi, off));
+      _mm_storeu_si128(o + 0, b0.lo);
+      _mm_storeu_si128(o + (q8 ? 1 : 2), b0.hi);
+      _mm_storeu_si128(o + (q8 ? 2 : 1), b1.lo);
+      _mm_storeu_si128(o + 3, b1.hi);
       _mm512_storeu_ps(dx + p * 16, expand_pair(idx, b0.d, b1.d));
+      void* e = ext + p * 64;
       if (qtype == kQ41)
-        _mm512_storeu_ps(sxd + p * 16, expand_pair(idx, b0.d * static_cast<float>(b0.s) * 0.125f,
-                                                   b1.d * static_cast<float>(b1.s) * 0.125f));
+        _mm512_storeu_ps(e, expand_pair(idx, b0.d * static_cast<float>(b0.s) * 0.125f,
+                                        b1.d * static_cast<float>(b1.s) * 0.125f));
+      else
+        _mm512_storeu_si512(e, expand_pair_i(idx, (q8 ? -16 : -1) * b0.s, (q8 ? -16 : -1) * b1.s));
     }
   }
 }
 
-// A pair of weight blocks ready for dpbusd: s8 weights, per-lane offset correction, per-lane scales.
-struct WPair { __m512i w, corr; __m512 dw, mn; };
+// A pair of weight blocks ready for dpbusd: u8 weights, per-lane scales (and Q4_1 mins).
+struct WPair { __m512i w; __m512 dw, mn; };
 
 inline float half_at(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 
-// Q4 nibbles of two blocks -> [lo0, lo1, hi0, hi1] as u8 0..15. `b1` null means a zero second block.
+// Q4 nibbles of two blocks -> [lo0, lo1, hi0, hi1] as u8 0..15. A null qs1 is a zero second block.
 inline __m512i unpack_q4(const uint8_t* qs0, const uint8_t* qs1) {
   const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs0));
   const __m128i b = qs1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs1)) : _mm_setzero_si128();
@@ -99,75 +105,89 @@ inline __m512i unpack_q4(const uint8_t* qs0, const uint8_t* qs1) {
 }
 
 template <int QT>
-inline WPair load_pair(const uint8_t* b0, const uint8_t* b1, __m512i idx) {  // b1 may be null (odd tail)
+inline WPair load_pair(const uint8_t* b0, const uint8_t* b1, __m512i idx) {  // b1 null: odd tail, zero block
   WPair p;
-  const float d1 = b1 ? half_at(b1) : 0.0f;
-  p.dw = expand_pair(idx, half_at(b0), d1);
+  p.dw = expand_pair(idx, half_at(b0), b1 ? half_at(b1) : 0.0f);
   if constexpr (QT == kQ80) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
     const __m256i b = b1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)) : _mm256_setzero_si256();
-    p.w = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-    const __m512i s128 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), p.w);
-    p.corr = _mm512_sub_epi32(_mm512_setzero_si512(), s128);
-  } else if constexpr (QT == kQ40) {
-    const __m512i q = unpack_q4(b0 + 2, b1 ? b1 + 2 : nullptr);
-    p.w = _mm512_sub_epi8(q, _mm512_set1_epi8(8));
-    // -128 * sum(q - 8) over 4 bytes = -128 * sum(q) + 4096. A zero tail block has scale 0, so its lanes don't matter.
-    p.corr = _mm512_dpbusd_epi32(_mm512_set1_epi32(4096), q, _mm512_set1_epi8(-128));
+    p.w = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1),  // w + 128 as u8
+                           _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    p.w = unpack_q4(b0 + 4, b1 ? b1 + 4 : nullptr);
-    p.corr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), p.w, _mm512_set1_epi8(-128));
-    p.mn = expand_pair(idx, half_at(b0 + 2), b1 ? half_at(b1 + 2) : 0.0f);
+    const int off = QT == kQ41 ? 4 : 2;
+    p.w = unpack_q4(b0 + off, b1 ? b1 + off : nullptr);
+    if constexpr (QT == kQ41) p.mn = expand_pair(idx, half_at(b0 + 2), b1 ? half_at(b1 + 2) : 0.0f);
   }
   return p;
 }
 
-// MR activation rows x one weight row: returns the MR dot products in out[].
-template <int QT, int MR>
-void dot_rows(const uint8_t* wrow, int64_t nb, const uint8_t* xq, size_t stride, float* out) {
+// MR activation rows x NC weight rows (the weight rows at wrow + c * rb): out[r * NC + c].
+template <int QT, int MR, int NC>
+void dot_tile(const uint8_t* wrow, int64_t rb, int64_t nb, const uint8_t* xq, size_t stride, float* out) {
   constexpr int bb = QT == kQ80 ? 34 : QT == kQ40 ? 18 : 20;
   const int64_t P = (nb + 1) / 2;
   const __m512i idx = pair_index(QT);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < P; ++p) {
-    const uint8_t* b0 = wrow + 2 * p * bb;
-    const WPair w = load_pair<QT>(b0, 2 * p + 1 < nb ? b0 + bb : nullptr, idx);
+    WPair w[NC];
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* b0 = wrow + c * rb + 2 * p * bb;
+      w[c] = load_pair<QT>(b0, 2 * p + 1 < nb ? b0 + bb : nullptr, idx);
+    }
     for (int r = 0; r < MR; ++r) {
       const uint8_t* q = xq + r * stride + p * 64;
-      const float* dx = reinterpret_cast<const float*>(xq + r * stride + P * 64) + p * 16;
-      const __m512i dot = _mm512_dpbusd_epi32(w.corr, _mm512_loadu_si512(q), w.w);
-      const __m512 s = _mm512_mul_ps(w.dw, _mm512_loadu_ps(dx));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
-      if constexpr (QT == kQ41) acc[r] = _mm512_fmadd_ps(w.mn, _mm512_loadu_ps(dx + P * 16), acc[r]);
+      const __m512i x = _mm512_loadu_si512(q);
+      const __m512 dx = _mm512_loadu_ps(q + P * 64);
+      for (int c = 0; c < NC; ++c) {
+        const __m512i init = QT == kQ41 ? _mm512_setzero_si512() : _mm512_loadu_si512(q + P * 128);
+        const __m512i dot = _mm512_dpbusd_epi32(init, w[c].w, x);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[c].dw, dx), acc[r][c]);
+        if constexpr (QT == kQ41) acc[r][c] = _mm512_fmadd_ps(w[c].mn, _mm512_loadu_ps(q + P * 128), acc[r][c]);
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) out[r * NC + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
+
+using TileFn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, size_t, float*);
+
+// Tile shapes: few rows (decode) take several weight rows at once so each activation load serves them all; from 5
+// rows on, one weight row against up to 8 activation rows (32 zmm: 8 accumulators + operands).
+template <int QT>
+TileFn tile_for(int64_t mr, int nc) {
+  if (nc == 4) return mr == 1 ? dot_tile<QT, 1, 4> : dot_tile<QT, 2, 4>;
+  if (nc == 2) return mr == 3 ? dot_tile<QT, 3, 2> : dot_tile<QT, 4, 2>;
+  static constexpr TileFn one[kMaxRows] = {dot_tile<QT, 1, 1>, dot_tile<QT, 2, 1>, dot_tile<QT, 3, 1>,
+                                           dot_tile<QT, 4, 1>, dot_tile<QT, 5, 1>, dot_tile<QT, 6, 1>,
+                                           dot_tile<QT, 7, 1>, dot_tile<QT, 8, 1>};
+  return one[mr - 1];
+}
+
+// Weight rows per column block when m > kMaxRows: the block's weights and one row tile of activations stay in L1
+// while every row tile passes over the block (instead of all m activation rows streaming per weight row).
+constexpr int64_t kColBlock = 16;
 
 template <int QT>
 void gemm_t(const uint8_t* w, int64_t n0, int64_t n1, int64_t k, const uint8_t* xq, int64_t m, const float* bias,
             float* y, int64_t ldy) {
   const int64_t nb = k / QK, rb = row_bytes(k, QT);
   const size_t stride = act_row_bytes(k, QT);
-  float out[kMaxRows];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = w + n * rb;
-    const float b = bias ? bias[n] : 0.0f;
+  const int nc = m <= 2 ? 4 : m <= 4 ? 2 : 1;
+  float out[kMaxRows * 4];
+  for (int64_t nblk = n0; nblk < n1; nblk += kColBlock) {
+    const int64_t nend = std::min(n1, nblk + kColBlock);
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-      const uint8_t* x = xq + r0 * stride;
       const int64_t mr = std::min<int64_t>(kMaxRows, m - r0);
-      switch (mr) {
-        case 1: dot_rows<QT, 1>(wrow, nb, x, stride, out); break;
-        case 2: dot_rows<QT, 2>(wrow, nb, x, stride, out); break;
-        case 3: dot_rows<QT, 3>(wrow, nb, x, stride, out); break;
-        case 4: dot_rows<QT, 4>(wrow, nb, x, stride, out); break;
-        case 5: dot_rows<QT, 5>(wrow, nb, x, stride, out); break;
-        case 6: dot_rows<QT, 6>(wrow, nb, x, stride, out); break;
-        case 7: dot_rows<QT, 7>(wrow, nb, x, stride, out); break;
-        default: dot_rows<QT, 8>(wrow, nb, x, stride, out); break;
+      for (int64_t n = nblk; n < nend;) {
+        const int c = n + nc <= nend ? nc : 1;
+        tile_for<QT>(mr, c)(w + n * rb, rb, nb, xq + r0 * stride, stride, out);
+        for (int64_t r = 0; r < mr; ++r)
+          for (int j = 0; j < c; ++j) y[(r0 + r) * ldy + n + j] = out[r * c + j] + (bias ? bias[n + j] : 0.0f);
+        n += c;
       }
-      for (int64_t r = 0; r < mr; ++r) y[(r0 + r) * ldy + n] = out[r] + b;
     }
   }
 }
