@@ -16,6 +16,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -53,28 +54,38 @@ def make_weight(m, n: int, k: int, qtype: int) -> torch.Tensor:
     return m.quantize(torch.randn(n, k) * 0.05, qtype)
 
 
+def rotating(w: torch.Tensor) -> list[torch.Tensor]:
+    """w and enough copies that cycling through them reads each from DRAM (> 2x the LLC in all)."""
+    nbytes = w.numel() * w.element_size()
+    return [w] + [w.clone() for _ in range(max(1, 2 * LLC_BYTES // nbytes))]
+
+
+def call_time(fn: Callable[[], object], reps: int) -> float:
+    return median_time(lambda _: fn(), reps)
+
+
+def cold_time(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor], reps: int) -> float:
+    return median_time(lambda i: fn(ws[i % len(ws)]), reps)
+
+
 def gemv_rows(m, bw: float, reps: int, rows: int) -> list[str]:
     out = []
     for name, n, k, qtypes in SHAPES:
         for qt in qtypes:
             w = make_weight(m, n, k, qt)
-            nbytes = w.numel()
-            copies = [w] + [w.clone() for _ in range(max(1, 2 * LLC_BYTES // nbytes))]
             x = torch.randn(rows, k)
-            cold = median_time(lambda i: m.quant_linear(x, copies[i % len(copies)], qt), reps)
-            hot = median_time(lambda _: m.quant_linear(x, w, qt), reps)
+            cold = cold_time(partial(m.quant_linear, x, qtype=qt), rotating(w), reps)
+            hot = call_time(partial(m.quant_linear, x, w, qt), reps)
             wf = m.dequantize(w, qt, k)
-            f32_copies = [wf] + [wf.clone() for _ in range(max(1, 2 * LLC_BYTES // (wf.numel() * 4)))]
-            f32 = median_time(lambda i: F.linear(x, f32_copies[i % len(f32_copies)]), max(20, reps // 4))
+            f32 = cold_time(partial(F.linear, x), rotating(wf), max(20, reps // 4))
             scales = wf.abs().amax(1) / 127
             w8 = torch.round(wf / scales[:, None]).to(torch.int8)
-            w8_copies = [w8] + [w8.clone() for _ in range(max(1, 2 * LLC_BYTES // w8.numel()))]
-            i8 = median_time(lambda i: torch.ops.aten._weight_int8pack_mm(x, w8_copies[i % len(w8_copies)], scales),
-                             max(20, reps // 4))
-            out.append(f"| {name} {n}x{k} | {QNAMES[qt]} | {rows} | {nbytes / 1e6:.2f} | {cold * 1e6:.0f} | "
-                       f"{nbytes / cold / 1e9:.1f} ({nbytes / cold / 1e9 / bw:.0%}) | {hot * 1e6:.0f} | "
+            int8pack = torch.ops.aten._weight_int8pack_mm
+            i8 = cold_time(lambda w8: int8pack(x, w8, scales), rotating(w8), max(20, reps // 4))  # noqa: B023
+            gbs = w.numel() / cold / 1e9
+            out.append(f"| {name} {n}x{k} | {QNAMES[qt]} | {rows} | {w.numel() / 1e6:.2f} | {cold * 1e6:.0f} | "
+                       f"{gbs:.1f} ({gbs / bw:.0%}) | {hot * 1e6:.0f} | "
                        f"{f32 * 1e6:.0f} | {i8 * 1e6:.0f} | {f32 / cold:.1f}x | {i8 / cold:.1f}x |")
-            del copies, f32_copies, w8_copies
     return out
 
 
@@ -89,10 +100,11 @@ def batch_rows(m, reps: int, ms: list[int]) -> list[str]:
             for rows in ms:
                 x = torch.randn(rows, k)
                 r = max(5, reps // max(1, rows // 8))
-                t_int = median_time(lambda _: m.quant_linear_with(x, w, qt, None, "int"), r)
-                t_dq = median_time(lambda _: m.quant_linear_with(x, w, qt, None, "dequant"), r)
-                t_auto = median_time(lambda _: m.quant_linear(x, w, qt), r)
-                t_f32 = median_time(lambda _: F.linear(x, wf), r)
+                t_int, t_dq, t_auto, t_f32 = (
+                    call_time(f, r) for f in (
+                        partial(m.quant_linear_with, x, w, qt, None, "int"),
+                        partial(m.quant_linear_with, x, w, qt, None, "dequant"),
+                        partial(m.quant_linear, x, w, qt), partial(F.linear, x, wf)))
                 gmacs = rows * n * k / 1e9
                 out.append(f"| {name} {n}x{k} | {QNAMES[qt]} | {rows} | {t_int * 1e3:.3f} ({gmacs / t_int:.0f}) | "
                            f"{t_dq * 1e3:.3f} ({gmacs / t_dq:.0f}) | {t_auto * 1e3:.3f} | "

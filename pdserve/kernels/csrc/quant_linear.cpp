@@ -24,10 +24,11 @@ const QuantOps& ops() {
 #endif
 }
 
-// From this many activation rows on, dequantizing the weight to fp32 once and calling torch's GEMM (MKL) beats the
-// integer kernel (which re-reads each weight row's blocks for every 8 rows). Measured by benchmarks/kernels_quant.py
-// on the 2-core AVX-512 machine (see BENCHMARKS.md); on AVX2 the integer kernel is slower per row, so the same
-// threshold is conservative there.
+// From this many activation rows on, dequantizing the weight to fp32 once and calling torch's GEMM (MKL, ~28
+// MAC/cycle/core) beats the integer kernel (~14 MAC/cycle/core: dpbusd + cvt + scale mul + fma per 64 MACs, the
+// per-block scales forbid a longer int32 accumulation), whose advantage below it is skipping the dequantization
+// (0.35 ms per 1.8M weights). Measured single-threaded on the AVX-512 machine with benchmarks/kernels_quant.py:
+// int wins at M <= 32 for gate_up (3072x576) and down (576x1536), dequant+GEMM at M >= 64.
 constexpr int64_t kDequantMinRows = 48;
 
 int64_t check_qtype(int64_t qtype) {
