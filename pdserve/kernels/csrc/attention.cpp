@@ -1,0 +1,255 @@
+// Python bindings of paged attention and reshape_and_cache: argument checks, work split, ISA choice.
+//
+// paged_attention splits the step into groups (sequence, KV head, tile of query tokens). When there are too few
+// groups to keep every thread busy (a decode batch of 1-2 long sequences), a group's keys are split into partitions
+// (flash-decoding) whose partial results the last partition to finish merges. Tasks are claimed dynamically from
+// an atomic counter, largest first, by ATen's OpenMP team.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "attention_kernels.h"
+#include "registry.h"
+
+namespace pdserve {
+namespace {
+
+constexpr int64_t kMinPartition = 128;  // keys per flash-decoding partition, at least
+
+struct Group {
+  AttnItem whole;   // the group's rows against all their keys
+  int nparts;
+  float* part;      // nparts slices of part_floats each (nullptr when nparts == 1)
+  int64_t part_floats;
+  int64_t step;     // keys per partition (a multiple of kKeyTile unless nparts == 1)
+};
+
+struct Task {
+  AttnItem item;
+  int32_t group;
+  int64_t cost;
+};
+
+AttnFn pick_kernel(int64_t d) {
+#if defined(__x86_64__)
+  if (d == 64 || d == 128) {
+    switch (active_isa()) {
+      case Isa::kAvx512: return attn_item_avx512;
+      case Isa::kAvx2: return attn_item_avx2;
+      default: break;
+    }
+  }
+#endif
+  return attn_item_generic;
+}
+
+void check_kv(const at::Tensor& kv) {
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv_layer must be [2, num_blocks, block_size, Hkv, D], got ",
+              kv.sizes());
+  TORCH_CHECK(kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16,
+              "kv_layer must be float32 or bfloat16, got ", kv.scalar_type());
+  TORCH_CHECK(kv.is_contiguous() && kv.device().is_cpu(), "kv_layer must be a contiguous CPU tensor");
+}
+
+// [T, H, D] f32 with heads adjacent and head_dim contiguous; the token stride is free.
+void check_heads(const at::Tensor& t, const char* name, int64_t tokens, int64_t heads, int64_t d) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == tokens && t.size(1) == heads && t.size(2) == d, name, " must be [",
+              tokens, ", ", heads, ", ", d, "], got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, " must be a float32 CPU tensor");
+  TORCH_CHECK((t.stride(2) == 1 || d == 1) && (t.stride(1) == d || heads == 1), name,
+              " must have contiguous heads and head_dim (only the token stride may differ)");
+}
+
+void check_i32(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, name, " must be 1-D of size ", n, ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), name, " must be contiguous int32");
+}
+
+// Sequence s's rows, key count and block ids are consistent with the cache; returns its q_len.
+int64_t check_sequence(const AttnArgs& a, int64_t s, const int32_t* qsl, const int32_t* sl, int64_t t,
+                       int64_t width) {
+  const int64_t q0 = qsl[s], q1 = qsl[s + 1], len = sl[s];
+  TORCH_CHECK(0 <= q0 && q0 <= q1 && q1 <= t, "query_start_loc must be nondecreasing within [0, T]; sequence ", s,
+              " has rows [", q0, ", ", q1, ")");
+  TORCH_CHECK(q1 - q0 <= len, "sequence ", s, ": q_len ", q1 - q0, " exceeds seq_len ", len);
+  TORCH_CHECK(len <= width * a.block_size, "sequence ", s, ": seq_len ", len, " needs more blocks than block_table has");
+  const int32_t* bt = a.block_table + s * a.bt_stride;
+  for (int64_t b = 0; b < (len + a.block_size - 1) / a.block_size; ++b)
+    TORCH_CHECK(bt[b] >= 0 && bt[b] < a.num_blocks, "block_table[", s, ", ", b, "] = ", bt[b], " is not a block");
+  return q1 - q0;
+}
+
+std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, int64_t nseq, int64_t t,
+                               int64_t width) {
+  const int64_t g = a.hq / a.hkv;
+  const int64_t tile = std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);  // query tokens per group: ~48 rows
+  std::vector<Group> groups;
+  for (int64_t s = 0; s < nseq; ++s) {
+    const int64_t qlen = check_sequence(a, s, qsl, sl, t, width), ctx = sl[s] - qlen;
+    for (int64_t h = 0; h < a.hkv; ++h) {
+      for (int64_t t0 = qsl[s]; t0 < qsl[s + 1]; t0 += tile) {
+        const int64_t t1 = std::min<int64_t>(qsl[s + 1], t0 + tile), pos0 = ctx + (t0 - qsl[s]);
+        const AttnItem it{int32_t(s), int32_t(h), int32_t(t0), int32_t(t1), int32_t(pos0), 0,
+                          int32_t(pos0 + (t1 - t0)), nullptr};
+        groups.push_back({it, 1, nullptr, 0, it.k1});
+      }
+    }
+  }
+  return groups;
+}
+
+// Split the keys of groups into partitions when there are fewer groups than ~4 per thread; returns the tasks.
+std::vector<Task> make_tasks(std::vector<Group>& groups, std::vector<float>& parts, int64_t nthreads, int64_t hq_per_kv,
+                             int64_t d) {
+  const int64_t ng = static_cast<int64_t>(groups.size());
+  const int64_t want = (nthreads > 1 && ng < 4 * nthreads) ? (8 * nthreads + ng - 1) / ng : 1;
+  int64_t total = 0;
+  for (Group& gr : groups) {
+    const int64_t keys = gr.whole.k1, rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv;
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinPartition));
+    const int64_t len = ((keys + n - 1) / n + kKeyTile - 1) / kKeyTile * kKeyTile;
+    gr.nparts = static_cast<int>((keys + len - 1) / len);
+    gr.step = gr.nparts > 1 ? len : keys;
+    gr.part_floats = rows * (d + 2);
+    if (gr.nparts > 1) total += gr.nparts * gr.part_floats;
+  }
+  parts.resize(total);
+  std::vector<Task> tasks;
+  float* next = parts.data();
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Group& gr = groups[gi];
+    const int64_t rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv, keys = gr.whole.k1, step = gr.step;
+    if (gr.nparts > 1) gr.part = next, next += gr.nparts * gr.part_floats;
+    for (int p = 0; p < gr.nparts; ++p) {
+      AttnItem it = gr.whole;
+      it.k0 = int32_t(p * step);
+      it.k1 = int32_t(std::min<int64_t>(keys, (p + 1) * step));
+      it.part = gr.nparts > 1 ? gr.part + p * gr.part_floats : nullptr;
+      tasks.push_back({it, int32_t(gi), rows * (it.k1 - it.k0)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+// out rows of a split group = sum_p w_p acc_p / sum_p w_p l_p with w_p = exp(m_p - max_p m_p).
+void merge_partitions(const AttnArgs& a, const Group& gr) {
+  const int64_t g = a.hq / a.hkv, d = a.d, rows = (gr.whole.t1 - gr.whole.t0) * g;
+  for (int64_t r = 0; r < rows; ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int p = 0; p < gr.nparts; ++p) mx = std::max(mx, gr.part[p * gr.part_floats + rows * d + r]);
+    float* dst = a.out + (gr.whole.t0 + r / g) * a.out_stride + (gr.whole.kvh * g + r % g) * d;
+    std::fill(dst, dst + d, 0.f);
+    float l = 0.f;
+    for (int p = 0; p < gr.nparts; ++p) {
+      const float* pp = gr.part + p * gr.part_floats;
+      const float w = pp[rows * d + rows + r] > 0.f ? std::exp(pp[rows * d + r] - mx) : 0.f;
+      if (w == 0.f) continue;
+      l += w * pp[rows * d + rows + r];
+      for (int64_t i = 0; i < d; ++i) dst[i] += w * pp[r * d + i];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] *= inv;
+  }
+}
+
+void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::vector<Task>& tasks,
+               int64_t nthreads) {
+  const AttnFn fn = pick_kernel(a.d);
+  std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
+  for (size_t i = 0; i < groups.size(); ++i) left[i].store(groups[i].nparts, std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  auto worker = [&] {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      const Task& tk = tasks[i];
+      fn(a, tk.item);
+      const Group& gr = groups[tk.group];
+      // the last partition of a split group to finish sees the others' writes (acq_rel) and merges them
+      if (gr.nparts > 1 && left[tk.group].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_partitions(a, gr);
+    }
+  };
+  if (n <= 1 || nthreads <= 1) {
+    worker();
+  } else {
+    at::parallel_for(0, std::min(nthreads, n), 1, [&](int64_t, int64_t) { worker(); });
+  }
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+  check_kv(kv);
+  const int64_t t = q.size(0), hkv = kv.size(3), d = kv.size(4), hq = q.dim() == 3 ? q.size(1) : 0;
+  TORCH_CHECK(hq > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
+  check_heads(q, "q", t, hq, d);
+  check_heads(out, "out", t, hq, d);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.scalar_type() == at::kInt &&
+                  (block_table.stride(1) == 1 || block_table.size(1) <= 1),
+              "block_table must be a 2-D int32 tensor with contiguous rows");
+  const int64_t nseq = block_table.size(0);
+  check_i32(query_start_loc, "query_start_loc", nseq + 1);
+  check_i32(seq_lens, "seq_lens", nseq);
+  const AttnArgs a{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), kv.data_ptr(),
+                   kv.scalar_type() == at::kBFloat16, kv.size(1), kv.size(2), hkv, hq, d,
+                   block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale)};
+  std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                                          nseq, t, block_table.size(1));
+  const int64_t nthreads = at::get_num_threads();
+  std::vector<float> parts;
+  const std::vector<Task> tasks = make_tasks(groups, parts, nthreads, hq / hkv, d);
+  run_tasks(a, groups, tasks, nthreads);
+}
+
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv, const at::Tensor& slot_mapping) {
+  check_kv(kv);
+  const int64_t t = k.size(0), hkv = kv.size(3), d = kv.size(4), slots = kv.size(1) * kv.size(2);
+  check_heads(k, "k", t, hkv, d);
+  check_heads(v, "v", t, hkv, d);
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64 [T]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(slot[i] < slots, "slot_mapping[", i, "] = ", slot[i], " is past the cache (", slots, " slots)");
+  const int64_t row = hkv * d, plane = slots * row, ks = k.stride(0), vs = v.stride(0);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool bf16 = kv.scalar_type() == at::kBFloat16;
+  void* base = kv.data_ptr();
+  at::parallel_for(0, t, std::max<int64_t>(1, 8192 / row), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (slot[i] < 0) continue;  // padding token: no slot
+      const float* src[2] = {kp + i * ks, vp + i * vs};
+      for (int p = 0; p < 2; ++p) {
+        const int64_t off = p * plane + slot[i] * row;
+        if (!bf16) {
+          std::memcpy(static_cast<float*>(base) + off, src[p], row * sizeof(float));
+          continue;
+        }
+        uint16_t* dst = static_cast<uint16_t*>(base) + off;
+        for (int64_t j = 0; j < row; ++j) dst[j] = fp32_to_bf16(src[p][j]);
+      }
+    }
+  });
+}
+
+void register_attention(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("paged_attention", &paged_attention,
+        "causal attention of the step's query rows over the paged KV cache, written into out [T, Hq, D]",
+        py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
+        py::arg("seq_lens"), py::arg("scale"));
+  m.def("reshape_and_cache", &reshape_and_cache, "write K/V rows [T, Hkv, D] into their cache slots (slot < 0: skip)",
+        py::arg("k"), py::arg("v"), py::arg("kv_layer"), py::arg("slot_mapping"));
+}
+
+PDSERVE_REGISTER(register_attention);
+
+}  // namespace
+}  // namespace pdserve

@@ -1,0 +1,200 @@
+// AVX2 paged attention for head_dim 64 and 128: the AVX-512 kernel's structure (attention_avx512.cpp) with 8-wide
+// vectors; a 16-key tile is two halves of 8 for the scores.
+#include "attention_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace pdserve {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) as in Cephes expf (about 1 ulp); x clamped to [-87.34, 88.38] so 2^n stays normal.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.336544f)), _mm256_set1_ps(88.376259f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Lane i of the result = sum of the lanes of s[i] (transpose-add tree).
+inline __m256 reduce8(__m256* s) {
+  __m256 t[4];
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm256_add_ps(_mm256_unpacklo_ps(s[2 * k], s[2 * k + 1]), _mm256_unpackhi_ps(s[2 * k], s[2 * k + 1]));
+  const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm256_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of one query row against the 8 keys kp[0..7].
+template <int D>
+inline __m256 scores8(const float* q, const float* const* kp) {
+  __m256 s[8];
+  const __m256 q0 = _mm256_loadu_ps(q);
+  for (int i = 0; i < 8; ++i) s[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(kp[i]));
+  for (int j = 8; j < D; j += 8) {
+    const __m256 qj = _mm256_loadu_ps(q + j);
+    for (int i = 0; i < 8; ++i) s[i] = _mm256_fmadd_ps(qj, _mm256_loadu_ps(kp[i] + j), s[i]);
+  }
+  return reduce8(s);
+}
+
+// acc = acc * alpha + sum_{i < n} p[i] * vp[i], 64 columns (8 FMA chains) at a time.
+template <int D>
+inline void pv(float* acc, float alpha, const float* p, const float* const* vp, int n) {
+  const __m256 al = _mm256_set1_ps(alpha);
+  for (int c = 0; c < D; c += 64) {
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8 * j), al);
+    for (int i = 0; i < n; ++i) {
+      const __m256 pi = _mm256_set1_ps(p[i]);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vp[i] + c + 8 * j), a[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + c + 8 * j, a[j]);
+  }
+}
+
+// K/V row pointers of keys kt .. kt + n - 1 (bf16 rows converted into kbuf/vbuf); entries n..15 repeat key kt.
+template <int D>
+void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const float** kp, const float** vp,
+                 float* kbuf, float* vbuf) {
+  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
+  const int64_t row = a.hkv * D, plane = a.num_blocks * a.block_size * row;
+  int64_t bi = kt / a.block_size, off = kt % a.block_size;
+  for (int i = 0; i < n; ++i) {
+    const int64_t e = (bt[bi] * a.block_size + off) * row + it.kvh * D;
+    if (++off == a.block_size) off = 0, ++bi;
+    if (!a.kv_bf16) {
+      kp[i] = static_cast<const float*>(a.kv) + e;
+      vp[i] = kp[i] + plane;
+      continue;
+    }
+    const uint16_t* ks = static_cast<const uint16_t*>(a.kv) + e;
+    for (int j = 0; j < D; j += 8) {
+      const __m256i kw = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ks + j)));
+      const __m256i vw = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ks + plane + j)));
+      _mm256_storeu_ps(kbuf + i * D + j, _mm256_castsi256_ps(_mm256_slli_epi32(kw, 16)));
+      _mm256_storeu_ps(vbuf + i * D + j, _mm256_castsi256_ps(_mm256_slli_epi32(vw, 16)));
+    }
+    kp[i] = kbuf + i * D;
+    vp[i] = vbuf + i * D;
+  }
+  for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
+}
+
+// One row's online-softmax step on a 16-key tile (scores lo = keys 0..7, hi = 8..15; lanes >= nvalid masked).
+template <int D>
+inline void row_step(__m256 lo, __m256 hi, int nvalid, float& m, float* l16, float* acc, const float* const* vp) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 mlo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid), iota));
+  const __m256 mhi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8), iota));
+  const __m256 ninf = _mm256_set1_ps(kNegInf);
+  lo = _mm256_blendv_ps(ninf, lo, mlo);
+  hi = _mm256_blendv_ps(ninf, hi, mhi);
+  const float mn = std::max(m, hmax(_mm256_max_ps(lo, hi)));
+  const float alpha = mn == m ? 1.f : std::exp(m - mn);  // m = -inf on the first tile: alpha = 0
+  m = mn;
+  const __m256 mv = _mm256_set1_ps(mn), al = _mm256_set1_ps(alpha);
+  const __m256 plo = _mm256_and_ps(mlo, exp8(_mm256_sub_ps(lo, mv)));
+  const __m256 phi = _mm256_and_ps(mhi, exp8(_mm256_sub_ps(hi, mv)));
+  _mm256_storeu_ps(l16, _mm256_fmadd_ps(_mm256_loadu_ps(l16), al, plo));
+  _mm256_storeu_ps(l16 + 8, _mm256_fmadd_ps(_mm256_loadu_ps(l16 + 8), al, phi));
+  alignas(32) float pb[16];
+  _mm256_store_ps(pb, plo);
+  _mm256_store_ps(pb + 8, phi);
+  pv<D>(acc, alpha, pb, vp, nvalid);
+}
+
+template <int D>
+void run(const AttnArgs& a, const AttnItem& it) {
+  const int64_t g = a.hq / a.hkv, nt = it.t1 - it.t0, rows = nt * g;
+  thread_local std::vector<float> scratch;
+  scratch.resize(2 * rows * D + 17 * rows + 32 * D);
+  float *qs = scratch.data(), *acc = qs + rows * D, *m = acc + rows * D, *l16 = m + rows, *kbuf = l16 + 16 * rows;
+  float* vbuf = kbuf + 16 * D;
+  const __m256 sc = _mm256_set1_ps(a.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = a.q + (it.t0 + r / g) * a.q_stride + (it.kvh * g + r % g) * D;
+    for (int j = 0; j < D; j += 8) {
+      _mm256_storeu_ps(qs + r * D + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), sc));
+      _mm256_storeu_ps(acc + r * D + j, _mm256_setzero_ps());
+    }
+    std::fill(l16 + 16 * r, l16 + 16 * (r + 1), 0.f);
+    m[r] = kNegInf;
+  }
+  const float* kp[16];
+  const float* vp[16];
+  for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
+    locate_tile<D>(a, it, kt, n, kp, vp, kbuf, vbuf);
+    for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
+      const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
+      for (int64_t r = t * g; r < (t + 1) * g; ++r) {
+        const __m256 lo = scores8<D>(qs + r * D, kp);
+        const __m256 hi = nvalid > 8 ? scores8<D>(qs + r * D, kp + 8) : _mm256_setzero_ps();
+        row_step<D>(lo, hi, nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = hsum(_mm256_add_ps(_mm256_loadu_ps(l16 + 16 * r), _mm256_loadu_ps(l16 + 16 * r + 8)));
+    if (it.part != nullptr) {
+      std::copy(acc + r * D, acc + (r + 1) * D, it.part + r * D);
+      it.part[rows * D + r] = m[r];
+      it.part[rows * D + rows + r] = l;
+      continue;
+    }
+    float* dst = a.out + (it.t0 + r / g) * a.out_stride + (it.kvh * g + r % g) * D;
+    const __m256 inv = _mm256_set1_ps(l > 0.f ? 1.f / l : 0.f);
+    for (int j = 0; j < D; j += 8) _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + j), inv));
+  }
+}
+
+}  // namespace
+
+void attn_item_avx2(const AttnArgs& a, const AttnItem& it) {
+  if (a.d == 64) {
+    run<64>(a, it);
+  } else {
+    run<128>(a, it);
+  }
+}
+
+}  // namespace pdserve
+
+#pragma GCC pop_options
+#endif  // __x86_64__

@@ -1,0 +1,196 @@
+// AVX-512 paged attention for head_dim 64 and 128 (flash-attention style, online softmax).
+//
+// A work item (see attention_kernels.h) walks its keys in tiles of 16. Per tile the K/V rows of the item's KV head
+// are located once (bf16 rows converted to f32 once) and shared by all rows = query tokens x the G query heads of
+// that KV head. Per row: 16 dot products (16 accumulators, reduced by a transpose-add tree into one vector of 16
+// scores), the online-softmax update, then acc = acc * alpha + sum_i p_i v_i. q is pre-scaled by `scale`.
+#include "attention_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
+
+namespace pdserve {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) as in Cephes expf (about 1 ulp); x clamped to [-87.34, 88.38] so 2^n stays normal.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.336544f)), _mm512_set1_ps(88.376259f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Lane i of the result = sum of the lanes of s[i]: a transpose-add tree, 15 adds and 30 shuffles for 16 vectors.
+inline __m512 reduce16(__m512* s) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * k], s[2 * k + 1]), _mm512_unpackhi_ps(s[2 * k], s[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane: partial sums of keys 4k..4k+3
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of one query row against the 16 keys kp[0..15].
+template <int D>
+inline __m512 scores16(const float* q, const float* const* kp) {
+  __m512 s[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  for (int i = 0; i < 16; ++i) s[i] = _mm512_mul_ps(q0, _mm512_loadu_ps(kp[i]));
+  for (int j = 16; j < D; j += 16) {
+    const __m512 qj = _mm512_loadu_ps(q + j);
+    for (int i = 0; i < 16; ++i) s[i] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(kp[i] + j), s[i]);
+  }
+  return reduce16(s);
+}
+
+// acc = acc * alpha + sum_{i < n} p[i] * vp[i]; two accumulator sets for D = 64 so 8 FMA chains are in flight.
+template <int D>
+inline void pv(float* acc, float alpha, const float* p, const float* const* vp, int n) {
+  constexpr int NV = D / 16;
+  const __m512 al = _mm512_set1_ps(alpha);
+  __m512 a0[NV], a1[NV];
+  for (int j = 0; j < NV; ++j) {
+    a0[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), al);
+    a1[j] = _mm512_setzero_ps();
+  }
+  int i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const __m512 p0 = _mm512_set1_ps(p[i]), p1 = _mm512_set1_ps(p[i + 1]);
+    for (int j = 0; j < NV; ++j) {
+      a0[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vp[i] + 16 * j), a0[j]);
+      a1[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vp[i + 1] + 16 * j), a1[j]);
+    }
+  }
+  if (i < n) {
+    const __m512 p0 = _mm512_set1_ps(p[i]);
+    for (int j = 0; j < NV; ++j) a0[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vp[i] + 16 * j), a0[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(a0[j], a1[j]));
+}
+
+// K/V row pointers of keys kt .. kt + n - 1 (bf16 rows converted into kbuf/vbuf); entries n..15 repeat key kt so
+// the 16-wide score code reads valid memory (their scores are masked).
+template <int D>
+void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const float** kp, const float** vp,
+                 float* kbuf, float* vbuf) {
+  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
+  const int64_t row = a.hkv * D, plane = a.num_blocks * a.block_size * row;
+  int64_t bi = kt / a.block_size, off = kt % a.block_size;
+  for (int i = 0; i < n; ++i) {
+    const int64_t e = (bt[bi] * a.block_size + off) * row + it.kvh * D;
+    if (++off == a.block_size) off = 0, ++bi;
+    if (!a.kv_bf16) {
+      kp[i] = static_cast<const float*>(a.kv) + e;
+      vp[i] = kp[i] + plane;
+      continue;
+    }
+    const uint16_t* ks = static_cast<const uint16_t*>(a.kv) + e;
+    for (int j = 0; j < D; j += 16) {
+      const __m512i kw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + j)));
+      const __m512i vw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + plane + j)));
+      _mm512_storeu_ps(kbuf + i * D + j, _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16)));
+      _mm512_storeu_ps(vbuf + i * D + j, _mm512_castsi512_ps(_mm512_slli_epi32(vw, 16)));
+    }
+    kp[i] = kbuf + i * D;
+    vp[i] = vbuf + i * D;
+  }
+  for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
+}
+
+// One row's online-softmax step on a tile: s = scores (lanes >= nvalid masked), update m, l (16 lane-wise partial
+// sums), fold the tile's p into acc.
+template <int D>
+inline void row_step(__m512 s, int nvalid, float& m, float* l16, float* acc, const float* const* vp) {
+  const __mmask16 mask = nvalid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nvalid) - 1);
+  const float mn = std::max(m, _mm512_mask_reduce_max_ps(mask, s));
+  const float alpha = mn == m ? 1.f : std::exp(m - mn);  // m = -inf on the first tile: alpha = 0
+  m = mn;
+  const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+  _mm512_storeu_ps(l16, _mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(alpha), p));
+  alignas(64) float pb[16];
+  _mm512_store_ps(pb, p);
+  pv<D>(acc, alpha, pb, vp, nvalid);
+}
+
+template <int D>
+void run(const AttnArgs& a, const AttnItem& it) {
+  const int64_t g = a.hq / a.hkv, nt = it.t1 - it.t0, rows = nt * g;
+  thread_local std::vector<float> scratch;
+  scratch.resize(2 * rows * D + 17 * rows + 32 * D);
+  float *qs = scratch.data(), *acc = qs + rows * D, *m = acc + rows * D, *l16 = m + rows, *kbuf = l16 + 16 * rows;
+  float* vbuf = kbuf + 16 * D;
+  const __m512 sc = _mm512_set1_ps(a.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = a.q + (it.t0 + r / g) * a.q_stride + (it.kvh * g + r % g) * D;
+    for (int j = 0; j < D; j += 16) {
+      _mm512_storeu_ps(qs + r * D + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), sc));
+      _mm512_storeu_ps(acc + r * D + j, _mm512_setzero_ps());
+    }
+    _mm512_storeu_ps(l16 + 16 * r, _mm512_setzero_ps());
+    m[r] = kNegInf;
+  }
+  const float* kp[16];
+  const float* vp[16];
+  for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
+    locate_tile<D>(a, it, kt, n, kp, vp, kbuf, vbuf);
+    for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
+      const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
+      for (int64_t r = t * g; r < (t + 1) * g; ++r)
+        row_step<D>(scores16<D>(qs + r * D, kp), nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(l16 + 16 * r));
+    if (it.part != nullptr) {
+      std::copy(acc + r * D, acc + (r + 1) * D, it.part + r * D);
+      it.part[rows * D + r] = m[r];
+      it.part[rows * D + rows + r] = l;
+      continue;
+    }
+    float* dst = a.out + (it.t0 + r / g) * a.out_stride + (it.kvh * g + r % g) * D;
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + j), inv));
+  }
+}
+
+}  // namespace
+
+void attn_item_avx512(const AttnArgs& a, const AttnItem& it) {
+  if (a.d == 64) {
+    run<64>(a, it);
+  } else {
+    run<128>(a, it);
+  }
+}
+
+}  // namespace pdserve
+
+#pragma GCC pop_options
+#endif  // __x86_64__

@@ -1,0 +1,60 @@
+// Portable scalar paged attention: one key at a time, online softmax per query row. Any head_dim.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention_kernels.h"
+
+namespace pdserve {
+
+namespace {
+
+// Key or value row `key` of the item's KV head, as f32 (converted into tmp when the cache is bf16).
+const float* kv_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key, float* tmp) {
+  const int64_t blk = a.block_table[it.seq * a.bt_stride + key / a.block_size];
+  const int64_t off = ((plane * a.num_blocks + blk) * a.block_size + key % a.block_size) * a.hkv * a.d + it.kvh * a.d;
+  if (!a.kv_bf16) return static_cast<const float*>(a.kv) + off;
+  const uint16_t* src = static_cast<const uint16_t*>(a.kv) + off;
+  for (int64_t i = 0; i < a.d; ++i) tmp[i] = bf16_to_fp32(src[i]);
+  return tmp;
+}
+
+}  // namespace
+
+void attn_item_generic(const AttnArgs& a, const AttnItem& it) {
+  const int64_t g = a.hq / a.hkv, d = a.d, rows = (it.t1 - it.t0) * g;
+  std::vector<float> acc(rows * d, 0.f), m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f);
+  std::vector<float> ktmp(d), vtmp(d);
+  for (int64_t key = it.k0; key < it.k1; ++key) {
+    const float* k = kv_row(a, it, 0, key, ktmp.data());
+    const float* v = kv_row(a, it, 1, key, vtmp.data());
+    // rows of tokens before t_first do not see this key (causal)
+    const int64_t t_first = std::max<int64_t>(0, key - it.pos0);
+    for (int64_t r = t_first * g; r < rows; ++r) {
+      const float* q = a.q + (it.t0 + r / g) * a.q_stride + (it.kvh * g + r % g) * d;
+      float s = 0.f;
+      for (int64_t i = 0; i < d; ++i) s += q[i] * k[i];
+      s *= a.scale;
+      const float mn = std::max(m[r], s), alpha = std::exp(m[r] - mn), p = std::exp(s - mn);
+      float* o = acc.data() + r * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = o[i] * alpha + p * v[i];
+      l[r] = l[r] * alpha + p;
+      m[r] = mn;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* o = acc.data() + r * d;
+    if (it.part != nullptr) {
+      float* po = it.part + r * d;
+      for (int64_t i = 0; i < d; ++i) po[i] = o[i];
+      it.part[rows * d + r] = m[r];
+      it.part[rows * d + rows + r] = l[r];
+      continue;
+    }
+    float* dst = a.out + (it.t0 + r / g) * a.out_stride + (it.kvh * g + r % g) * d;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = o[i] * inv;
+  }
+}
+
+}  // namespace pdserve

@@ -1,0 +1,47 @@
+// Paged attention work items, one kernel per ISA level. No torch here: the ISA files include only this.
+//
+// The KV cache of a layer is kv[2 (K | V)][num_blocks][block_size][hkv][d], contiguous, f32 or bf16. Key i of
+// sequence s lives in slot block_table[s][i / block_size] * block_size + i % block_size.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace pdserve {
+
+struct AttnArgs {
+  const float* q;       // [T][hq][d]: token rows q_stride apart, heads adjacent, head_dim contiguous
+  int64_t q_stride;
+  float* out;           // same layout as q, out_stride apart
+  int64_t out_stride;
+  const void* kv;       // the layer's cache, f32 or bf16 (kv_bf16)
+  bool kv_bf16;
+  int64_t num_blocks, block_size, hkv, hq, d;
+  const int32_t* block_table;  // [S][bt_stride]
+  int64_t bt_stride;
+  float scale;
+};
+
+// One unit of work: the query rows [t0, t1) of one sequence against its keys [k0, k1) for the query heads of one
+// KV head (G = hq / hkv of them; row (t, g) is token t, query head kvh * G + g). Row t0 sits at position pos0 and
+// row t sees keys <= pos0 + (t - t0). With part == nullptr the normalised output goes to out; otherwise the
+// unnormalised accumulator [rows][d], the running max m[rows] and the sum l[rows] (rows = (t1 - t0) * G) go to part,
+// to be merged with the other key partitions of the same rows by merge_partitions.
+struct AttnItem {
+  int32_t seq, kvh, t0, t1, pos0, k0, k1;
+  float* part;
+};
+
+using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
+
+// Keys per tile of the vector kernels (and the alignment of key partitions).
+constexpr int kKeyTile = 16;
+
+void attn_item_generic(const AttnArgs& a, const AttnItem& it);
+#if defined(__x86_64__)
+void attn_item_avx2(const AttnArgs& a, const AttnItem& it);    // d in {64, 128}
+void attn_item_avx512(const AttnArgs& a, const AttnItem& it);  // d in {64, 128}
+#endif
+
+}  // namespace pdserve

@@ -1,0 +1,33 @@
+// Row kernels of a transformer layer (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-mul), one set
+// per ISA level. Each works on rows [r0, r1) of row-strided f32 matrices (the last dimension contiguous), so the
+// dispatcher (fused_ops.cpp) can split rows across threads. No torch here: the ISA files include only this.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace pdserve {
+
+struct FusedKernels {
+  // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w
+  void (*rms_norm)(float* out, int64_t out_stride, const float* x, int64_t x_stride, const float* w, int64_t h,
+                   float eps, int64_t r0, int64_t r1);
+  // res[r] += x[r]; x[r] = rms_norm(res[r]) * w
+  void (*add_rms_norm)(float* x, int64_t x_stride, float* res, int64_t res_stride, const float* w, int64_t h,
+                       float eps, int64_t r0, int64_t r1);
+  // Rotate-half rotary on nq heads of q and nk heads of k of token r, angles row pos[r] of cos/sin [P, d/2].
+  void (*rotary)(const int64_t* pos, float* q, int64_t q_stride, int64_t nq, float* k, int64_t k_stride,
+                 int64_t nk, const float* cos, const float* sin, int64_t d, int64_t r0, int64_t r1);
+  // out[r, :i] = silu(x[r, :i]) * x[r, i:2i]
+  void (*silu_mul)(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t i, int64_t r0,
+                   int64_t r1);
+};
+
+const FusedKernels& fused_kernels_generic();
+#if defined(__x86_64__)
+const FusedKernels& fused_kernels_avx2();
+const FusedKernels& fused_kernels_avx512();
+#endif
+
+}  // namespace pdserve

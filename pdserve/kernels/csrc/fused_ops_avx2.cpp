@@ -1,0 +1,138 @@
+// AVX2 row kernels: 8 floats a vector, maskload/maskstore for the tail (any row length).
+#include "fused_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <cmath>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace pdserve {
+namespace {
+
+// Lanes i < n are on (all lanes when n >= 8).
+inline __m256i tail_mask(int64_t n) {
+  const int k = n >= 8 ? 8 : static_cast<int>(n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256 load(const float* p, __m256i m) { return _mm256_maskload_ps(p, m); }
+inline void store(float* p, __m256i m, __m256 v) { _mm256_maskstore_ps(p, m, v); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) as in Cephes expf (see fused_ops_avx512.cpp); x clamped to [-87.34, 88.38].
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.336544f)), _mm256_set1_ps(88.376259f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+float inv_rms(const float* x, int64_t h, float eps) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= h; i += 16) {
+    const __m256 u = _mm256_loadu_ps(x + i), v = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(u, u, a0);
+    a1 = _mm256_fmadd_ps(v, v, a1);
+  }
+  for (; i < h; i += 8) {
+    const __m256 u = load(x + i, tail_mask(h - i));
+    a0 = _mm256_fmadd_ps(u, u, a0);
+  }
+  const float ss = hsum(_mm256_add_ps(a0, a1));
+  return 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+}
+
+void scale_row(float* o, const float* x, const float* w, float inv, int64_t h) {
+  const __m256 s = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < h; i += 8) {
+    const __m256i m = tail_mask(h - i);
+    store(o + i, m, _mm256_mul_ps(_mm256_mul_ps(load(x + i, m), s), load(w + i, m)));
+  }
+}
+
+void rms_norm(float* out, int64_t os, const float* x, int64_t xs, const float* w, int64_t h, float eps, int64_t r0,
+              int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) scale_row(out + r * os, x + r * xs, w, inv_rms(x + r * xs, h, eps), h);
+}
+
+void add_rms_norm(float* x, int64_t xs, float* res, int64_t rs, const float* w, int64_t h, float eps, int64_t r0,
+                  int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* xr = x + r * xs;
+    float* rr = res + r * rs;
+    for (int64_t i = 0; i < h; i += 8) {
+      const __m256i m = tail_mask(h - i);
+      store(rr + i, m, _mm256_add_ps(load(rr + i, m), load(xr + i, m)));
+    }
+    scale_row(xr, rr, w, inv_rms(rr, h, eps), h);
+  }
+}
+
+void rotate_heads(float* x, int64_t nh, const float* c, const float* s, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t hd = 0; hd < nh; ++hd) {
+    float* x1 = x + hd * d;
+    float* x2 = x1 + half;
+    for (int64_t i = 0; i < half; i += 8) {
+      const __m256i m = tail_mask(half - i);
+      const __m256 a = load(x1 + i, m), b = load(x2 + i, m), cv = load(c + i, m), sv = load(s + i, m);
+      store(x1 + i, m, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+      store(x2 + i, m, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
+    }
+  }
+}
+
+void rotary(const int64_t* pos, float* q, int64_t qs, int64_t nq, float* k, int64_t ks, int64_t nk,
+            const float* cos, const float* sin, int64_t d, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* c = cos + pos[r] * (d / 2);
+    const float* s = sin + pos[r] * (d / 2);
+    rotate_heads(q + r * qs, nq, c, s, d);
+    rotate_heads(k + r * ks, nk, c, s, d);
+  }
+}
+
+void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int64_t r0, int64_t r1) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = x + r * xs;
+    float* o = out + r * os;
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256i m = tail_mask(n - i);
+      const __m256 gv = load(g + i, m), uv = load(g + n + i, m);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      store(o + i, m, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), uv));
+    }
+  }
+}
+
+}  // namespace
+
+const FusedKernels& fused_kernels_avx2() {
+  static const FusedKernels k{rms_norm, add_rms_norm, rotary, silu_mul};
+  return k;
+}
+
+}  // namespace pdserve
+
+#pragma GCC pop_options
+#endif  // __x86_64__
