@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/quant_quality.py [--model smollm2-135m] [--out out/quant_quality.json]
 
 Runs the model over the text below (English and Chinese) through pdserve's own runner, in chunks: chunks of 4 tokens
-take int8's small-batch path (int8 kernel, bf16 activations), chunks of 256 its large-batch path (fp32 GEMM on the
-dequantized weights). Every mode sees the same tokens; logits of every position are compared with float32's.
+take the small-batch paths (native GGUF-block GEMV; PyTorch int8 kernel with bf16 activations), chunks of 256 the
+large-batch ones. Every mode sees the same tokens; logits of every position are compared with those of the float32
+reference (the GGUF weights dequantized to fp32, PyTorch path). `native Q4_1` is the default model's own blocks read
+by the native kernels (int8-quantized activations, as llama.cpp); `native int8/int4` re-quantize the fp32 weights.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.model.attention import AttentionMetadata, PrefillChunk
+from pdserve.model.inputs import ScheduledRequest, SchedulerOutput
 from pdserve.model.loader import load_model
 from pdserve.model.runner import ModelRunner
 
@@ -39,17 +41,16 @@ TEXT = (
 
 def position_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
     """log-softmax of the logits at every position, computed `chunk` tokens per forward pass."""
-    bs = runner.block_size
     n = len(ids)
-    table = torch.arange(-(-n // bs), dtype=torch.long)
+    table = list(range(-(-n // runner.block_size)))
     out = []
     with torch.inference_mode():
         for c in range(0, n, chunk):
             m = min(chunk, n - c)
-            pos = torch.arange(c, c + m)
-            meta = AttentionMetadata(slot_mapping=pos.clone(), num_decodes=0, decode_block_tables=None,
-                                     decode_mask=None, prefills=[PrefillChunk(0, m, c, table[:-(-(c + m) // bs)])])
-            hidden = runner.model(torch.tensor(ids[c:c + m]), pos, runner.kv_cache, meta, runner.backend)
+            sched = SchedulerOutput(scheduled_reqs=[ScheduledRequest("q", ids[c:c + m], c, table, True)],
+                                    num_prefill_tokens=m)
+            inp = runner.prepare(sched)
+            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
             out.append(runner.model.compute_logits(hidden).log_softmax(-1))
     return torch.cat(out)
 
@@ -59,23 +60,28 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
-    modes = [("float32", None, 256), ("float32", "int8", 4), ("float32", "int8", 256), ("bfloat16", None, 256)]
+    # (dtype, --quantization, kernels, keep GGUF blocks, chunk)
+    modes = [("float32", None, "torch", False, 256), ("float32", None, "native", True, 4),
+             ("float32", None, "native", True, 256), ("float32", "int8", "native", False, 4),
+             ("float32", "int4", "native", False, 4), ("float32", "int8", "torch", False, 4),
+             ("float32", "int8", "torch", False, 256), ("bfloat16", None, "torch", False, 256)]
     tok = None
     ref: torch.Tensor | None = None
     rows = []
-    for dtype_name, quant, chunk in modes:
-        cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant)
-        loaded = load_model(cfg.model, dtype=cfg.torch_dtype)
+    for dtype_name, quant, kernels, blocks, chunk in modes:
+        cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant, kernels=kernels)
+        loaded = load_model(cfg.model, dtype=cfg.torch_dtype, keep_quantized=blocks)
         tok = tok or loaded.tokenizer()
         ids = tok.encode(TEXT)
         runner = ModelRunner(loaded.arch, loaded.state_dict, cfg.torch_dtype, -(-len(ids) // 16) + 1, 16,
-                             len(ids) + 16, quantization=quant)
+                             len(ids) + 16, kernels=kernels, quantization=quant)
         t0 = time.perf_counter()
         lp = position_logprobs(runner, ids, chunk).float()
         secs = time.perf_counter() - t0
         target = torch.tensor(ids[1:])
         nll = -lp[:-1].gather(1, target.unsqueeze(1)).mean().item()
-        row = {"mode": f"{dtype_name}" + (f"+{quant} (chunks of {chunk})" if quant else ""),
+        label = "native GGUF blocks" if blocks else f"{kernels} {dtype_name}" + (f"+{quant}" if quant else "")
+        row = {"mode": f"{label} (chunks of {chunk})",
                "weight_bytes": runner.weight_bytes, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
                "seconds": round(secs, 2)}
         if ref is None:

@@ -1,4 +1,5 @@
-"""Greedy tokens equal Hugging Face transformers' on the same weights (fp32), whatever the batch around them."""
+"""Greedy tokens equal Hugging Face transformers' on the same weights (fp32), whatever the batch around them, on
+both kernel paths (pdserve's native kernels and the PyTorch reference)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def _prompts(tokenizer: Any) -> list[list[int]]:
     ids.insert(3, tokenizer.encode(chat, add_special_tokens=False))
     assert len(ids[-1]) > 1000
     return ids
+
+
+@pytest.fixture(params=["native", "torch"])
+def make_llm(request: pytest.FixtureRequest, make_llm: Any) -> Any:
+    """conftest's factory, once per kernel path (a bf16 model keeps the PyTorch path under `auto`)."""
+    choice = request.param
+
+    def factory(hf_model: Any = None, **options: Any) -> Any:
+        native_ok = options.get("dtype", "float32") == "float32"
+        options.setdefault("kernels", choice if native_ok or choice == "torch" else "auto")
+        return make_llm(hf_model, **options)
+
+    return factory
 
 
 @pytest.fixture(scope="module")

@@ -91,6 +91,13 @@ def resolve_kernels(kernels: str, dtype: torch.dtype) -> str:
     return "native" if dtype == torch.float32 and available() else "torch"
 
 
+def kernels_isa(kernels: str) -> tuple[str, str]:
+    """(ISA path the model's kernels run, widest ISA of this CPU): ("avx512", "avx512"), or ("none", ...) on torch."""
+    mod = load()
+    cpu = mod.cpu_isa() if mod is not None else "unknown"
+    return (isa() if kernels == "native" else "none"), cpu
+
+
 def kernels_description(kernels: str) -> str:
     """What ran, for the start-up log and /metrics: "native (avx512)" or "torch"."""
     return f"native ({isa()})" if kernels == "native" else "torch"

@@ -304,6 +304,11 @@ def run_calc(args: argparse.Namespace) -> int:
         device = measure_device(threads)
         path = save_measured_device(device, threads)  # the engine's live roofline (--device-peaks auto) uses it
         if not args.json:
+            from pdserve.kernels import isa, load
+
+            mod = load()
+            print(f"# native kernels: {isa()} path" + (f" (CPU's widest: {mod.cpu_isa()})" if mod else
+                                                         " (not built: run `make install`)"))
             print(f"# measured peaks saved to {path}" if path else
                   "# the machine was busy while measuring: these peaks are not cached; measure again when it is quiet")
     else:

@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.kernels import kernels_isa
 from pdserve.server.async_engine import AsyncEngine, EngineThread
 from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.server.errors import install_exception_handlers
@@ -52,6 +53,7 @@ class ServerConfig:
 
 def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
     metrics = Metrics(cfg.served_model_name)
+    metrics.set_kernels(engine.kernels, *kernels_isa(engine.kernels))
     if (dev := engine.roofline.device) is not None:
         metrics.set_peaks(engine.roofline.peak_flops, dev.mem_bandwidth, dev)
     aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests, engine_thread)

@@ -80,6 +80,10 @@ class Metrics:
                                 "given | measured | cached, when and how they were measured, load average and CPU "
                                 "share while measuring, busy (true: not cached), the start-up probe.",
                                 ["model_name", *PEAKS_INFO_LABELS], registry=r)
+        self.kernels_info = Gauge("pdserve:kernels_info", "Which kernels run the model (value 1): kernels native | "
+                                  "torch; isa the instruction-set path the native kernels use (avx512 | avx2 | "
+                                  "generic | none); cpu_isa the widest this CPU has.",
+                                  ["model_name", "kernels", "isa", "cpu_isa"], registry=r)
         self.running = Gauge("pdserve:num_requests_running", "Requests in the running batch.", lbl, registry=r)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting (incl. preempted).", lbl, registry=r)
         self.kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lbl, registry=r)
@@ -136,6 +140,10 @@ class Metrics:
         if device is not None:
             self.peaks_info.clear()
             self.peaks_info.labels(self.model_name, *peaks_info_labels(device)).set(1)
+
+    def set_kernels(self, kernels: str, isa: str, cpu_isa: str) -> None:
+        self.kernels_info.clear()
+        self.kernels_info.labels(self.model_name, kernels, isa, cpu_isa).set(1)
 
     def observe_token(self, req: Request) -> None:
         c = self._children
