@@ -4,8 +4,8 @@
 
 Times are medians of many calls (other work on the machine makes single runs noisy). GEMV (decode, M=1..8):
 `cold` rotates over enough weight copies that every call reads its weight from DRAM (> 2x the LLC), `hot` repeats
-one weight (cache-resident); GB/s = weight bytes / time, compared with the machine's copy bandwidth (read + write
-of a 512 MiB torch copy). Baselines: F.linear on the dequantized fp32 weight (the current path, 8x / 3.8x the bytes)
+one weight (cache-resident); GB/s = weight bytes / time, compared with the machine's read bandwidth (a 512 MiB
+torch sum). Baselines: F.linear on the dequantized fp32 weight (the current path, 8x / 3.8x the bytes)
 and torch.ops.aten._weight_int8pack_mm (int8 weight, per-row scale). Batches/prefill (M=16..2048): the integer
 kernel, dequantize-then-GEMM, quant_linear's automatic choice and F.linear on the fp32 weight.
 """
@@ -43,11 +43,13 @@ def median_time(fn: Callable[[int], object], reps: int, warmup: int = 3) -> floa
     return statistics.median(ts)
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(128 << 20, dtype=torch.float32).fill_(1.0)  # 512 MiB
+def read_bandwidth() -> tuple[float, float]:
+    """(read GB/s of a 512 MiB torch sum, read+write GB/s of a 512 MiB torch copy)."""
+    src = torch.empty(128 << 20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    t = median_time(lambda _: dst.copy_(src), 9, warmup=2)
-    return 2 * src.numel() * 4 / t / 1e9
+    t_sum = median_time(lambda _: src.sum(), 9, warmup=2)
+    t_copy = median_time(lambda _: dst.copy_(src), 9, warmup=2)
+    return src.numel() * 4 / t_sum / 1e9, 2 * src.numel() * 4 / t_copy / 1e9
 
 
 def make_weight(m, n: int, k: int, qtype: int) -> torch.Tensor:
@@ -128,11 +130,12 @@ def main() -> int:
         m.set_active_isa(args.isa)
     np.random.seed(0)
     torch.manual_seed(0)
-    bw = copy_bandwidth()
-    print(f"ISA {m.active_isa()}, {args.threads} threads, copy bandwidth {bw:.1f} GB/s (read+write), "
+    bw, copy_bw = read_bandwidth()
+    print(f"ISA {m.active_isa()}, {args.threads} threads, read bandwidth {bw:.1f} GB/s (torch sum; copy: "
+          f"{copy_bw:.1f} GB/s read+write), "
           f"dequant threshold M >= {m.quant_linear_dequant_min_rows()}; medians of {args.reps} calls\n")
     if not args.batch_only:
-        print("| linear | type | M | weight MB | native cold us | GB/s (of copy bw) | native hot us | "
+        print("| linear | type | M | weight MB | native cold us | GB/s (of read bw) | native hot us | "
               "F.linear fp32 us | int8pack_mm us | vs fp32 | vs int8pack |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for rows in (int(r) for r in args.gemv_rows.split(",")):

@@ -123,7 +123,7 @@ def test_int_path_matches_reference(mod: Any, isa: str, qtype: int, shape: tuple
 
 
 @pytest.mark.parametrize("qtype", [2, 3, 8])
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 64])
 def test_bias_and_strided_rows(mod: Any, isa: str, qtype: int, m: int) -> None:
     rng = np.random.default_rng(m * 10 + qtype)
     n, k = 70, 96  # odd block count: exercises the AVX-512 half pair

@@ -28,8 +28,9 @@ const QuantOps& ops() {
 // MAC/cycle/core) beats the integer kernel (~14 MAC/cycle/core: dpbusd + cvt + scale mul + fma per 64 MACs, the
 // per-block scales forbid a longer int32 accumulation), whose advantage below it is skipping the dequantization
 // (0.35 ms per 1.8M weights). Measured single-threaded on the AVX-512 machine with benchmarks/kernels_quant.py:
-// int wins at M <= 32 for gate_up (3072x576) and down (576x1536), dequant+GEMM at M >= 64.
-constexpr int64_t kDequantMinRows = 48;
+// int wins at M = 16 everywhere (0.81 vs 1.11 ms gate_up, 0.33 vs 0.59 ms down), at M = 32 it wins for down and
+// loses 8-19% for gate_up/qkv, at M >= 48 dequant+GEMM wins for all three.
+constexpr int64_t kDequantMinRows = 32;
 
 int64_t check_qtype(int64_t qtype) {
   TORCH_CHECK(quant::block_bytes(static_cast<int>(qtype)) > 0, "qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ",
