@@ -113,10 +113,14 @@ def test_quantization_of_a_float_checkpoint(method: str, tiny_hf_model: Any) -> 
     same_weights = copy.copy(loaded)
     same_weights.state_dict = {k: QuantizedWeight.quantize(v, qtype).dequantize() if v.dim() == 2 and "embed" not in k
                                else v for k, v in loaded.state_dict.items()}
-    ids = list(range(40, 90))
-    a = prefill_logits(q, ids)
-    b = prefill_logits(runner_for(same_weights, "torch"), ids)
-    assert rel_rms(a, b) <= (0.02 if method == "int8" else 0.15)
+    ref = runner_for(same_weights, "torch")
+    # 40 rows take the integer kernel (int8 activations: their rounding is amplified by this random model's
+    # layers), 100 rows dequantize the blocks and run an fp32 GEMM. (The reference's tied lm_head keeps the float
+    # embedding; the quantized model's lm_head is blocks: ~0.5 % of the difference.)
+    for ids, tol in [(list(range(40, 80)), 0.06 if method == "int8" else 0.15),
+                     (list(range(40, 140)), 0.01 if method == "int8" else 0.15)]:
+        a, b = prefill_logits(q, ids), prefill_logits(ref, ids)
+        assert rel_rms(a, b) <= tol
     fp32 = prefill_logits(runner_for(loaded, "torch"), ids)
     print(f"{method}: logits vs fp32 weights, relative RMS {rel_rms(a, fp32):.3f}")
     with pytest.raises(ValueError, match="int4"):

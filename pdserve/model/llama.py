@@ -200,11 +200,38 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_cache[i], meta, backend)
         return self.norm(x)
 
+    def build_native_decoder(self, ops: Any) -> bool:
+        """Hand the decoder layers to the native NativeDecoder (one call per step for the whole stack) when every
+        projection is GGUF blocks and the architecture has no per-head q/k norm; else the Python loop runs."""
+        self._native_decoder = None
+        layers = cast("list[DecoderLayer]", self.layers)
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if not all(isinstance(m, QuantLinear) for m in linears) or self.cfg.qk_norm:
+            return False
+        att0 = layers[0].self_attn
+        dec = ops.NativeDecoder(att0.num_heads, att0.num_kv_heads, att0.head_dim, self.cfg.intermediate_size,
+                                self.cfg.rms_norm_eps, att0.scale, self.rotary.cos.contiguous(),
+                                self.rotary.sin.contiguous())
+        for layer in layers:
+            qkv, o = cast(QuantLinear, layer.self_attn.qkv_proj), cast(QuantLinear, layer.self_attn.o_proj)
+            gu, down = cast(QuantLinear, layer.mlp.gate_up_proj), cast(QuantLinear, layer.mlp.down_proj)
+            dec.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                          qkv.qweight, qkv.qtype, qkv.bias, o.qweight, o.qtype, gu.qweight, gu.qtype, down.qweight,
+                          down.qtype)
+        self._native_decoder = dec
+        return True
+
     def _forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                         meta: AttentionMetadata, ops: Any) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
-            x, residual = layer.forward_native(x, residual, positions, kv_cache[i], meta, self.rotary, ops)
+        decoder = getattr(self, "_native_decoder", None)
+        if decoder is not None:
+            x, residual = decoder.forward(x, positions, kv_cache, meta.slot_mapping, meta.block_table,
+                                          meta.query_start_loc, meta.seq_lens)
+        else:
+            for i, layer in enumerate(cast("list[DecoderLayer]", self.layers)):
+                x, residual = layer.forward_native(x, residual, positions, kv_cache[i], meta, self.rotary, ops)
         assert residual is not None
         ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x

@@ -52,6 +52,8 @@ class ModelRunner:
         if use_onednn(linear_backend, dtype):
             pack_model_linears(self.model)  # the float projections that remain
         self.backend = get_attention_backend("native" if native else "sdpa")
+        if native:
+            self.model.build_native_decoder(self.backend.ops)  # type: ignore[attr-defined]
         self.sampler = Sampler()
         self.kv_cache = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
                                     arch.head_dim, dtype=dtype)

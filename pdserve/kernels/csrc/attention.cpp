@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attention_kernels.h"
+#include "ops.h"
 #include "registry.h"
 
 namespace pdserve {
@@ -183,6 +184,8 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
   }
 }
 
+}  // namespace
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
   check_kv(kv);
@@ -238,6 +241,8 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
     }
   });
 }
+
+namespace {
 
 void register_attention(pybind11::module_& m) {
   namespace py = pybind11;

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "fused_kernels.h"
+#include "ops.h"
 #include "registry.h"
 
 namespace pdserve {
@@ -37,6 +38,8 @@ void check_vec(const at::Tensor& t, const char* name, int64_t n, at::ScalarType 
 
 // Rows per thread chunk: at least ~16K elements, so T = 1 runs inline with no thread hand-off.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+}  // namespace
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t t = x.size(0), h = x.dim() == 2 ? x.size(1) : 0;
@@ -106,6 +109,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   const int64_t os = out.stride(0), xs = x.stride(0);
   at::parallel_for(0, t, grain(3 * i), [&](int64_t r0, int64_t r1) { fn(o, os, xp, xs, i, r0, r1); });
 }
+
+namespace {
 
 void register_fused(pybind11::module_& m) {
   namespace py = pybind11;

@@ -4,10 +4,12 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 
 #include "quant_kernels.h"
+#include "ops.h"
 #include "registry.h"
 
 namespace pdserve {
@@ -29,8 +31,10 @@ const QuantOps& ops() {
 // per-block scales forbid a longer int32 accumulation), whose advantage below it is skipping the dequantization
 // (0.35 ms per 1.8M weights). Measured single-threaded on the AVX-512 machine with benchmarks/kernels_quant.py:
 // int wins at M = 16 everywhere (0.81 vs 1.11 ms gate_up, 0.33 vs 0.59 ms down), at M = 32 it wins for down and
-// loses 8-19% for gate_up/qkv, at M >= 48 dequant+GEMM wins for all three.
-constexpr int64_t kDequantMinRows = 32;
+// loses 8-19% for gate_up/qkv, at M >= 48 dequant+GEMM wins for all three. In the engine (weights cold, every
+// layer once per step; 2 threads) decode steps of 32 rows took 91 ms on the integer path and 151 ms on the
+// dequant path, 64 rows 180 vs 145 ms: hence 64. `set_quant_linear_dequant_min_rows` changes it.
+std::atomic<int64_t> g_dequant_min_rows{64};
 
 int64_t check_qtype(int64_t qtype) {
   TORCH_CHECK(quant::block_bytes(static_cast<int>(qtype)) > 0, "qtype must be 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), got ",
@@ -85,12 +89,25 @@ at::Tensor linear_int(const at::Tensor& x, const at::Tensor& w, int qtype, const
   return y;
 }
 
+// Large row counts: dequantize the whole weight into a scratch buffer that is kept between calls (a fresh buffer
+// would page-fault on every call: measured 1.5x slower per step) and multiply with torch's GEMM (MKL, both
+// threads). Measured against dequantizing tile by tile into L2 with a single-threaded GEMM per tile: 1.2x faster
+// for 512-row prefill chunks here. The scratch is the largest weight seen in fp32, per calling thread.
 at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, int qtype, const std::optional<at::Tensor>& bias) {
-  const at::Tensor wf = dequantize_impl(w, qtype, x.size(1));
+  const int64_t n = w.size(0), k = x.size(1);
+  thread_local at::Tensor scratch;
+  if (!scratch.defined() || scratch.numel() < n * k) scratch = at::empty({n * k}, at::kFloat);
+  const at::Tensor wf = scratch.narrow(0, 0, n * k).view({n, k});
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = wf.data_ptr<float>();
+  const QuantOps& o = ops();
+  at::parallel_for(0, n, grain(n), [&](int64_t r0, int64_t r1) { o.dequant(wp, r0, r1, k, qtype, op + r0 * k); });
   return bias ? at::addmm(*bias, x, wf.t()) : at::mm(x, wf.t());
 }
 
 // path: "auto" (by row count), "int" (integer kernel) or "dequant" (fp32 weight + torch GEMM).
+}  // namespace
+
 at::Tensor quant_linear_with(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                              const std::optional<at::Tensor>& bias, const std::string& path) {
   const int64_t k = check_weight(w, qtype, -1);
@@ -105,7 +122,7 @@ at::Tensor quant_linear_with(const at::Tensor& x, const at::Tensor& w, int64_t q
     TORCH_CHECK(bias->is_contiguous(), "bias must be contiguous");
   }
   TORCH_CHECK(path == "auto" || path == "int" || path == "dequant", "path must be auto, int or dequant, got ", path);
-  const bool dq = path == "dequant" || (path == "auto" && x.size(0) >= kDequantMinRows);
+  const bool dq = path == "dequant" || (path == "auto" && x.size(0) >= g_dequant_min_rows.load(std::memory_order_relaxed));
   if (x.size(0) == 0) return at::empty({0, w.size(0)}, at::kFloat);
   if (dq) return linear_dequant(x, w, static_cast<int>(qtype), bias);
   return linear_int(x, w, static_cast<int>(qtype), bias ? bias->data_ptr<float>() : nullptr);
@@ -157,6 +174,8 @@ at::Tensor quantize(const at::Tensor& w, int64_t qtype) {
   return out;
 }
 
+namespace {
+
 void register_quant(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(),
@@ -165,8 +184,12 @@ void register_quant(pybind11::module_& m) {
         "dequantized to fp32 and multiplied with torch's GEMM");
   m.def("quant_linear_with", &quant_linear_with, py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias"),
         py::arg("path"), "quant_linear with a forced path: 'auto', 'int' or 'dequant' (tests, benchmarks)");
-  m.def("quant_linear_dequant_min_rows", [] { return kDequantMinRows; },
+  m.def("quant_linear_dequant_min_rows", [] { return g_dequant_min_rows.load(); },
         "row count from which quant_linear dequantizes and uses torch's GEMM");
+  m.def("set_quant_linear_dequant_min_rows", [](int64_t rows) {
+          TORCH_CHECK(rows >= 1, "rows must be >= 1");
+          g_dequant_min_rows.store(rows);
+        }, py::arg("rows"), "change that threshold (benchmarks; measured per machine)");
   m.def("dequantize", &dequantize, py::arg("w"), py::arg("qtype"), py::arg("k"),
         "float32 [N, k] equal (bitwise) to gguf.quants.dequantize");
   m.def("embedding", &embedding, py::arg("ids"), py::arg("w"), py::arg("qtype"), py::arg("k"),

@@ -1,0 +1,26 @@
+// The tensor-level entry points of the kernel families, for C++ callers (model_forward.cpp) as well as Python.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace pdserve {
+
+// quant_linear.cpp: weights in GGUF blocks (uint8 [N, K/32*block_bytes]), float32 activations.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias);
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t k);
+
+// attention.cpp
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale);
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv, const at::Tensor& slot_mapping);
+
+// fused_ops.cpp
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
+                      const at::Tensor& sin, int64_t head_dim);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
+}  // namespace pdserve
