@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "quant_f32_kernels.h"
 #include "quant_kernels.h"
 #include "ops.h"
 #include "registry.h"
@@ -73,6 +74,33 @@ at::Tensor dequantize_impl(const at::Tensor& w, int qtype, int64_t k) {
   return out;
 }
 
+quant::GemmF32Fn gemm_f32_fn() {
+#if defined(__x86_64__)
+  switch (active_isa()) {
+    case Isa::kAvx512: return quant::gemm_f32_avx512;
+    case Isa::kAvx2: return quant::gemm_f32_avx2;
+    default: break;
+  }
+#endif
+  return quant::gemm_f32_generic;
+}
+
+// Small row counts (decode): the blocks dequantized in registers against fp32 activations, parallel over N. Exact
+// up to float summation order; measured against the int8-activation kernel (linear_int): the same speed at batch 1
+// (both bandwidth-bound), and no activation rounding (top-1 agreement with the fp32-dequantized model 95.8 % ->
+// see BENCHMARKS.md "Quantization quality").
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int qtype, const float* bias) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  at::Tensor y = at::empty({m, n}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const quant::GemmF32Fn f = gemm_f32_fn();
+  at::parallel_for(0, n, grain(n), [&](int64_t n0, int64_t n1) { f(wp, n0, n1, k, qtype, xp, ldx, m, bias, yp, n); });
+  return y;
+}
+
 at::Tensor linear_int(const at::Tensor& x, const at::Tensor& w, int qtype, const float* bias) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   const QuantOps& o = ops();
@@ -105,7 +133,8 @@ at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& w, int qtype, c
   return bias ? at::addmm(*bias, x, wf.t()) : at::mm(x, wf.t());
 }
 
-// path: "auto" (by row count), "int" (integer kernel) or "dequant" (fp32 weight + torch GEMM).
+// path: "auto" (by row count: f32 below the threshold, dequant from it), "f32" (blocks dequantized in registers,
+// fp32 activations), "int" (int8 activations, integer dot products) or "dequant" (fp32 weight + torch GEMM).
 }  // namespace
 
 at::Tensor quant_linear_with(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
@@ -121,11 +150,14 @@ at::Tensor quant_linear_with(const at::Tensor& x, const at::Tensor& w, int64_t q
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "bias must be [N=", w.size(0), "]");
     TORCH_CHECK(bias->is_contiguous(), "bias must be contiguous");
   }
-  TORCH_CHECK(path == "auto" || path == "int" || path == "dequant", "path must be auto, int or dequant, got ", path);
+  TORCH_CHECK(path == "auto" || path == "f32" || path == "int" || path == "dequant",
+              "path must be auto, f32, int or dequant, got ", path);
   const bool dq = path == "dequant" || (path == "auto" && x.size(0) >= g_dequant_min_rows.load(std::memory_order_relaxed));
   if (x.size(0) == 0) return at::empty({0, w.size(0)}, at::kFloat);
   if (dq) return linear_dequant(x, w, static_cast<int>(qtype), bias);
-  return linear_int(x, w, static_cast<int>(qtype), bias ? bias->data_ptr<float>() : nullptr);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  if (path == "int") return linear_int(x, w, static_cast<int>(qtype), b);
+  return linear_f32(x, w, static_cast<int>(qtype), b);
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias) {
