@@ -35,6 +35,7 @@ from pdserve.sampling_params import SamplingParams
 logger = logging.getLogger("pdserve.engine")
 
 PromptType = str | list[int] | dict[str, Any]
+MAX_PRIORITY = 2**31 - 1  # request priorities, as an int32
 
 
 @dataclass
@@ -94,7 +95,7 @@ class LLMEngine:
         self.step_budget = StepBudget(self.step_cost, config.max_step_ms)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy,
-                                   self.step_budget)
+                                   self.step_budget, config.scheduling_policy, config.priority_aging_s)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
@@ -142,14 +143,17 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, priority: int = 0) -> Request:
         """Tokenize and validate; raises RequestRejected if the request can never be served. Touches no engine
-        state, so a server thread may call it while the engine thread steps."""
+        state, so a server thread may call it while the engine thread steps. `priority`: lower runs first; only
+        under scheduling_policy `priority` may it be non-zero (as vLLM)."""
         params = params or SamplingParams()
+        self._validate_priority(priority)
         text, token_ids = self.tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
-        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time)
+        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time,
+                      priority=priority)
         if params.structured_outputs is not None:  # compiled here, off the engine thread (cached: once for n > 1)
             req.matcher = self.structured.new_matcher(self.structured.compile(params.structured_outputs))
         req.detokenizer = IncrementalDetokenizer(
@@ -158,7 +162,8 @@ class LLMEngine:
         return req
 
     def make_requests(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
-                      arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:
+                      arrival_time: float | None = None, cache_salt: str | None = None,
+                      priority: int = 0) -> list[Request]:
         """Fan one API request out into its sequences: `params.n` samples of each prompt, ids
         `<parent_id>-<prompt index>-<sample index>`, sample j seeded with `seed + j`. The prefix cache shares the
         samples' prompt blocks. `cache_salt` (vLLM's request field): prefix-cache blocks are shared only with
@@ -170,7 +175,7 @@ class LLMEngine:
             for j in range(params.n):
                 child = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + j)
-                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time)
+                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time, priority)
                 req.parent_id, req.prompt_index, req.sample_index = parent_id, i, j
                 req.cache_salt = cache_salt  # set before the scheduler first looks the prompt up
                 reqs.append(req)
@@ -211,6 +216,17 @@ class LLMEngine:
                                   f"max_num_batched_tokens={self.config.max_num_batched_tokens}", "prompt",
                                   ErrorCode.INVALID_PROMPT)
         return max_tokens
+
+    def _validate_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestRejected("priority must be an integer", "priority", ErrorCode.INVALID_PARAMETER)
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestRejected(f"priority is {priority} but priority scheduling is off; start the server with "
+                                  "--scheduling-policy priority, or send priority 0", "priority",
+                                  ErrorCode.INVALID_PARAMETER)
+        if abs(priority) > MAX_PRIORITY:
+            raise RequestRejected(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority",
+                                  ErrorCode.INVALID_PARAMETER)
 
     def _validate_sampling(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check without the model: token ids must index its logits (the sampler

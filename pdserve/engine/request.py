@@ -48,8 +48,9 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, prompt: str | None = None,
-                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                 arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower runs first, under the scheduler's `priority` policy
         # prefix-cache isolation: blocks are shared only between requests with the same salt (BlockManager)
         self.cache_salt = cache_salt
         self.prompt = prompt

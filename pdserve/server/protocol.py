@@ -61,6 +61,7 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     return_timings: bool = Field(False, description="pdserve extension: add per-phase timings to the response")
+    priority: int = Field(0, description="vLLM: lower runs first (--scheduling-policy priority; else must be 0)")
     kv_transfer_params: dict[str, Any] | None = Field(
         None, description="PD disaggregation hand-off, as vLLM's NixlConnector: do_remote_decode (to a prefill "
         "instance) or do_remote_prefill + remote_* (to a decode instance)")

@@ -193,7 +193,7 @@ class OpenAIServing:
                     body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:
         """Tokenize and validate the children (in a worker thread), then admit them all or none."""
         reqs = await self.in_thread(self.make_children, prompts, params, base_id, body.kv_transfer_params,
-                                    self.cache_salt(body, ctx))
+                                    self.cache_salt(body, ctx), body.priority)
         tenant = ctx.tenant
         try:
             streams = self.aengine.add_requests(reqs, on_finished=lambda r: self.log_finished(r, tenant))
@@ -206,12 +206,13 @@ class OpenAIServing:
         return Children(reqs, streams)
 
     def make_children(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
-                      kv_params: dict[str, Any] | None = None, cache_salt: str | None = None) -> list[EngineRequest]:
+                      kv_params: dict[str, Any] | None = None, cache_salt: str | None = None,
+                      priority: int = 0) -> list[EngineRequest]:
         """Tokenize and validate (no engine state touched: safe in a worker thread)."""
         if kv_params and (len(prompts) > 1 or params.n > 1):
             raise APIError(400, "kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
         try:
-            reqs = self.engine.make_requests(prompts, params, base_id, cache_salt=cache_salt)
+            reqs = self.engine.make_requests(prompts, params, base_id, cache_salt=cache_salt, priority=priority)
             if kv_params and self.engine.kv_transfer is not None:  # signed by a trusted router, or a known peer
                 kv_params = self.engine.kv_transfer.check_params(kv_params)
         except RequestRejected as e:
