@@ -284,6 +284,8 @@ class LLMEngine:
             failed = [self._fail(r, f"model step failed: {exc!r}", ErrorCode.MODEL_STEP_FAILED) for r in reqs]
             stats.duration = time.perf_counter() - t0
             return StepResult(kv_failed + failed, stats)
+        for rid, scored in sampled.prompt_logprobs.items():
+            self.scheduler.requests[rid].prompt_logprobs.extend(scored)
         outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled.token_ids, sampled.logprobs,
                                              sampled.errors)
         stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
@@ -380,5 +382,7 @@ class LLMEngine:
             logprobs=list(req.logprobs) if want_lp and done else None,
             delta_text=delta, delta_token_ids=new_tokens,
             delta_logprobs=req.logprobs[len(req.logprobs) - len(new_tokens):] if want_lp and new_tokens else None)
+        # the list is complete (never appended to again) once the first token is sampled: shared, not copied
+        plp = req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, req.times,
-                             max(req.num_cached_tokens, 0), req.error, req.error_code)
+                             max(req.num_cached_tokens, 0), req.error, req.error_code, plp)

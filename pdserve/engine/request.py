@@ -72,6 +72,10 @@ class Request:
         self.sample_index = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.logprobs: list[TokenLogprobs] = []  # per output token, when sampling_params.logprobs is set
+        # per prompt token (the first has none: None), when sampling_params.prompt_logprobs is set; filled as the
+        # prompt's chunks are computed, never twice (a preempted request recomputes without rescoring)
+        self.prompt_logprobs: list[TokenLogprobs | None] = \
+            [None] if sampling_params.prompt_logprobs is not None else []
         self.detokenizer: IncrementalDetokenizer | None = None
         # PD disaggregation (pdserve.disagg): the request's `kv_transfer_params` as sent by the router, and what
         # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
@@ -94,6 +98,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Prompt positions still to be scored (prompt logprobs): the prefix cache must not skip them."""
+        return self.sampling_params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -268,8 +268,15 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         c = req.num_computed_tokens
-        return ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new], c,
-                                self.block_manager.get_block_ids(req.request_id), c + num_new == req.num_tokens)
+        s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new], c,
+                             self.block_manager.get_block_ids(req.request_id), c + num_new == req.num_tokens)
+        if req.needs_prompt_rows:  # position p scores prompt token p + 1; tokens already scored are skipped
+            start, end = max(c, len(req.prompt_logprobs) - 1), min(c + num_new, req.num_prompt_tokens - 1)
+            if start < end:
+                s.prompt_logprobs = req.sampling_params.prompt_logprobs
+                s.prompt_logprob_offset = start - c
+                s.prompt_logprob_targets = req.prompt_token_ids[start + 1:end + 1]
+        return s
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
         """Recompute-style preemption: free all blocks, back to the waiting queue (fcfs: at its head)."""

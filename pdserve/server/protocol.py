@@ -50,12 +50,12 @@ class _Sampling(BaseModel):
     # structured output: one of response_format (OpenAI), structured_outputs (vLLM) or a guided_* field (older vLLM)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    # parsed only to be refused when set: pdserve has no tools or prompt logprobs
+    prompt_logprobs: int | None = None  # vLLM: score the prompt (top-k per position); not with stream
+    # parsed only to be refused when set: pdserve has no tools
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    prompt_logprobs: int | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -84,8 +84,7 @@ class _Sampling(BaseModel):
     def _harmless(self) -> dict[str, bool]:
         return {"best_of": self.best_of in (None, 1, self.num_samples),
                 "tools": not self.tools, "tool_choice": self.tool_choice in (None, "none", "auto"),
-                "functions": not self.functions, "function_call": self.function_call in (None, "none", "auto"),
-                "prompt_logprobs": self.prompt_logprobs is None}
+                "functions": not self.functions, "function_call": self.function_call in (None, "none", "auto")}
 
     def structured(self) -> StructuredOutputs | None:
         """The output constraint, from whichever one field sets it; RequestRejected (400) naming the field when it
@@ -113,7 +112,8 @@ class _Sampling(BaseModel):
             stop=self.stop_list, stop_token_ids=list(self.stop_token_ids or []), max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, structured_outputs=self.structured())
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, structured_outputs=self.structured(),
+            prompt_logprobs=self.prompt_logprobs)
 
 
 def _response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
