@@ -111,3 +111,4 @@ class RequestOutput:
     error_code: ErrorCode | None = None
     # per prompt token (first: None), when SamplingParams.prompt_logprobs is set; complete from the first token on
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # a pooling (embedding) request's vector, once finished

@@ -181,6 +181,17 @@ class LLMEngine:
                 reqs.append(req)
         return reqs
 
+    def make_embedding_requests(self, prompts: list[PromptType], parent_id: str,
+                                priority: int = 0) -> list[Request]:
+        """One pooling request per prompt (ids `<parent_id>-<i>-0`): prefilled, never sampled; it finishes when its
+        prompt is computed, with `RequestOutput.embedding` the mean over its tokens of the final hidden state (after
+        the model's final norm), L2-normalised. A prompt may have at most max_model_len - 1 tokens."""
+        reqs = self.make_requests(prompts, SamplingParams(max_tokens=1, temperature=0.0), parent_id,
+                                  priority=priority)
+        for r in reqs:
+            r.pooling = True
+        return reqs
+
     def add_request(self, prompt: PromptType | Request, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """Queue one sequence (a prompt, or a Request from make_request)."""
@@ -286,6 +297,7 @@ class LLMEngine:
             return StepResult(kv_failed + failed, stats)
         for rid, scored in sampled.prompt_logprobs.items():
             self.scheduler.requests[rid].prompt_logprobs.extend(scored)
+        self._add_pooled(sched, reqs, sampled.pooled)
         outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled.token_ids, sampled.logprobs,
                                              sampled.errors)
         stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
@@ -317,7 +329,7 @@ class LLMEngine:
             req.num_computed_tokens += d.num_scheduled_tokens
             self.block_manager.cache_full_blocks(req)
         errors = sample_errors or [None] * len(sampled)
-        outs = []
+        outs = [self._finish_pooling(r) for r in reqs if r.pooling and r.num_computed_tokens == r.num_tokens]
         for req, tok, lp, err in zip(sampled, tokens, logprobs, errors):
             if err is not None:  # only this row's sampling raised; its neighbours got their tokens
                 outs.append(self._fail(req, f"sampling failed: {err}", ErrorCode.SAMPLING_FAILED))
@@ -328,6 +340,22 @@ class LLMEngine:
                 logger.exception("postprocess failed for request %s", req.request_id)
                 outs.append(self._fail(req, f"postprocess failed: {exc!r}", ErrorCode.POSTPROCESS_FAILED))
         return outs
+
+    @staticmethod
+    def _add_pooled(sched: SchedulerOutput, reqs: list[Request], pooled: dict[str, torch.Tensor]) -> None:
+        for req, d in zip(reqs, sched.scheduled_reqs):
+            if d.pool_offset is not None and req.request_id in pooled:
+                s = pooled[req.request_id]
+                req.pool_sum = s if req.pool_sum is None else req.pool_sum + s
+                # a recompute after preemption passes positions pooled before: they count once
+                req.num_pooled = max(req.num_pooled, d.num_computed_tokens + d.num_scheduled_tokens)
+
+    def _finish_pooling(self, req: Request) -> RequestOutput:
+        """An embedding request whose prompt is computed: the mean of its final hidden states, L2-normalised."""
+        assert req.pool_sum is not None and req.num_pooled == req.num_prompt_tokens
+        req.embedding = torch.nn.functional.normalize(req.pool_sum / req.num_pooled, dim=0).tolist()
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        return self._output(req, [], "")
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
         if req.matcher is not None and not req.matcher.accept_token(tok):
@@ -385,4 +413,4 @@ class LLMEngine:
         # the list is complete (never appended to again) once the first token is sampled: shared, not copied
         plp = req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, req.times,
-                             max(req.num_cached_tokens, 0), req.error, req.error_code, plp)
+                             max(req.num_cached_tokens, 0), req.error, req.error_code, plp, req.embedding)

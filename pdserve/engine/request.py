@@ -76,6 +76,12 @@ class Request:
         # prompt's chunks are computed, never twice (a preempted request recomputes without rescoring)
         self.prompt_logprobs: list[TokenLogprobs | None] = \
             [None] if sampling_params.prompt_logprobs is not None else []
+        # pooling (an embedding request): prefilled, never sampled; the final hidden states of its prompt summed
+        # over the positions pooled so far (a preempted request recomputes without pooling a position twice)
+        self.pooling = False
+        self.pool_sum: torch.Tensor | None = None
+        self.num_pooled = 0
+        self.embedding: list[float] | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         # PD disaggregation (pdserve.disagg): the request's `kv_transfer_params` as sent by the router, and what
         # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
@@ -101,7 +107,9 @@ class Request:
 
     @property
     def needs_prompt_rows(self) -> bool:
-        """Prompt positions still to be scored (prompt logprobs): the prefix cache must not skip them."""
+        """Prompt positions still to be scored (prompt logprobs) or pooled: the prefix cache must not skip them."""
+        if self.pooling:
+            return self.num_pooled < self.num_prompt_tokens
         return self.sampling_params.prompt_logprobs is not None and \
             len(self.prompt_logprobs) < self.num_prompt_tokens
 

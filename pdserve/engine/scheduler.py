@@ -269,8 +269,12 @@ class Scheduler:
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         c = req.num_computed_tokens
         s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new], c,
-                             self.block_manager.get_block_ids(req.request_id), c + num_new == req.num_tokens)
-        if req.needs_prompt_rows:  # position p scores prompt token p + 1; tokens already scored are skipped
+                             self.block_manager.get_block_ids(req.request_id),
+                             c + num_new == req.num_tokens and not req.pooling)
+        if req.pooling:  # an embedding request: its rows are pooled (each position once), none sampled
+            if req.num_pooled < c + num_new:
+                s.pool_offset = max(0, req.num_pooled - c)
+        elif req.needs_prompt_rows:  # position p scores prompt token p + 1; tokens already scored are skipped
             start, end = max(c, len(req.prompt_logprobs) - 1), min(c + num_new, req.num_prompt_tokens - 1)
             if start < end:
                 s.prompt_logprobs = req.sampling_params.prompt_logprobs

@@ -36,6 +36,8 @@ class ScheduledRequest:
     prompt_logprobs: int | None = None
     prompt_logprob_offset: int = 0
     prompt_logprob_targets: list[int] = field(default_factory=list)
+    # pooling (embeddings): sum the final hidden states of rows pool_offset .. the chunk's end; None: not pooled
+    pool_offset: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -161,6 +161,18 @@ class ModelRunner:
         else:
             out = SamplerOutput([], [])
         out.prompt_logprobs = self._prompt_logprobs(hidden, sched)
+        out.pooled = self._pooled(hidden, sched)
+        return out
+
+    @staticmethod
+    def _pooled(hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Per pooling request, the float32 sum of its marked rows' final hidden states (post final norm)."""
+        out: dict[str, torch.Tensor] = {}
+        row = 0
+        for r in sched.scheduled_reqs:
+            if r.pool_offset is not None:
+                out[r.req_id] = hidden[row + r.pool_offset:row + r.num_scheduled_tokens].float().sum(0)
+            row += r.num_scheduled_tokens
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, list[TokenLogprobs]]:

@@ -29,6 +29,8 @@ class SamplerOutput:
     errors: list[str | None] = field(default_factory=list)  # per row, why it failed (None: ok); empty: all ok
     # request id -> the TokenLogprobs of the prompt tokens its rows scored this step (ScheduledRequest)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> float32 [hidden]: the sum of its pooled rows' final hidden states this step (ScheduledRequest)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:

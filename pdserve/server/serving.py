@@ -197,6 +197,10 @@ class OpenAIServing:
         """Tokenize and validate the children (in a worker thread), then admit them all or none."""
         reqs = await self.in_thread(self.make_children, prompts, params, base_id, body.kv_transfer_params,
                                     self.cache_salt(body, ctx), body.priority)
+        return self.admit(reqs, ctx)
+
+    def admit(self, reqs: list[EngineRequest], ctx: RequestContext) -> Children:
+        """Hand made children to the engine, all or none (429 when the waiting queue cannot take them)."""
         tenant = ctx.tenant
         try:
             streams = self.aengine.add_requests(reqs, on_finished=lambda r: self.log_finished(r, tenant))
