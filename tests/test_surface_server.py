@@ -13,10 +13,9 @@ import httpx
 import openai
 import pytest
 import torch
+from test_embeddings import direct_embedding
 
 from pdserve.launch import ServerProc, start_server
-
-from test_embeddings import direct_embedding
 
 
 @pytest.fixture(scope="module")
