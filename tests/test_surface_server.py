@@ -100,3 +100,57 @@ def test_prompt_logprobs_and_priority_over_http(server: ServerProc, client: open
         client.completions.create(model=model_id, prompt=prompt, max_tokens=3, extra_body={"priority": 3})
     assert e.value.body["param"] == "priority"  # type: ignore[index]
     at_baseline(server)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {**COMPLETION, "length_penalty": 0.5}, "length_penalty"),
+    ("/v1/completions", {**COMPLETION, "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ("/v1/completions", {**COMPLETION, "bad_words": ["x"]}, "bad_words"),
+    ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ("/v1/completions", {**COMPLETION, "add_special_tokens": False}, "add_special_tokens"),
+    ("/v1/completions", {**COMPLETION, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ("/v1/completions", {**COMPLETION, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix"),
+    ("/v1/completions", {**COMPLETION, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
+    ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {**CHAT, "add_special_tokens": True}, "add_special_tokens"),
+    ("/v1/chat/completions", {**CHAT, "reasoning_effort": "low"}, "reasoning_effort"),
+    ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
+    ("/v1/chat/completions", {**CHAT, "documents": [{"text": "d"}]}, "documents"),
+    ("/v1/chat/completions", {**CHAT, "logits_processors": ["x"]}, "logits_processors"),
+    ("/v1/embeddings", {"input": "a", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "a", "normalize": False}, "normalize"),
+])
+def test_result_changing_fields_are_refused_by_name(server: ServerProc, path: str, body: dict[str, Any],
+                                                     param: str) -> None:
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "unsupported_parameter", err
+    at_baseline(server)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {**COMPLETION, "use_beam_search": False, "length_penalty": 1.0, "add_special_tokens": True,
+                         "store": True, "metadata": {"k": "v"}, "request_id": "abc", "zz_vendor_field": 1,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": False}}),
+    ("/v1/chat/completions", {**CHAT, "echo": False, "add_special_tokens": False, "service_tier": "auto",
+                              "guided_decoding_backend": "xgrammar", "zz_vendor_field": 2, "chat_template_kwargs": {}}),
+    ("/v1/embeddings", {"input": "a", "normalize": True, "zz_vendor_field": 3}),
+])
+def test_harmless_fields_are_accepted_and_logged_once(server: ServerProc, path: str, body: dict[str, Any]) -> None:
+    for _ in range(2):
+        r = post(server, path, body)
+        assert r.status_code == 200, r.text
+    at_baseline(server)
+    log = server.log()
+    assert log.count("ignoring unknown request field 'zz_vendor_field'") == 1
+    assert log.count("ignoring unknown request field 'request_id'") <= 1

@@ -6,22 +6,31 @@ are declared, and `unsupported()` names the first one set to a value that would 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
+from pdserve.server.request_fields import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    STREAM_OPTIONS_REFUSED,
+    refused_field,
+)
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept to be refused (continuous_usage_stats) or ignored, never lost
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=False)
+    refused_extras: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_REFUSED  # request_fields.py
 
     model: str | None = None
     n: int | None = 1  # null: the default, 1
@@ -76,6 +85,11 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field set to a value pdserve cannot honour, or None."""
+        if (name := refused_field(self.model_extra, self.refused_extras)) is not None:
+            return name
+        if self.stream_options is not None and (name := refused_field(
+                self.stream_options.model_extra, STREAM_OPTIONS_REFUSED, "stream_options.")) is not None:
+            return name
         for name, harmless in self._harmless().items():
             if not harmless:
                 return name
@@ -154,6 +168,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    refused_extras: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_REFUSED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

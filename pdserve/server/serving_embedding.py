@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.engine.engine import PromptType
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.server.errors import APIError
+from pdserve.server.request_fields import EMBEDDING_REFUSED, refused_field
 from pdserve.server.serving import OpenAIServing, RequestContext
 
 
@@ -54,6 +55,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         """Validate, run every input as a pooling request, and answer OpenAI's embedding list with `usage`."""
         self.check_model(body.model)
         self.log_unknown_fields(body.model_extra)
+        if (name := refused_field(body.model_extra, EMBEDDING_REFUSED)) is not None:
+            raise APIError(400, f"{name} is not supported by this server", param=name,
+                           code=ErrorCode.UNSUPPORTED_PARAMETER.value)
         hidden = self.engine.arch.hidden_size
         if body.dimensions is not None and body.dimensions != hidden:
             raise APIError(400, f"dimensions is {body.dimensions}; this model's embeddings have {hidden} (no "
