@@ -157,6 +157,13 @@ class EngineConfig:
     max_num_seqs: int = option(64, "most sequences in one step")
     max_num_batched_tokens: int = option(512, "token budget of one step: decodes + prefill chunks")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps (off: `--no-chunked-prefill`)")
+    scheduling_policy: str = option(
+        "fcfs", "`fcfs`: arrival order (a request's `priority` must be 0); `priority`: the request field `priority` "
+        "(lower first) orders the waiting queue and picks preemption victims, aged by `priority_aging_s`")
+    priority_aging_s: float = option(
+        10.0, "under `--scheduling-policy priority`: seconds of waiting worth one priority level (requests are "
+        "ordered by arrival + priority x this, so a request of priority p is overtaken by no request that arrives "
+        "more than (p - q) x this seconds after it, q the best priority sent); `0`: strict (priority, arrival)")
     max_step_ms: float | None = option(
         None, "bound of a step that mixes decodes with prefill chunks, in ms: its prefill tokens are capped so the "
         "step time predicted by the cost model (fitted to measured steps) stays within it; `0`: no cap",
@@ -217,6 +224,11 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if parse_size(self.kv_cache_memory) <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        self.priority_aging_s = float(self.priority_aging_s)
+        if not 0 <= self.priority_aging_s < float("inf"):
+            raise ValueError("priority_aging_s must be a finite number >= 0 (0: strict priority)")
         if self.max_step_ms is not None and self.max_step_ms < 0:
             raise ValueError("max_step_ms must be >= 0 (0: no cap)")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -109,3 +109,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     error_code: ErrorCode | None = None
+    # per prompt token (first: None), when SamplingParams.prompt_logprobs is set; complete from the first token on
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None  # a pooling (embedding) request's vector, once finished

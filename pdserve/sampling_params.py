@@ -119,7 +119,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token; None: off
-    prompt_logprobs: None = None  # not supported; kept for vLLM signature compatibility
+    # vLLM: for each prompt token after the first, its logprob and the top `prompt_logprobs` at its position (raw
+    # model distribution); None: off. Such a request takes no prefix-cache hits until its prompt is scored.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI: token id -> bias added to its logit, in [-100, 100]
     structured_outputs: StructuredOutputs | None = None  # constrained decoding (a dict is converted)
@@ -137,7 +139,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             _check_finite(name, getattr(self, name))
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
             _check_int(name, getattr(self, name))
         checks = [
             (self.n >= 1, "n", "n must be >= 1"),
@@ -153,6 +155,8 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must be <= max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "prompt_logprobs must be in [0, 20]"),
             # sample j of n is seeded with seed + j (LLMEngine.make_requests): all of them must be valid seeds
             (self.seed is None or SEED_MIN <= self.seed and self.seed + self.n - 1 <= SEED_MAX, "seed",
              f"seed must be in [{SEED_MIN}, {SEED_MAX}] (seed + n - 1 too)"),

@@ -98,8 +98,9 @@ class BlockManager:
     # ---- prefix cache --------------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks matching the request's tokens, capped at num_tokens - 1 tokens so
-        the last token is always computed (its logits are needed). Does not take references."""
-        if not self.enable_prefix_caching:
+        the last token is always computed (its logits are needed). Does not take references. A request whose
+        prompt positions must be computed (prompt logprobs not yet scored) takes no hits, as vLLM."""
+        if not self.enable_prefix_caching or request.needs_prompt_rows:
             return [], 0
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size

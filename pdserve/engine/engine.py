@@ -35,6 +35,7 @@ from pdserve.sampling_params import SamplingParams
 logger = logging.getLogger("pdserve.engine")
 
 PromptType = str | list[int] | dict[str, Any]
+MAX_PRIORITY = 2**31 - 1  # request priorities, as an int32
 
 
 @dataclass
@@ -94,7 +95,7 @@ class LLMEngine:
         self.step_budget = StepBudget(self.step_cost, config.max_step_ms)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy,
-                                   self.step_budget)
+                                   self.step_budget, config.scheduling_policy, config.priority_aging_s)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
@@ -142,14 +143,17 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def make_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, priority: int = 0) -> Request:
         """Tokenize and validate; raises RequestRejected if the request can never be served. Touches no engine
-        state, so a server thread may call it while the engine thread steps."""
+        state, so a server thread may call it while the engine thread steps. `priority`: lower runs first; only
+        under scheduling_policy `priority` may it be non-zero (as vLLM)."""
         params = params or SamplingParams()
+        self._validate_priority(priority)
         text, token_ids = self.tokenize(prompt)
         max_tokens = self._validate(token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
-        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time)
+        req = Request(rid, token_ids, params, self.eos_token_ids, max_tokens, prompt=text, arrival_time=arrival_time,
+                      priority=priority)
         if params.structured_outputs is not None:  # compiled here, off the engine thread (cached: once for n > 1)
             req.matcher = self.structured.new_matcher(self.structured.compile(params.structured_outputs))
         req.detokenizer = IncrementalDetokenizer(
@@ -158,7 +162,8 @@ class LLMEngine:
         return req
 
     def make_requests(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
-                      arrival_time: float | None = None, cache_salt: str | None = None) -> list[Request]:
+                      arrival_time: float | None = None, cache_salt: str | None = None,
+                      priority: int = 0) -> list[Request]:
         """Fan one API request out into its sequences: `params.n` samples of each prompt, ids
         `<parent_id>-<prompt index>-<sample index>`, sample j seeded with `seed + j`. The prefix cache shares the
         samples' prompt blocks. `cache_salt` (vLLM's request field): prefix-cache blocks are shared only with
@@ -170,10 +175,21 @@ class LLMEngine:
             for j in range(params.n):
                 child = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + j)
-                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time)
+                req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time, priority)
                 req.parent_id, req.prompt_index, req.sample_index = parent_id, i, j
                 req.cache_salt = cache_salt  # set before the scheduler first looks the prompt up
                 reqs.append(req)
+        return reqs
+
+    def make_embedding_requests(self, prompts: list[PromptType], parent_id: str,
+                                priority: int = 0) -> list[Request]:
+        """One pooling request per prompt (ids `<parent_id>-<i>-0`): prefilled, never sampled; it finishes when its
+        prompt is computed, with `RequestOutput.embedding` the mean over its tokens of the final hidden state (after
+        the model's final norm), L2-normalised. A prompt may have at most max_model_len - 1 tokens."""
+        reqs = self.make_requests(prompts, SamplingParams(max_tokens=1, temperature=0.0), parent_id,
+                                  priority=priority)
+        for r in reqs:
+            r.pooling = True
         return reqs
 
     def add_request(self, prompt: PromptType | Request, params: SamplingParams | None = None,
@@ -211,6 +227,17 @@ class LLMEngine:
                                   f"max_num_batched_tokens={self.config.max_num_batched_tokens}", "prompt",
                                   ErrorCode.INVALID_PROMPT)
         return max_tokens
+
+    def _validate_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestRejected("priority must be an integer", "priority", ErrorCode.INVALID_PARAMETER)
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise RequestRejected(f"priority is {priority} but priority scheduling is off; start the server with "
+                                  "--scheduling-policy priority, or send priority 0", "priority",
+                                  ErrorCode.INVALID_PARAMETER)
+        if abs(priority) > MAX_PRIORITY:
+            raise RequestRejected(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority",
+                                  ErrorCode.INVALID_PARAMETER)
 
     def _validate_sampling(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check without the model: token ids must index its logits (the sampler
@@ -268,6 +295,9 @@ class LLMEngine:
             failed = [self._fail(r, f"model step failed: {exc!r}", ErrorCode.MODEL_STEP_FAILED) for r in reqs]
             stats.duration = time.perf_counter() - t0
             return StepResult(kv_failed + failed, stats)
+        for rid, scored in sampled.prompt_logprobs.items():
+            self.scheduler.requests[rid].prompt_logprobs.extend(scored)
+        self._add_pooled(sched, reqs, sampled.pooled)
         outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled.token_ids, sampled.logprobs,
                                              sampled.errors)
         stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
@@ -299,7 +329,7 @@ class LLMEngine:
             req.num_computed_tokens += d.num_scheduled_tokens
             self.block_manager.cache_full_blocks(req)
         errors = sample_errors or [None] * len(sampled)
-        outs = []
+        outs = [self._finish_pooling(r) for r in reqs if r.pooling and r.num_computed_tokens == r.num_tokens]
         for req, tok, lp, err in zip(sampled, tokens, logprobs, errors):
             if err is not None:  # only this row's sampling raised; its neighbours got their tokens
                 outs.append(self._fail(req, f"sampling failed: {err}", ErrorCode.SAMPLING_FAILED))
@@ -310,6 +340,22 @@ class LLMEngine:
                 logger.exception("postprocess failed for request %s", req.request_id)
                 outs.append(self._fail(req, f"postprocess failed: {exc!r}", ErrorCode.POSTPROCESS_FAILED))
         return outs
+
+    @staticmethod
+    def _add_pooled(sched: SchedulerOutput, reqs: list[Request], pooled: dict[str, torch.Tensor]) -> None:
+        for req, d in zip(reqs, sched.scheduled_reqs):
+            if d.pool_offset is not None and req.request_id in pooled:
+                s = pooled[req.request_id]
+                req.pool_sum = s if req.pool_sum is None else req.pool_sum + s
+                # a recompute after preemption passes positions pooled before: they count once
+                req.num_pooled = max(req.num_pooled, d.num_computed_tokens + d.num_scheduled_tokens)
+
+    def _finish_pooling(self, req: Request) -> RequestOutput:
+        """An embedding request whose prompt is computed: the mean of its final hidden states, L2-normalised."""
+        assert req.pool_sum is not None and req.num_pooled == req.num_prompt_tokens
+        req.embedding = torch.nn.functional.normalize(req.pool_sum / req.num_pooled, dim=0).tolist()
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        return self._output(req, [], "")
 
     def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
         if req.matcher is not None and not req.matcher.accept_token(tok):
@@ -364,5 +410,7 @@ class LLMEngine:
             logprobs=list(req.logprobs) if want_lp and done else None,
             delta_text=delta, delta_token_ids=new_tokens,
             delta_logprobs=req.logprobs[len(req.logprobs) - len(new_tokens):] if want_lp and new_tokens else None)
+        # the list is complete (never appended to again) once the first token is sampled: shared, not copied
+        plp = req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], req.is_finished, req.times,
-                             max(req.num_cached_tokens, 0), req.error, req.error_code)
+                             max(req.num_cached_tokens, 0), req.error, req.error_code, plp, req.embedding)

@@ -48,8 +48,9 @@ _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, Requ
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, prompt: str | None = None,
-                 arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                 arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower runs first, under the scheduler's `priority` policy
         # prefix-cache isolation: blocks are shared only between requests with the same salt (BlockManager)
         self.cache_salt = cache_salt
         self.prompt = prompt
@@ -71,6 +72,16 @@ class Request:
         self.sample_index = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
         self.logprobs: list[TokenLogprobs] = []  # per output token, when sampling_params.logprobs is set
+        # per prompt token (the first has none: None), when sampling_params.prompt_logprobs is set; filled as the
+        # prompt's chunks are computed, never twice (a preempted request recomputes without rescoring)
+        self.prompt_logprobs: list[TokenLogprobs | None] = \
+            [None] if sampling_params.prompt_logprobs is not None else []
+        # pooling (an embedding request): prefilled, never sampled; the final hidden states of its prompt summed
+        # over the positions pooled so far (a preempted request recomputes without pooling a position twice)
+        self.pooling = False
+        self.pool_sum: torch.Tensor | None = None
+        self.num_pooled = 0
+        self.embedding: list[float] | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         # PD disaggregation (pdserve.disagg): the request's `kv_transfer_params` as sent by the router, and what
         # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
@@ -93,6 +104,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Prompt positions still to be scored (prompt logprobs) or pooled: the prefix cache must not skip them."""
+        if self.pooling:
+            return self.num_pooled < self.num_prompt_tokens
+        return self.sampling_params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

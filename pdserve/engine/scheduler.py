@@ -2,12 +2,21 @@
 
 There is no prefill phase or decode phase here, only `num_computed_tokens` catching up with `num_tokens` within a
 token budget. Order: running requests first (their decodes, or the next chunk of a chunked prefill), then waiting
-requests in arrival order. When blocks run out, the latest-arrived running request is preempted (its blocks
+requests in queue order. When blocks run out, the running request last in queue order is preempted (its blocks
 freed; it recomputes later). Only `Engine.postprocess` appends tokens and finishes requests.
+
+Queue order (`Scheduler.order_key`): under policy `fcfs`, arrival. Under `priority`, the request field `priority`
+(lower first, as vLLM) aged by waiting time: a request's key is `arrival + priority x aging_s`, which orders requests
+exactly as an effective priority `priority - waited / aging_s` that improves with every second waited (all requests
+share "now", so the static key gives the same order at any instant). Starvation bound: a request of priority p that
+arrived at t is overtaken only by requests that arrive before `t + (p - q) x aging_s`, q their priority; with q_min
+the best priority clients send, after `(p - q_min) x aging_s` seconds no new arrival goes ahead of it. `aging_s = 0`
+is strict (priority, arrival), with no such bound.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -58,14 +67,17 @@ def make_sampling_metadata(requests: Sequence[Request]) -> SamplingMetadata:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, kv_transfer: KVTransfer | None = None,
-                 kv_load_failure_policy: str = "recompute", step_budget: StepBudget | None = None) -> None:
+                 kv_load_failure_policy: str = "recompute", step_budget: StepBudget | None = None,
+                 policy: str = "fcfs", priority_aging_s: float = 0.0) -> None:
         self.block_manager = block_manager
+        self.policy = policy  # "fcfs" | "priority": see order_key
+        self.priority_aging_s = priority_aging_s
         self.step_budget = step_budget  # caps the prefill tokens of steps that carry decodes (ITL tail)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in arrival order: the preemption victim is the tail
+        self.waiting: deque[Request] = deque()  # in queue order (order_key), preempted requests first under fcfs
+        self.running: list[Request] = []  # in queue order: the preemption victim is the tail
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # total, for metrics
         # PD roles: pulls KV for WAITING_FOR_REMOTE_KVS requests and pins finished prefills' blocks
@@ -78,7 +90,27 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def order_key(self, req: Request) -> tuple[float, float]:
+        """Queue order, smallest first: arrival under fcfs; aged (priority, arrival) under priority (module doc)."""
+        arrival = req.times.arrival
+        if self.policy != "priority":
+            return (0.0, arrival)
+        if self.priority_aging_s > 0:
+            return (arrival + req.priority * self.priority_aging_s, arrival)
+        return (float(req.priority), arrival)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Into the waiting queue: fcfs appends (or, for a preempted or failed-load request, puts it first);
+        priority inserts it at its key's place."""
+        if self.policy != "priority":
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        self.waiting.insert(bisect.bisect_right(self.waiting, self.order_key(req), key=self.order_key), req)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Retire a request: free its blocks at once. Idempotent."""
@@ -116,12 +148,12 @@ class Scheduler:
         return len(self.waiting) + self.num_loading
 
     def _add_running(self, req: Request) -> None:
-        """Join the running batch, keeping it in arrival order (a preempted or KV-loaded request may be older
-        than the tail)."""
+        """Join the running batch, keeping it in queue order (a preempted or KV-loaded request may come before
+        the tail)."""
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        if len(self.running) > 1 and self.running[-2].times.arrival > req.times.arrival:
-            self.running.sort(key=lambda r: r.times.arrival)
+        if len(self.running) > 1 and self.order_key(self.running[-2]) > self.order_key(req):
+            self.running.sort(key=self.order_key)
 
     # ---- KV transfer (PD disaggregation) -------------------------------------------------------------------
     def update_from_kv_transfer(self) -> list[tuple[Request, str]]:
@@ -144,7 +176,7 @@ class Scheduler:
                 self.block_manager.free(req.request_id)
                 req.num_computed_tokens = 0
                 req.status = RequestStatus.WAITING
-                self.waiting.appendleft(req)
+                self._enqueue(req, front=True)
             else:
                 failed.append((req, load.error or "KV transfer failed"))
         return failed
@@ -159,7 +191,7 @@ class Scheduler:
 
         cap = self._prefill_cap(budget)  # None: prefill chunks limited by the token budget only
 
-        # 1. running requests, in order; preempt the latest arrival when blocks run out
+        # 1. running requests, in queue order; preempt the last one in that order when blocks run out
         queue = list(self.running)
         while queue and budget > 0:
             req = queue.pop(0)
@@ -170,7 +202,7 @@ class Scheduler:
                 num_new = min(num_new, cap)
                 cap -= num_new
             while not self.block_manager.allocate_slots(req, num_new):
-                victim = queue[-1] if queue else req  # `running` is in arrival order
+                victim = queue[-1] if queue else req  # `running` is in queue order: the worst key is last
                 self._preempt(victim, now, out)
                 if victim is req:
                     break
@@ -179,7 +211,7 @@ class Scheduler:
                 (decodes if is_decode(req, num_new) else prefills).append((req, num_new))
                 budget -= num_new
 
-        # 2. waiting requests in arrival order, unless this step had to preempt (memory is tight)
+        # 2. waiting requests in queue order, unless this step had to preempt (memory is tight)
         kv = self.kv_transfer
         num_loading = self.num_loading
         while (self.waiting and not out.preempted_req_ids and budget > 0
@@ -236,16 +268,27 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         c = req.num_computed_tokens
-        return ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new], c,
-                                self.block_manager.get_block_ids(req.request_id), c + num_new == req.num_tokens)
+        s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new], c,
+                             self.block_manager.get_block_ids(req.request_id),
+                             c + num_new == req.num_tokens and not req.pooling)
+        if req.pooling:  # an embedding request: its rows are pooled (each position once), none sampled
+            if req.num_pooled < c + num_new:
+                s.pool_offset = max(0, req.num_pooled - c)
+        elif req.needs_prompt_rows:  # position p scores prompt token p + 1; tokens already scored are skipped
+            start, end = max(c, len(req.prompt_logprobs) - 1), min(c + num_new, req.num_prompt_tokens - 1)
+            if start < end:
+                s.prompt_logprobs = req.sampling_params.prompt_logprobs
+                s.prompt_logprob_offset = start - c
+                s.prompt_logprob_targets = req.prompt_token_ids[start + 1:end + 1]
+        return s
 
     def _preempt(self, req: Request, now: float, out: SchedulerOutput) -> None:
-        """Recompute-style preemption: free all blocks, go back to the head of the waiting queue."""
+        """Recompute-style preemption: free all blocks, back to the waiting queue (fcfs: at its head)."""
         self.running.remove(req)
         self.block_manager.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.times.preemptions.append(now)
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.num_preemptions += 1
         out.preempted_req_ids.append(req.request_id)

@@ -31,6 +31,13 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens whose K/V are already cached: the position of token_ids[0]
     block_ids: list[int]  # the request's block_table; covers num_computed_tokens + len(token_ids) tokens
     sample: bool  # token_ids ends at the request's newest token: sample the next one from the last row
+    # prompt logprobs: rows prompt_logprob_offset .. + len(prompt_logprob_targets) of this chunk score those
+    # targets (the next prompt token of each row), with the top `prompt_logprobs`; None: no row is scored
+    prompt_logprobs: int | None = None
+    prompt_logprob_offset: int = 0
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    # pooling (embeddings): sum the final hidden states of rows pool_offset .. the chunk's end; None: not pooled
+    pool_offset: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

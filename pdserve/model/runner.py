@@ -17,8 +17,11 @@ from pdserve.model.inputs import SchedulerOutput
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.quant import quantize_model
 from pdserve.model.quant_linear import QuantEmbedding, QuantLinear, StateDict
-from pdserve.model.sampler import Sampler, SamplerOutput
+from pdserve.model.sampler import Sampler, SamplerOutput, score_tokens
+from pdserve.outputs import TokenLogprobs
 from pdserve.roofline import StepCostModel
+
+PROMPT_ROWS_PER_PASS = 256  # prompt-logprob rows per logits pass: bounds memory to 256 x vocab floats
 
 
 @dataclass
@@ -153,10 +156,40 @@ class ModelRunner:
         """Run one step; row i of the result is row i of `sched.sampling_metadata`."""
         inp = self.prepare(sched)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend)
-        if not inp.sample_rows:
-            return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[inp.sample_rows])
-        return self.sampler(logits, sched.sampling_metadata)
+        if inp.sample_rows:
+            out = self.sampler(self.model.compute_logits(hidden[inp.sample_rows]), sched.sampling_metadata)
+        else:
+            out = SamplerOutput([], [])
+        out.prompt_logprobs = self._prompt_logprobs(hidden, sched)
+        out.pooled = self._pooled(hidden, sched)
+        return out
+
+    @staticmethod
+    def _pooled(hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Per pooling request, the float32 sum of its marked rows' final hidden states (post final norm)."""
+        out: dict[str, torch.Tensor] = {}
+        row = 0
+        for r in sched.scheduled_reqs:
+            if r.pool_offset is not None:
+                out[r.req_id] = hidden[row + r.pool_offset:row + r.num_scheduled_tokens].float().sum(0)
+            row += r.num_scheduled_tokens
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, list[TokenLogprobs]]:
+        """Score the prompt rows the scheduler marked (only requests that asked), PROMPT_ROWS_PER_PASS rows of
+        logits at a time. Flat rows follow `scheduled_reqs` in order on both attention paths."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        row = 0
+        for r in sched.scheduled_reqs:
+            if r.prompt_logprobs is not None:
+                first, targets, scored = row + r.prompt_logprob_offset, r.prompt_logprob_targets, []
+                for j in range(0, len(targets), PROMPT_ROWS_PER_PASS):
+                    part = targets[j:j + PROMPT_ROWS_PER_PASS]
+                    logits = self.model.compute_logits(hidden[first + j:first + j + len(part)])
+                    scored += score_tokens(logits, part, r.prompt_logprobs)
+                out[r.req_id] = scored
+            row += r.num_scheduled_tokens
+        return out
 
 
 def _matrix_stats(module: torch.nn.Module) -> tuple[int, int]:

@@ -27,6 +27,10 @@ class SamplerOutput:
     token_ids: list[int]  # -1 for a row that failed
     logprobs: list[TokenLogprobs | None]
     errors: list[str | None] = field(default_factory=list)  # per row, why it failed (None: ok); empty: all ok
+    # request id -> the TokenLogprobs of the prompt tokens its rows scored this step (ScheduledRequest)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> float32 [hidden]: the sum of its pooled rows' final hidden states this step (ScheduledRequest)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
@@ -89,6 +93,18 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: Sequence[t
     bits = torch.empty(logits.shape[0], masks[0].shape[0], dtype=torch.int32)  # rows outside `rows` are not read
     bits[rows] = torch.stack(list(masks))
     xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=logits.shape[1], indices=rows)
+
+
+def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Row i's log_softmax at targets[i], its rank, and the top k (the raw model distribution, as vLLM's prompt
+    logprobs): logits float32 [len(targets), vocab]."""
+    lp = logits.log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
+    ranks = (lp > chosen.unsqueeze(1)).sum(-1) + 1
+    top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
+    return [TokenLogprobs(t, float(chosen[i]), int(ranks[i]),
+                          list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist())))
+            for i, t in enumerate(targets)]
 
 
 class Sampler:

@@ -29,6 +29,7 @@ from pdserve.server.routes import router
 from pdserve.server.serving import ServingOptions
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
+from pdserve.server.serving_embedding import OpenAIServingEmbedding
 from pdserve.server.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("pdserve.server")
@@ -75,6 +76,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
     app.state.serving_completion = OpenAIServingCompletion(aengine, name, metrics, opts)
     app.state.serving_chat = OpenAIServingChat(aengine, name, metrics, opts)
     app.state.serving_tokenization = OpenAIServingTokenization(aengine, name, metrics, opts)
+    app.state.serving_embedding = OpenAIServingEmbedding(aengine, name, metrics, opts)
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        metrics=metrics, body_read_timeout=cfg.body_read_timeout)
     install_exception_handlers(app, metrics)

@@ -6,22 +6,31 @@ are declared, and `unsupported()` names the first one set to a value that would 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
+from pdserve.server.request_fields import (
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    STREAM_OPTIONS_REFUSED,
+    refused_field,
+)
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # kept to be refused (continuous_usage_stats) or ignored, never lost
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=False)
+    refused_extras: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_REFUSED  # request_fields.py
 
     model: str | None = None
     n: int | None = 1  # null: the default, 1
@@ -50,17 +59,18 @@ class _Sampling(BaseModel):
     # structured output: one of response_format (OpenAI), structured_outputs (vLLM) or a guided_* field (older vLLM)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    # parsed only to be refused when set: pdserve has no tools or prompt logprobs
+    prompt_logprobs: int | None = None  # vLLM: score the prompt (top-k per position); not with stream
+    # parsed only to be refused when set: pdserve has no tools
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    prompt_logprobs: int | None = None
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     return_timings: bool = Field(False, description="pdserve extension: add per-phase timings to the response")
+    priority: int = Field(0, description="vLLM: lower runs first (--scheduling-policy priority; else must be 0)")
     kv_transfer_params: dict[str, Any] | None = Field(
         None, description="PD disaggregation hand-off, as vLLM's NixlConnector: do_remote_decode (to a prefill "
         "instance) or do_remote_prefill + remote_* (to a decode instance)")
@@ -75,6 +85,11 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first field set to a value pdserve cannot honour, or None."""
+        if (name := refused_field(self.model_extra, self.refused_extras)) is not None:
+            return name
+        if self.stream_options is not None and (name := refused_field(
+                self.stream_options.model_extra, STREAM_OPTIONS_REFUSED, "stream_options.")) is not None:
+            return name
         for name, harmless in self._harmless().items():
             if not harmless:
                 return name
@@ -83,8 +98,7 @@ class _Sampling(BaseModel):
     def _harmless(self) -> dict[str, bool]:
         return {"best_of": self.best_of in (None, 1, self.num_samples),
                 "tools": not self.tools, "tool_choice": self.tool_choice in (None, "none", "auto"),
-                "functions": not self.functions, "function_call": self.function_call in (None, "none", "auto"),
-                "prompt_logprobs": self.prompt_logprobs is None}
+                "functions": not self.functions, "function_call": self.function_call in (None, "none", "auto")}
 
     def structured(self) -> StructuredOutputs | None:
         """The output constraint, from whichever one field sets it; RequestRejected (400) naming the field when it
@@ -112,7 +126,8 @@ class _Sampling(BaseModel):
             stop=self.stop_list, stop_token_ids=list(self.stop_token_ids or []), max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, structured_outputs=self.structured())
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, structured_outputs=self.structured(),
+            prompt_logprobs=self.prompt_logprobs)
 
 
 def _response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
@@ -153,6 +168,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    refused_extras: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_REFUSED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -14,6 +14,7 @@ from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, De
 from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
+from pdserve.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pdserve.server.serving_tokenization import OpenAIServingTokenization
 
 router = APIRouter()
@@ -39,6 +40,12 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
 async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     serving: OpenAIServingChat = raw.app.state.serving_chat
     return _respond(await serving.create_chat_completion(body, _context(raw, body.user)))
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+    serving: OpenAIServingEmbedding = raw.app.state.serving_embedding
+    return _respond(await serving.create_embedding(body, _context(raw, body.user)))
 
 
 @router.get("/v1/models")

@@ -130,6 +130,9 @@ class OpenAIServing:
             raise APIError(400, f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; this server "
                            f"allows at most {o.max_sequences_per_request} per request (--max-sequences-per-request)",
                            param="n" if n > 1 else "prompt", code=ErrorCode.INVALID_PARAMETER.value)
+        if body.prompt_logprobs is not None and body.stream:  # as vLLM
+            raise APIError(400, "prompt_logprobs is not available with stream=true", param="prompt_logprobs",
+                           code=ErrorCode.INVALID_PARAMETER.value)
         self.check_texts(body.stop_list, "stop")
         self.check_texts([body.user or ""], "user")
         self.check_texts([body.cache_salt or ""], "cache_salt")
@@ -193,7 +196,11 @@ class OpenAIServing:
                     body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:
         """Tokenize and validate the children (in a worker thread), then admit them all or none."""
         reqs = await self.in_thread(self.make_children, prompts, params, base_id, body.kv_transfer_params,
-                                    self.cache_salt(body, ctx))
+                                    self.cache_salt(body, ctx), body.priority)
+        return self.admit(reqs, ctx)
+
+    def admit(self, reqs: list[EngineRequest], ctx: RequestContext) -> Children:
+        """Hand made children to the engine, all or none (429 when the waiting queue cannot take them)."""
         tenant = ctx.tenant
         try:
             streams = self.aengine.add_requests(reqs, on_finished=lambda r: self.log_finished(r, tenant))
@@ -206,12 +213,16 @@ class OpenAIServing:
         return Children(reqs, streams)
 
     def make_children(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
-                      kv_params: dict[str, Any] | None = None, cache_salt: str | None = None) -> list[EngineRequest]:
+                      kv_params: dict[str, Any] | None = None, cache_salt: str | None = None,
+                      priority: int = 0) -> list[EngineRequest]:
         """Tokenize and validate (no engine state touched: safe in a worker thread)."""
         if kv_params and (len(prompts) > 1 or params.n > 1):
             raise APIError(400, "kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
+        if kv_params and params.prompt_logprobs is not None:  # a decode instance never computes the prompt
+            raise APIError(400, "prompt_logprobs cannot be combined with kv_transfer_params", param="prompt_logprobs",
+                           code=ErrorCode.UNSUPPORTED_PARAMETER.value)
         try:
-            reqs = self.engine.make_requests(prompts, params, base_id, cache_salt=cache_salt)
+            reqs = self.engine.make_requests(prompts, params, base_id, cache_salt=cache_salt, priority=priority)
             if kv_params and self.engine.kv_transfer is not None:  # signed by a trusted router, or a known peer
                 kv_params = self.engine.kv_transfer.check_params(kv_params)
         except RequestRejected as e:
@@ -306,6 +317,23 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     # ---- response parts ------------------------------------------------------------------------------------
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id (a string key): {logprob,
+        rank, decoded_token}} for the prompt token and the top k at its position (the prompt token first)."""
+        if out.prompt_logprobs is None:
+            return None
+        res: list[dict[str, Any] | None] = []
+        for lp in out.prompt_logprobs:
+            if lp is None:
+                res.append(None)
+                continue
+            entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                        "decoded_token": self.token_text(lp.token_id)}}
+            for rank, (tid, v) in enumerate(lp.top, 1):
+                entry.setdefault(str(tid), {"logprob": v, "rank": rank, "decoded_token": self.token_text(tid)})
+            res.append(entry)
+        return res
+
     @staticmethod
     def usage(reqs: list[EngineRequest]) -> dict[str, Any]:
         per_prompt = [r for r in reqs if r.sample_index == 0]  # n samples share one prompt

@@ -33,6 +33,8 @@ class OpenAIServingChat(OpenAIServing):
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         resp = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices}
+        if body.prompt_logprobs is not None:  # as vLLM: one list for the conversation, beside the choices
+            resp["prompt_logprobs"] = self.prompt_logprobs(outs[0])
         return self.finish_response(resp, reqs, body)
 
     async def _chunks(self, body: ChatCompletionRequest, children: Children,

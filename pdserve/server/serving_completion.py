@@ -50,6 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
             lps = self._logprobs(c.logprobs or [], len(prefix)) if body.logprobs is not None else None
             choices.append({"index": i, "text": prefix + c.text, "logprobs": lps, "finish_reason": c.finish_reason,
                             "stop_reason": c.stop_reason})
+            if body.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs(out)
         return self.finish_response({**base, "choices": choices}, reqs, body)
 
     async def _chunks(self, body: CompletionRequest, children: Children,
