@@ -44,6 +44,8 @@ _logged_fields: set[str] = set()
 
 # What a non-streaming call returns (the JSON body) or a streaming one (SSE lines, ending with `data: [DONE]`).
 ServingResult = dict[str, Any] | AsyncIterator[str]
+# Maps a conversation (plain_messages) to the one the chat template gets, and the tools it gets (a worker thread).
+PrepareChat = Callable[[list[dict[str, Any]]], tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class ServingOptions:
     max_sequences_per_request: int = 256  # prompts x n, the engine requests one API request becomes
     max_prompt_chars: int | None = None  # per prompt or conversation; None: PROMPT_CHARS_PER_TOKEN x max_model_len
     prefix_cache_isolation: Literal["none", "tenant"] = "none"  # tenant: no prefix-cache sharing across tenants
+    tool_call_parser: str = "hermes"  # how chat output becomes tool calls (tool_parsers.py)
 
 
 @dataclass
@@ -79,6 +82,11 @@ def sse(obj: dict[str, Any] | str) -> str:
 def shutting_down(e: Exception) -> APIError:
     return APIError(503, f"{e}; retry on another instance", "service_unavailable", code="server_shutting_down",
                     kind="shutting_down")
+
+
+def rejected(e: RequestRejected) -> APIError:
+    """A request refused before any work: 400 with its param and code."""
+    return APIError(400, str(e), param=e.param, code=e.code.value)
 
 
 def child_error(out: RequestOutput) -> APIError:
@@ -160,7 +168,7 @@ class OpenAIServing:
         try:
             return body.to_sampling_params()
         except RequestRejected as e:
-            raise APIError(400, str(e), param=e.param, code=e.code.value) from e
+            raise rejected(e) from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -175,19 +183,30 @@ class OpenAIServing:
         releases the GIL, so /health and other streams keep going meanwhile."""
         return await asyncio.to_thread(fn, *args)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict[str, Any]:
-        """Messages through the chat template (in a worker thread) to a token-id prompt; 400 for content that is
-        not text, text over the character bound or not valid Unicode, and conversations the template rejects."""
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          prepare: PrepareChat | None = None) -> dict[str, Any]:
+        """Messages through `prepare` and the chat template (in a worker thread) to a token-id prompt; 400 for
+        content that is not text, text over the character bound or not valid Unicode, a RequestRejected from
+        `prepare`, and conversations the template rejects."""
         try:
             plain = plain_messages(messages)
         except ContentPartError as e:
             raise APIError(400, str(e), param=e.param, code=ErrorCode.UNSUPPORTED_PARAMETER.value) from e
         self.check_texts(["".join(m["content"] for m in plain)], "messages")
         try:
-            prompt: dict[str, Any] = await self.in_thread(self.engine.encode_chat, plain, add_generation_prompt)
+            prompt: dict[str, Any] = await self.in_thread(self._encode_chat, plain, add_generation_prompt, prepare)
+        except RequestRejected as e:
+            raise rejected(e) from e
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
         return prompt
+
+    def _encode_chat(self, plain: list[dict[str, Any]], add_generation_prompt: bool,
+                     prepare: PrepareChat | None) -> dict[str, Any]:
+        tools = None
+        if prepare is not None:
+            plain, tools = prepare(plain)
+        return self.engine.encode_chat(plain, add_generation_prompt, tools)
 
     async def start(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                     body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:
