@@ -34,6 +34,8 @@ from pdserve.server.protocol import (
     ContentPartError,
     plain_messages,
 )
+from pdserve.server.tool_parsers import get_tool_parser
+from pdserve.server.tools import ChatTools, ToolPlan
 
 request_log = logging.getLogger("pdserve.requests")
 logger = logging.getLogger("pdserve.server")
@@ -108,6 +110,8 @@ class OpenAIServing:
         self.options = options or ServingOptions()
         self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine.max_model_len
         tok = self.engine.tokenizer
+        self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser),
+                               self.engine.structured.json_schema_error)
         # token id -> its text, for logprobs (a few hot ids dominate)
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(lambda t: str(tok.decode([t])))
 
@@ -203,9 +207,8 @@ class OpenAIServing:
 
     def _encode_chat(self, plain: list[dict[str, Any]], add_generation_prompt: bool,
                      prepare: PrepareChat | None) -> dict[str, Any]:
-        tools = None
-        if prepare is not None:
-            plain, tools = prepare(plain)
+        # without a tool plan: no tools, the history's tool calls and results mapped all the same
+        plain, tools = prepare(plain) if prepare is not None else self.tools.prepare(plain, ToolPlan())
         return self.engine.encode_chat(plain, add_generation_prompt, tools)
 
     async def start(self, prompts: list[PromptType], params: SamplingParams, base_id: str,

@@ -16,16 +16,11 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.errors import APIError
 from pdserve.server.protocol import ChatCompletionRequest
 from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult, rejected
-from pdserve.server.tool_parsers import ToolCall, ToolStream, get_tool_parser
-from pdserve.server.tools import ChatTools, ToolPlan, tool_plan
+from pdserve.server.tool_parsers import ToolCall, ToolStream
+from pdserve.server.tools import ToolPlan, tool_plan
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tools = ChatTools(self.engine.tokenizer, get_tool_parser(self.options.tool_call_parser),
-                               self.engine.structured.json_schema_error)
-
     async def create_chat_completion(self, body: ChatCompletionRequest, ctx: RequestContext) -> ServingResult:
         """Validate and start the request. Raises APIError before anything is sent when the body is refused."""
         self.check_body(body, 1)
