@@ -15,7 +15,7 @@ always reassembles to the non-streamed one.
   call); other output streams as content at once.
 
 `arguments` may also be spelled `parameters`, or be a JSON string holding the object; a call's `arguments` are
-re-serialized as compact-free standard JSON (`json.dumps`, non-ASCII kept).
+written out again with `json.dumps` (", " and ": " separators, non-ASCII kept as it is).
 """
 
 from __future__ import annotations

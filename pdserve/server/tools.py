@@ -20,6 +20,7 @@ arguments always validate. `auto` is unconstrained: the parser decides what is a
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -155,7 +156,11 @@ class ChatTools:
 
     def __init__(self, tokenizer: Any, parser: ToolParser,
                  schema_error: Callable[[dict[str, Any]], str | None]) -> None:
-        self.tokenizer, self.parser, self.schema_error = tokenizer, parser, schema_error
+        self.tokenizer, self.parser = tokenizer, parser
+        # a tool's parameters are checked on every request that offers it: cached by the schema's text
+        checked = functools.lru_cache(maxsize=1024)(lambda text: schema_error(json.loads(text)))
+        self.schema_error: Callable[[dict[str, Any]], str | None] = \
+            lambda schema: checked(json.dumps(schema, sort_keys=True, ensure_ascii=False))
         self._caps: dict[str, bool] | None = None
 
     def constraint(self, plan: ToolPlan) -> StructuredOutputs | None:
