@@ -67,6 +67,12 @@ def call_from_json(obj: Any) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of one call: {"name": `name`, "arguments": valid against `parameters`}."""
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
@@ -109,8 +115,9 @@ class ToolParser(ABC):
         """(name, arguments) calls as the model writes them: assistant tool calls in the history, as text."""
 
     @abstractmethod
-    def constraint(self, call_schema: dict[str, Any], exactly_one: bool) -> StructuredOutputs:
-        """The grammar that makes the whole output one call (or one or more) whose JSON is `call_schema`."""
+    def constraint(self, tools: list[tuple[str, dict[str, Any]]], exactly_one: bool) -> StructuredOutputs:
+        """The grammar that makes the whole output calls (exactly one, or one or more) of these (name, parameters
+        schema) tools, each call's arguments valid against its tool's schema."""
 
     def parse(self, text: str) -> ParsedOutput:
         s = self.stream()
@@ -193,10 +200,14 @@ class HermesToolParser(ToolParser):
         return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
                          for n, a in calls)
 
-    def constraint(self, call_schema: dict[str, Any], exactly_one: bool) -> StructuredOutputs:
-        tag = {"type": "tag", "begin": HermesStream.OPEN, "end": HermesStream.CLOSE,
-               "content": {"type": "json_schema", "json_schema": call_schema}}
-        fmt = {"type": "tags_with_separator", "tags": [tag], "separator": "\n", "at_least_one": True,
+    def constraint(self, tools: list[tuple[str, dict[str, Any]]], exactly_one: bool) -> StructuredOutputs:
+        # as xgrammar's built-in tool tags: the name is part of the tag's literal beginning, the arguments are the
+        # tool's schema (at most one whitespace character in a row: a weak model cannot pad forever)
+        tags = [{"type": "tag", "begin": f'{HermesStream.OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                 "end": f"}}\n{HermesStream.CLOSE}",
+                 "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1}}
+                for name, params in tools]
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
                "stop_after_first": exactly_one}
         return StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": fmt},
                                                            ensure_ascii=False, sort_keys=True), param="tool_choice")
@@ -245,8 +256,10 @@ class JsonToolParser(ToolParser):
         objs = [{"name": n, "arguments": a} for n, a in calls]
         return json.dumps(objs[0] if len(objs) == 1 else objs, ensure_ascii=False)
 
-    def constraint(self, call_schema: dict[str, Any], exactly_one: bool) -> StructuredOutputs:
-        schema = call_schema if exactly_one else {"type": "array", "items": call_schema, "minItems": 1}
+    def constraint(self, tools: list[tuple[str, dict[str, Any]]], exactly_one: bool) -> StructuredOutputs:
+        calls = [call_schema(name, params) for name, params in tools]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = one if exactly_one else {"type": "array", "items": one, "minItems": 1}
         return StructuredOutputs(json=schema, param="tool_choice")
 
 

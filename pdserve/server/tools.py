@@ -61,11 +61,6 @@ class FunctionTool:
         fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
-    def call_schema(self) -> dict[str, Any]:
-        """The JSON of one call of this tool: {"name": this name, "arguments": valid against the parameters}."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -171,8 +166,7 @@ class ChatTools:
             tools, one = list(plan.tools), not plan.parallel
         else:
             return None
-        schemas = [t.call_schema() for t in tools]
-        return self.parser.constraint(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, one)
+        return self.parser.constraint([(t.name, t.parameters) for t in tools], one)
 
     def prepare(self, messages: list[dict[str, Any]],
                 plan: ToolPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
