@@ -378,3 +378,16 @@ def test_real_model_parallel_calls_and_round_trip(real_server: ServerProc) -> No
     second = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
                                             temperature=0, max_completion_tokens=40)
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_parallel_tool_calls_null_and_tools_without_parameters(server: ServerProc) -> None:
+    """parallel_tool_calls: null is the default (true); a tool without parameters takes an empty object."""
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+        "messages": MSGS, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "now"}},
+        "parallel_tool_calls": None, "temperature": 0, "max_tokens": 40})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in c["message"]["tool_calls"]] == [("now", "{}")]
+    wait_idle(server)

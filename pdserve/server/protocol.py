@@ -166,7 +166,7 @@ class ChatCompletionRequest(_Sampling):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's per-request template: refused, the model's own is used
-    parallel_tool_calls: bool = True  # false: at most one tool call (enforced under required / a named function)
+    parallel_tool_calls: bool | None = None  # null: true. false: one call (enforced under required / a function)
 
     def _harmless(self) -> dict[str, bool]:
         # tools and tool_choice are honoured here, and validated by pdserve/server/tools.py

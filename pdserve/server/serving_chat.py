@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         try:
-            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
         except RequestRejected as e:
             raise rejected(e) from e
         if body.tools:
