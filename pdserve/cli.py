@@ -110,7 +110,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                           body_read_timeout=args.body_read_timeout, max_n=args.max_n,
                                           max_sequences_per_request=args.max_sequences_per_request,
                                           max_prompt_chars=args.max_prompt_chars,
-                                          prefix_cache_isolation=args.prefix_cache_isolation), engine_thread)
+                                          prefix_cache_isolation=args.prefix_cache_isolation,
+                                          tool_call_parser=args.tool_call_parser), engine_thread)
     # SIGTERM/SIGINT: /health turns 503 "draining", open requests finish for up to the grace period, then the
     # streams still open end with an error event and the app's shutdown aborts what is left and frees its blocks.
     run_server(app, args.host, args.port, args.log_level, args.shutdown_grace)
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefix-cache-isolation", choices=["none", "tenant"], default="none",
                      help="tenant: prefix-cache blocks are shared only within a tenant (X-Tenant header, else "
                      "the body's user), combined with the body's cache_salt")
+    srv.add_argument("--tool-call-parser", choices=["hermes", "json"], default="hermes",
+                     help="how chat output becomes tool calls: hermes (<tool_call>{json}</tool_call> blocks) or "
+                     "json (the whole output is a call object or a list of them)")
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="seconds open requests may run after SIGTERM (while /health answers 503 draining) "
                      "before the rest end with an error")

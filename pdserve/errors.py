@@ -16,6 +16,9 @@ class ErrorCode(enum.StrEnum):
     UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field pdserve parses but cannot honour
     # structured_outputs / response_format / guided_*: malformed, or a schema, regex or grammar that does not compile
     INVALID_STRUCTURED_OUTPUT = "invalid_structured_output"
+    INVALID_TOOL = "invalid_tool"  # a `tools` entry: unknown type, bad name, parameters not a usable JSON schema
+    # tool_choice: not none/auto/required/a function, names a tool not in `tools`, or asks for a call without tools
+    INVALID_TOOL_CHOICE = "invalid_tool_choice"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len or the KV cache
     MODEL_STEP_FAILED = "model_step_failed"  # the forward pass raised for this request's step
     SAMPLING_FAILED = "sampling_failed"  # sampling this request's row raised (its neighbours were sampled)

@@ -24,25 +24,28 @@ MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; the sampler clamps top_k to
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds, as vLLM (int64)
 MAX_STRUCTURED_SPEC_CHARS = 65536  # a schema, regex or grammar (as text): bounds compile time and cache memory
 MAX_CHOICES = 1024
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
     """vLLM's `structured_outputs`: constrain the output to exactly one of a JSON schema (`json`, a dict or its JSON
     text), any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`), or an EBNF
-    grammar (GBNF-style, xgrammar's dialect). Validated here (shape and size); compiling happens in the engine."""
+    grammar (GBNF-style, xgrammar's dialect). Validated here (shape and size); compiling happens in the engine.
+    `structural_tag` (xgrammar's structural tag, as JSON text) is built by the server for tool calling
+    (`tool_choice`); `from_dict`, the request field, does not accept it."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
     # the request field it came from (e.g. "response_format"): the `param` of its errors; None: the kind's name
     param: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "json_object", "regex", "choice", "grammar")
-                 if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise _structured(self.param or "structured_outputs", "structured_outputs needs exactly one of json, "
                               f"json_object, regex, choice, grammar; got {given or 'none'}")
@@ -59,7 +62,8 @@ class StructuredOutputs:
                 raise _structured(self.param or "json", "the JSON schema must be an object or its JSON text")
         elif kind == "json_object" and self.json_object is not True:
             raise _structured(self.param or "json_object", "json_object must be true")
-        elif kind in ("regex", "grammar") and (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):
+        elif kind in ("regex", "grammar", "structural_tag") and \
+                (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):
             raise _structured(self.param or kind, f"{kind} must be a non-empty string")
         elif kind == "choice":
             if not isinstance(self.choice, list) or not self.choice or \
@@ -73,8 +77,7 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar")
-                    if getattr(self, k) not in (None, False))
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
     @property
     def spec(self) -> str:

@@ -108,9 +108,12 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None, str | None]] = [
      "structured_outputs", "invalid_structured_output"),
     ("structured_outputs unknown key", CMPL, {"json": {"prompt": "Hi", "structured_outputs": {
         "structural_tag": "x"}}}, 400, "structured_outputs.structural_tag", "unsupported_parameter"),
-    ("tools", CHAT, {"json": {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}}, 400,
-     "tools", None),
-    ("tool_choice", CHAT, {"json": {"messages": MSG, "tool_choice": "required"}}, 400, "tool_choice", None),
+    ("tools type", CHAT, {"json": {"messages": MSG, "tools": [{"type": "retrieval"}]}}, 400, "tools[0].type",
+     "invalid_tool"),
+    ("tools on completions", CMPL, {"json": {"prompt": "Hi", "tools": [{"type": "function", "function": {
+        "name": "f"}}]}}, 400, "tools", "unsupported_parameter"),
+    ("tool_choice without tools", CHAT, {"json": {"messages": MSG, "tool_choice": "required"}}, 400, "tool_choice",
+     "invalid_tool_choice"),
     ("functions", CHAT, {"json": {"messages": MSG, "functions": [{"name": "f"}]}}, 400, "functions", None),
     ("image part", CHAT, {"json": {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}},

@@ -135,10 +135,13 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
-        """Render a conversation with the model's own chat template; returns a token-id prompt."""
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Render a conversation with the model's own chat template (given `tools`, OpenAI function tools, as
+        Hugging Face templates take them); returns a token-id prompt."""
+        kw = {"tools": tools} if tools else {}
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, **kw)
         # the template writes its own special tokens, so the tokenizer must not add a BOS again
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 

@@ -65,9 +65,7 @@ class StructuredOutputManager:
         try:
             compiled = self._compile(compiler, so)
         except Exception as e:  # xgrammar raises RuntimeError (and sometimes others) with a parser message
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            msg = msg.split("] ", 1)[-1] if msg.startswith("[") else msg  # drop xgrammar's "[time] file:line"
-            raise RequestRejected(f"the {so.kind} constraint does not compile: {msg}", so.param or so.kind,
+            raise RequestRejected(f"the {so.kind} constraint does not compile: {_short(e)}", so.param or so.kind,
                                   ErrorCode.INVALID_STRUCTURED_OUTPUT) from e
         with self._lock:
             self.num_compiled += 1
@@ -88,13 +86,33 @@ class StructuredOutputManager:
             return compiler.compile_regex(so.spec)
         if kind == "choice":
             return compiler.compile_grammar(choice_grammar(so.choice or []))
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(so.spec)
         return compiler.compile_grammar(so.spec)
+
+    @staticmethod
+    def json_schema_error(schema: dict[str, Any]) -> str | None:
+        """Why `schema` cannot constrain output (xgrammar's message), or None. Converts to a grammar only (no
+        token masks): cheap enough to check every tool's parameters on each request."""
+        import xgrammar as xgr
+
+        try:
+            xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), any_whitespace=False)
+        except Exception as e:  # RuntimeError (and sometimes others) with a parser message
+            return _short(e)
+        return None
 
     @staticmethod
     def new_matcher(compiled: Any) -> Any:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+
+def _short(e: Exception) -> str:
+    """xgrammar's error message: its last line, without the "[time] file:line" prefix."""
+    msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return msg.split("] ", 1)[-1] if msg.startswith("[") else msg
 
 
 def fill_bitmask(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:

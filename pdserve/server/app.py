@@ -46,10 +46,12 @@ class ServerConfig:
     max_sequences_per_request: int | None = None  # None: max_waiting_requests (1024 when that is unbounded)
     max_prompt_chars: int | None = None  # None: serving.PROMPT_CHARS_PER_TOKEN x max_model_len
     prefix_cache_isolation: Literal["none", "tenant"] = "none"
+    tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
 
     def serving_options(self) -> ServingOptions:
         seqs = self.max_sequences_per_request or self.max_waiting_requests or 1024
-        return ServingOptions(self.max_n, seqs, self.max_prompt_chars, self.prefix_cache_isolation)
+        return ServingOptions(self.max_n, seqs, self.max_prompt_chars, self.prefix_cache_isolation,
+                              self.tool_call_parser)
 
 
 def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:

@@ -60,7 +60,8 @@ class _Sampling(BaseModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     prompt_logprobs: int | None = None  # vLLM: score the prompt (top-k per position); not with stream
-    # parsed only to be refused when set: pdserve has no tools
+    # chat honours tools and tool_choice (pdserve/server/tools.py); completions refuse them. Parsed only to be
+    # refused when set: functions / function_call (OpenAI's older spelling)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -165,6 +166,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (checked in tools.py)
+    tool_call_id: str | None = None  # tool: the call this message answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -178,9 +182,12 @@ class ChatCompletionRequest(_Sampling):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's per-request template: refused, the model's own is used
+    parallel_tool_calls: bool | None = None  # null: true. false: one call (enforced under required / a function)
 
     def _harmless(self) -> dict[str, bool]:
-        return {**super()._harmless(), "modalities": self.modalities in (None, ["text"]), "audio": self.audio is None,
+        # tools and tool_choice are honoured here, and validated by pdserve/server/tools.py
+        return {**super()._harmless(), "tools": True, "tool_choice": True,
+                "modalities": self.modalities in (None, ["text"]), "audio": self.audio is None,
                 "prediction": self.prediction is None, "chat_template": self.chat_template is None}
 
     def to_sampling_params(self) -> SamplingParams:
@@ -191,7 +198,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text content only. A content part that is not text (image_url,
+    """Messages as the chat template takes them: text content only, plus `tool_calls`, `tool_call_id` and `name`
+    where set (as sent: pdserve/server/tools.py checks and maps them). A content part that is not text (image_url,
     input_audio, file) raises ValueError naming it: it is refused, never dropped."""
     out = []
     for i, m in enumerate(messages):
@@ -205,7 +213,11 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                                            "not supported (text parts only)", f"messages[{i}].content[{j}]")
                 texts.append(text)
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
     return out
 
 

@@ -34,6 +34,8 @@ from pdserve.server.protocol import (
     ContentPartError,
     plain_messages,
 )
+from pdserve.server.tool_parsers import get_tool_parser
+from pdserve.server.tools import ChatTools, ToolPlan
 
 request_log = logging.getLogger("pdserve.requests")
 logger = logging.getLogger("pdserve.server")
@@ -44,6 +46,8 @@ _logged_fields: set[str] = set()
 
 # What a non-streaming call returns (the JSON body) or a streaming one (SSE lines, ending with `data: [DONE]`).
 ServingResult = dict[str, Any] | AsyncIterator[str]
+# Maps a conversation (plain_messages) to the one the chat template gets, and the tools it gets (a worker thread).
+PrepareChat = Callable[[list[dict[str, Any]]], tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class ServingOptions:
     max_sequences_per_request: int = 256  # prompts x n, the engine requests one API request becomes
     max_prompt_chars: int | None = None  # per prompt or conversation; None: PROMPT_CHARS_PER_TOKEN x max_model_len
     prefix_cache_isolation: Literal["none", "tenant"] = "none"  # tenant: no prefix-cache sharing across tenants
+    tool_call_parser: str = "hermes"  # how chat output becomes tool calls (tool_parsers.py)
 
 
 @dataclass
@@ -81,6 +86,11 @@ def shutting_down(e: Exception) -> APIError:
                     kind="shutting_down")
 
 
+def rejected(e: RequestRejected) -> APIError:
+    """A request refused before any work: 400 with its param and code."""
+    return APIError(400, str(e), param=e.param, code=e.code.value)
+
+
 def child_error(out: RequestOutput) -> APIError:
     """A failed child as the API error: its ErrorCode becomes the body's `code` (the PD router matches on it)."""
     code = out.error_code.value if out.error_code is not None else None
@@ -100,6 +110,8 @@ class OpenAIServing:
         self.options = options or ServingOptions()
         self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine.max_model_len
         tok = self.engine.tokenizer
+        self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser),
+                               self.engine.structured.json_schema_error)
         # token id -> its text, for logprobs (a few hot ids dominate)
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(lambda t: str(tok.decode([t])))
 
@@ -163,7 +175,7 @@ class OpenAIServing:
         try:
             return body.to_sampling_params()
         except RequestRejected as e:
-            raise APIError(400, str(e), param=e.param, code=e.code.value) from e
+            raise rejected(e) from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -178,19 +190,29 @@ class OpenAIServing:
         releases the GIL, so /health and other streams keep going meanwhile."""
         return await asyncio.to_thread(fn, *args)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> dict[str, Any]:
-        """Messages through the chat template (in a worker thread) to a token-id prompt; 400 for content that is
-        not text, text over the character bound or not valid Unicode, and conversations the template rejects."""
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          prepare: PrepareChat | None = None) -> dict[str, Any]:
+        """Messages through `prepare` and the chat template (in a worker thread) to a token-id prompt; 400 for
+        content that is not text, text over the character bound or not valid Unicode, a RequestRejected from
+        `prepare`, and conversations the template rejects."""
         try:
             plain = plain_messages(messages)
         except ContentPartError as e:
             raise APIError(400, str(e), param=e.param, code=ErrorCode.UNSUPPORTED_PARAMETER.value) from e
         self.check_texts(["".join(m["content"] for m in plain)], "messages")
         try:
-            prompt: dict[str, Any] = await self.in_thread(self.engine.encode_chat, plain, add_generation_prompt)
+            prompt: dict[str, Any] = await self.in_thread(self._encode_chat, plain, add_generation_prompt, prepare)
+        except RequestRejected as e:
+            raise rejected(e) from e
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
         return prompt
+
+    def _encode_chat(self, plain: list[dict[str, Any]], add_generation_prompt: bool,
+                     prepare: PrepareChat | None) -> dict[str, Any]:
+        # without a tool plan: no tools, the history's tool calls and results mapped all the same
+        plain, tools = prepare(plain) if prepare is not None else self.tools.prepare(plain, ToolPlan())
+        return self.engine.encode_chat(plain, add_generation_prompt, tools)
 
     async def start(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                     body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:

@@ -1,52 +1,97 @@
-"""/v1/chat/completions: messages through the model's chat template to an assistant message."""
+"""/v1/chat/completions: messages through the model's chat template to an assistant message, with tool calls
+parsed out of it when the request offers tools (tools.py, tool_parsers.py)."""
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.outputs import CompletionOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.errors import APIError
 from pdserve.server.protocol import ChatCompletionRequest
-from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult
+from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult, rejected
+from pdserve.server.tool_parsers import ToolCall, ToolStream
+from pdserve.server.tools import ToolPlan, tool_plan
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: ChatCompletionRequest, ctx: RequestContext) -> ServingResult:
         """Validate and start the request. Raises APIError before anything is sent when the body is refused."""
         self.check_body(body, 1)
+        plan = self.tool_plan(body)
         params = self.to_params(body)
-        prompt = await self.render_chat(body.messages, body.add_generation_prompt)
+        self.constrain_tools(plan, params)
+        prompt = await self.render_chat(body.messages, body.add_generation_prompt,
+                                        functools.partial(self.tools.prepare, plan=plan))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         children = await self.start([prompt], params, rid, body, ctx)
         reqs = children.reqs
         created = int(time.time())
         if body.stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-            return self.sse_stream(self._chunks(body, children, base), children)
+            return self.sse_stream(self._chunks(body, children, base, plan), children)
         outs = await self.collect(children, ctx)
-        choices = []
-        for i, out in enumerate(outs):
-            c = out.outputs[0]
-            choices.append({"index": i, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": self._logprobs(c.logprobs or []) if body.logprobs else None,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices = [self._choice(i, out.outputs[0], body, plan) for i, out in enumerate(outs)]
         resp = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices}
         if body.prompt_logprobs is not None:  # as vLLM: one list for the conversation, beside the choices
             resp["prompt_logprobs"] = self.prompt_logprobs(outs[0])
         return self.finish_response(resp, reqs, body)
 
-    async def _chunks(self, body: ChatCompletionRequest, children: Children,
-                      base: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        try:
+            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
+        except RequestRejected as e:
+            raise rejected(e) from e
+        if body.tools:
+            self.check_texts([json.dumps(body.tools, ensure_ascii=False)], "tools")
+        return plan
+
+    def constrain_tools(self, plan: ToolPlan, params: SamplingParams) -> None:
+        """tool_choice required / a named function: the output is constrained to tool calls."""
+        try:
+            so = self.tools.constraint(plan)
+        except RequestRejected as e:
+            raise rejected(e) from e
+        if so is None:
+            return
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {plan.choice} and {params.structured_outputs.param} both constrain "
+                           "the output; set one", param="tool_choice", code=ErrorCode.INVALID_STRUCTURED_OUTPUT.value)
+        params.structured_outputs = so
+
+    def _choice(self, i: int, c: CompletionOutput, body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if plan.active:
+            parsed = self.tools.parser.parse(c.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [tc.as_openai() for tc in parsed.tool_calls]
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": i, "message": message,
+                "logprobs": self._logprobs(c.logprobs or []) if body.logprobs else None,
+                "finish_reason": finish, "stop_reason": c.stop_reason}
+
+    async def _chunks(self, body: ChatCompletionRequest, children: Children, base: dict[str, Any],
+                      plan: ToolPlan) -> AsyncIterator[dict[str, Any]]:
         # A choice's role chunk goes out right before its first token's chunk, never at arrival: clients (vLLM's
         # bench, the openai SDK) stamp time to first token at the first chunk, so an early one would book the
         # whole prefill as an inter-token gap. vLLM does the same.
         started: set[int] = set()
-        reqs = children.reqs
+        streams: dict[int, ToolStream] = {}
+        num_calls: dict[int, int] = {}
         async for i, out in self.stream_all(children):
             if i not in started:
                 started.add(i)
+                if plan.active:
+                    streams[i], num_calls[i] = self.tools.parser.stream(), 0
                 yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]}
             c = out.outputs[0]
@@ -55,11 +100,42 @@ class OpenAIServingChat(OpenAIServing):
                 lps = self._logprobs(c.delta_logprobs)
             if not c.delta_text and not c.finished and lps is None:
                 continue
-            delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
-            yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": lps,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-        if (last := self.final_chunk(base, reqs, body)) is not None:
-            yield last
+            deltas = self._deltas(c, streams.get(i), num_calls, i)
+            if not deltas and not c.finished and lps is None:  # held by the tool parser
+                continue
+            deltas = deltas or [{} if c.finished else {"content": ""}]
+            finish = c.finish_reason
+            if finish == "stop" and num_calls.get(i):
+                finish = "tool_calls"
+            for k, delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": lps if k == 0 else None,
+                                            "finish_reason": finish if last else None,
+                                            "stop_reason": c.stop_reason if last else None}]}
+        if (last_chunk := self.final_chunk(base, children.reqs, body)) is not None:
+            yield last_chunk
+
+    @staticmethod
+    def _deltas(c: CompletionOutput, stream: ToolStream | None, num_calls: dict[int, int],
+                i: int) -> list[dict[str, Any]]:
+        """A step's deltas: its text as content, or, with tools, the parser's content and calls. A call goes out
+        as OpenAI sends one: index, id, type, name and empty arguments, then its arguments."""
+        if stream is None:
+            return [{"content": c.delta_text}] if c.delta_text or not c.finished else []
+        events = stream.feed(c.delta_text) if c.delta_text else []
+        if c.finished:
+            events += stream.finish()
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if not isinstance(e, ToolCall):
+                out.append({"content": e})
+                continue
+            n = num_calls[i]
+            num_calls[i] += 1
+            out.append({"tool_calls": [{"index": n, "id": e.id, "type": "function",
+                                        "function": {"name": e.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": n, "function": {"arguments": e.arguments}}]})
+        return out
 
     def _logprobs(self, out_lps: list[Any]) -> dict[str, Any]:
         def entry(tid: int, v: float) -> dict[str, Any]:
