@@ -46,8 +46,8 @@ def _poison(engine: LLMEngine, marker: str) -> None:
     """Requests whose prompt contains `marker` blow up in postprocess (the detokenizer)."""
     original = engine.make_request
 
-    def make_request(prompt: Any, params: Any = None, request_id: Any = None, arrival_time: Any = None) -> Any:
-        req = original(prompt, params, request_id, arrival_time)
+    def make_request(prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        req = original(prompt, *args, **kwargs)
         if isinstance(prompt, str) and marker in prompt:
             def boom(*_: Any, **__: Any) -> None:
                 raise RuntimeError("poisoned request")
