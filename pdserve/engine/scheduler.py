@@ -197,17 +197,19 @@ class Scheduler:
 
         # 1. running requests, in queue order; preempt the last one in that order when blocks run out
         queue = list(self.running)
-        speculate = self._speculate()
+        num_decoding = sum(1 for r in queue if is_decode(r, r.num_tokens - r.num_computed_tokens))
+        speculate = self.spec is not None and self.spec.enabled_for_step(num_decoding)
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             decode = is_decode(req, num_new)
+            num_decoding -= decode  # decodes still to come: drafts leave each of them its token
             if cap is not None and not decode:
                 if cap <= 0:
                     continue
                 num_new = min(num_new, cap)
                 cap -= num_new
-            drafts = self.spec.propose(req, budget - 1) if speculate and decode and self.spec else []
+            drafts = self._drafts(req, budget - 1 - num_decoding) if speculate and decode else []
             while not self.block_manager.allocate_slots(req, num_new + len(drafts)):
                 if drafts:  # never preempt anyone for drafts: decode without them
                     drafts = []
@@ -279,12 +281,9 @@ class Scheduler:
             [r for (r, _), s in zip(order, out.scheduled_reqs) if s.sample])
         return out
 
-    def _speculate(self) -> bool:
-        """Whether this step's decodes may carry drafts (speculative decoding on, and the batch-size switch)."""
-        if self.spec is None:
-            return False
-        num_decoding = sum(1 for r in self.running if is_decode(r, r.num_tokens - r.num_computed_tokens))
-        return self.spec.enabled_for_step(num_decoding)
+    def _drafts(self, req: Request, max_tokens: int) -> list[int]:
+        """Speculative decoding: a decode's draft tokens, at most max_tokens (what the budget leaves)."""
+        return self.spec.propose(req, max_tokens) if self.spec is not None else []
 
     def _prefill_cap(self, budget: int) -> int | None:
         """The step budget's prefill cap for this step's decodes (the running requests one token behind)."""
