@@ -179,6 +179,27 @@ def test_rows_without_drafts_sample_as_plain_rows() -> None:
 
 
 # ---- engine --------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def alphabet_model() -> Any:
+    """conftest's tiny random Llama with 16 tokens (1000..1015) whose tied embeddings are 4x longer: its outputs
+    mostly stay in that small alphabet, so they repeat and n-gram drafts are often (not always) accepted, while
+    attention over the whole context still decides which of them comes next."""
+    from conftest import make_tiny_hf_model
+
+    model = make_tiny_hf_model()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[1000:1016] *= 4.0
+    return model
+
+
+@pytest.fixture
+def make_llm(make_llm: Any, alphabet_model: Any) -> Any:
+    def factory(**options: Any) -> Any:
+        return make_llm(alphabet_model, **options)
+
+    return factory
+
+
 @pytest.fixture(params=["native", "torch"])
 def kernels(request: pytest.FixtureRequest) -> str:
     return str(request.param)
