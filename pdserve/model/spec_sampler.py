@@ -62,27 +62,31 @@ def _uniform(gen: torch.Generator | None) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32).uniform_(generator=gen)
 
 
-def _draw(p: torch.Tensor, gen: torch.Generator | None) -> int:
+def _draw(p: torch.Tensor, gen: torch.Generator | None, exclude: int | None = None) -> int:
     """Inverse-CDF draw from the (unnormalised) distribution p, as Sampler._random_sample draws a row; zero-mass
-    tokens are never chosen."""
+    tokens are never chosen. `exclude`: draw from p with that token removed (renormalised), without copying p."""
     cdf = p.cumsum(0)
-    idx = torch.searchsorted(cdf, _uniform(gen) * cdf[-1:], right=True)
+    u = _uniform(gen)
+    if exclude is None:
+        idx = torch.searchsorted(cdf, u * cdf[-1:], right=True)
+    else:
+        pd = p[exclude:exclude + 1]
+        target = u * (cdf[-1:] - pd)
+        # below the mass before `exclude`: an earlier token; else skip its mass (cdf[exclude] <= target + pd)
+        idx = torch.searchsorted(cdf, target if float(target) < float(cdf[exclude] - pd) else target + pd,
+                                 right=True)
     return int(idx.clamp_(max=p.shape[0] - 1))
 
 
 def _verify_random(p: torch.Tensor, drafts: list[int], gen: torch.Generator | None) -> list[int]:
     """Rejection sampling over positions p[0..k] (probabilities) for a deterministic proposal."""
     out: list[int] = []
+    p_drafts = p[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)].tolist() if drafts else []
     for j, d in enumerate(drafts):
-        if float(_uniform(gen)) < float(p[j, d]):
+        if float(_uniform(gen)) < p_drafts[j] or p_drafts[j] >= 1.0:
             out.append(d)
             continue
-        residual = p[j].clone()
-        residual[d] = 0
-        if float(residual.sum()) <= 0:  # all mass on d (rounding): d it is
-            out.append(d)
-            continue
-        out.append(_draw(residual, gen))
+        out.append(_draw(p[j], gen, exclude=d))
         return out
     out.append(_draw(p[len(drafts)], gen))
     return out
