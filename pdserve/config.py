@@ -183,10 +183,12 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: `model` is for the draft_model method, not ngram")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: num_speculative_tokens is required")
-        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo: Any = value.get("prompt_lookup_min")
+        hi: Any = value.get("prompt_lookup_max")
         if lo is None and hi is None:  # vLLM's defaults
             lo = hi = 5
-        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        lo = hi if lo is None else lo  # one given: both equal, as vLLM
+        hi = lo if hi is None else hi
         return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"))
 
 

@@ -178,6 +178,19 @@ def test_rows_without_drafts_sample_as_plain_rows() -> None:
     assert mixed.token_ids[0] == alone.token_ids[0] and mixed.extra_token_ids[0] == []
 
 
+def test_row_whose_verification_raises_fails_alone() -> None:
+    """The per-row fallback slices each row's 1 + k logits rows: a failing row fails alone, the speculating rows
+    around it keep what they verify alone."""
+    logits = torch.tensor([[0, 5, 0, 0], [0, 0, 5, 0], [0, 0, 0, 5.0], [5, 0, 0, 0], [0, 5, 0, 0], [0, 0, 5, 0]])
+    md = _md(3, [], 0.0)
+    md.draft_token_ids[0] = [1]  # logits rows 0, 1: accept 1, bonus argmax(row 1) = 2
+    md.banned_token_ids[1], md.banned_positions[1] = [99], 1  # row 2: a banned id outside the vocabulary
+    md.draft_token_ids[2] = [1, 0]  # rows 3..5: argmax 0 != 1, correction 0
+    out = Sampler()(logits, md)
+    assert out.errors[0] is None and out.errors[1] and out.errors[2] is None
+    assert (out.token_ids, out.extra_token_ids) == ([1, -1, 0], [[2], [], []])
+
+
 # ---- engine --------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def alphabet_model() -> Any:

@@ -89,7 +89,8 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        qsl, seq_lens, tables, sample_rows = [0], [], [], []
+        qsl, seq_lens, tables = [0], [], []
+        sample_rows: list[int] = []
         for i, r in enumerate(sched.scheduled_reqs):
             c, n, b = r.num_computed_tokens, r.num_scheduled_tokens, r.block_ids
             ids.extend(r.token_ids)

@@ -140,7 +140,8 @@ class Sampler:
             try:
                 one = self._sample(logits[start - n:start], md.row(i))
             except Exception as exc:  # noqa: BLE001 - this row fails, the others keep their token
-                one = SamplerOutput([-1], [None], [f"{type(exc).__name__}: {exc}"], [[]], [[]])
+                one = SamplerOutput([-1], [None], [f"{type(exc).__name__}: {exc}"], extra_token_ids=[[]],
+                                    extra_logprobs=[[]])
             out.token_ids.append(one.token_ids[0])
             out.logprobs.append(one.logprobs[0])
             out.errors.append(one.errors[0] if one.errors else None)
