@@ -418,3 +418,25 @@ def test_bench_reports_mean_acceptance_length() -> None:
     assert server_summary(st)["server_spec_mean_acceptance_length"] == pytest.approx(3.0)
     none = server_deltas(parse_metrics(text.format(d=1, a=1)), parse_metrics(text.format(d=1, a=1)))
     assert none is not None and none.spec_mean_acceptance_length is None
+
+
+def test_structured_output_is_not_speculated(make_llm: Any, tokenizer: Any) -> None:
+    """A constrained request in a speculating batch decodes without drafts and keeps its grammar; its neighbours
+    speculate."""
+    import re
+
+    base = make_llm()
+    rep = _repetitive(base, tokenizer)
+    regex = SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": r"\d{3}-[a-z]{2,4}"})
+    params = [regex, GREEDY]
+    want = base.generate([{"prompt_token_ids": rep}] * 2, params)
+    llm = make_llm(speculative_config=NGRAM)
+    eng = llm.engine
+    reqs = [eng.add_request({"prompt_token_ids": rep}, p, f"s{i}") for i, p in enumerate(params)]
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert reqs[0].num_draft_tokens == 0 and reqs[1].num_draft_tokens > 0
+    assert reqs[0].output_token_ids == want[0].outputs[0].token_ids
+    assert reqs[1].output_token_ids == want[1].outputs[0].token_ids
+    assert re.fullmatch(r"\d{3}-[a-z]{2,4}", reqs[0].detokenizer.output_text)
+    assert eng.block_manager.is_at_baseline()
