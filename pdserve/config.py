@@ -6,6 +6,7 @@ Configs validate themselves in `__post_init__` so a bad option fails at start-up
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import Field, dataclass, field, fields
@@ -128,6 +129,69 @@ class ModelArchConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
 
 
+SPEC_METHODS = ("ngram",)
+SPEC_METHODS_PLANNED = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp")
+_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+              "model"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `--speculative-config` terms. `ngram`: prompt lookup (the last n tokens, n
+    from prompt_lookup_max down to prompt_lookup_min, matched in the request's prompt + output; what followed is
+    proposed). `disable_by_batch_size`: no speculation in a step with more decoding requests than this."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min must be <= prompt_lookup_max")
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {b!r}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """A JSON string (the CLI), a dict (`LLM(speculative_config=...)`) or None (no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object (a dict)")
+        unknown = sorted(set(value) - _SPEC_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(_SPEC_KEYS)}")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method in SPEC_METHODS_PLANNED:
+            raise ValueError(f"speculative_config: method {method!r} is not implemented yet; available: "
+                             f"{list(SPEC_METHODS)}")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: unknown method {method!r}; available: {list(SPEC_METHODS)}")
+        if "model" in value:
+            raise ValueError("speculative_config: `model` is for the draft_model method, not ngram")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        lo: Any = value.get("prompt_lookup_min")
+        hi: Any = value.get("prompt_lookup_max")
+        if lo is None and hi is None:  # vLLM's defaults
+            lo = hi = 5
+        lo = hi if lo is None else lo  # one given: both equal, as vLLM
+        hi = lo if hi is None else hi
+        return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"))
+
+
 def option(default: T, help_text: str, shown_default: str | None = None) -> T:
     """An EngineConfig field with its user-facing help: the one text behind the CLI flag's help and the README's
     options table. `shown_default` says what a None default means (e.g. "the model's")."""
@@ -168,6 +232,11 @@ class EngineConfig:
         None, "bound of a step that mixes decodes with prefill chunks, in ms: its prefill tokens are capped so the "
         "step time predicted by the cost model (fitted to measured steps) stays within it; `0`: no cap",
         "3x the predicted time of the step's decodes alone")
+    speculative_config: str | dict[str, Any] | None = option(
+        None, "speculative decoding, as vLLM: a JSON object such as `{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}` (a dict for `LLM`); "
+        "methods: `ngram` (prompt lookup); `disable_by_batch_size`: no drafts in a step with more decodes than this. "
+        "Requests with structured output are not speculated", "off")
     # runtime
     num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")
     kernels: str = option(
@@ -235,7 +304,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        SpeculativeConfig.parse(self.speculative_config)  # fails at start-up, not at the first decode
         self.kv_transfer_secret = self.kv_transfer_secret or os.environ.get(KV_TRANSFER_SECRET_ENV) or None
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

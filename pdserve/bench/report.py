@@ -102,6 +102,8 @@ def server_summary(server: ServerStats | None) -> dict[str, Any]:
                            "server_generation_tokens": server.generation_tokens,
                            "server_num_errors": server.num_errors, "server_preemptions": server.preemptions,
                            "server_prefix_cache_hit_rate": server.prefix_cache_hit_rate}
+    if server.spec_mean_acceptance_length is not None:
+        out["server_spec_mean_acceptance_length"] = server.spec_mean_acceptance_length
     for phase, s in server.phases.items():
         out.update({f"server_mean_{phase}_ms": s.mean_ms, f"server_p50_{phase}_ms": s.p50_ms,
                     f"server_p90_{phase}_ms": s.p90_ms, f"server_p99_{phase}_ms": s.p99_ms})
@@ -193,6 +195,8 @@ def _server_lines(server: ServerStats, client: dict[str, Any]) -> list[str]:
         lines.append(_line("Prefix cache hit rate (%):", 100 * server.prefix_cache_hit_rate))
     if server.preemptions is not None:
         lines.append(_line("Preemptions:", int(server.preemptions)))
+    if server.spec_mean_acceptance_length is not None:
+        lines.append(_line("Spec decode mean acceptance length:", server.spec_mean_acceptance_length))
     return lines
 
 

@@ -102,6 +102,9 @@ class ServerStats:
     preemptions: float | None
     prefix_cache_hit_rate: float | None  # hits / queries over the run
     phases: dict[str, PhaseStats]  # queue, prefill, ttft, decode
+    # speculative decoding: 1 + accepted drafts / speculating decode rows over the run (vLLM's mean acceptance
+    # length); None when the server exposes no spec_decode counters or drafted nothing
+    spec_mean_acceptance_length: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,7 +140,9 @@ def server_deltas(before: Scrape | None, after: Scrape | None) -> ServerStats | 
 
     queries, hits = d("prefix_cache_queries_total"), d("prefix_cache_hits_total")
     phases = {k: s for k, name in PHASES.items() if (s := _phase(before, after, f"{p}:{name}")) is not None}
+    drafts, accepted = d("spec_decode_num_drafts_total"), d("spec_decode_num_accepted_tokens_total")
     return ServerStats(
+        spec_mean_acceptance_length=1 + accepted / drafts if drafts and accepted is not None else None,
         prefix=p, num_requests=d("request_success_total") or 0.0, prompt_tokens=d("prompt_tokens_total") or 0.0,
         generation_tokens=d("generation_tokens_total") or 0.0, num_errors=d("request_errors_total"),
         preemptions=d("num_preemptions_total"),

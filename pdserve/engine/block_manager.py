@@ -163,6 +163,21 @@ class BlockManager:
             table.append(self._pop_free())
         return True
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past those holding the request's computed tokens (speculative decoding: blocks that only
+        rejected drafts used). They never carry a hash (only blocks full of computed tokens are hashed): queued
+        first, for reuse before any cached block."""
+        table = self.req_blocks.get(request.request_id)
+        if not table:
+            return
+        keep = self.blocks_needed(request.num_computed_tokens)
+        while len(table) > keep:
+            blk = table.pop()
+            assert blk.block_hash is None and blk.ref_cnt == 1, "a draft block is never shared nor hashed"
+            blk.ref_cnt = 0
+            self.free_queue[blk.block_id] = blk
+            self.free_queue.move_to_end(blk.block_id, last=False)
+
     def free(self, request_id: str) -> None:
         """Drop the request's references. Blocks keep their hash; tail blocks are queued first so they are
         evicted before the (more shareable) head of the prefix."""

@@ -22,12 +22,14 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
+from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.kernels import kernels_description, resolve_kernels
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
+from pdserve.model.sampler import SamplerOutput
 from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pdserve.roofline import DeviceSpec, RooflineMeter
 from pdserve.sampling_params import SamplingParams
@@ -44,7 +46,7 @@ class StepStats:
 
     kind: StepKind
     num_prefill_tokens: int
-    num_decode_tokens: int
+    num_decode_tokens: int  # decode rows' tokens: one each, 1 + drafts for a speculating decode
     num_preempted: int
     duration: float  # seconds spent in the model step (schedule + run + postprocess)
     model_time: float = 0.0  # seconds in the forward pass and sampling alone
@@ -52,6 +54,8 @@ class StepStats:
     bytes: float = 0.0
     mfu: float = 0.0  # flops / model_time / peak FLOP/s (0 when no peaks are known)
     mbu: float = 0.0  # bytes / model_time / memory bandwidth
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified this step
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 @dataclass
@@ -93,9 +97,11 @@ class LLMEngine:
             self.kv_transfer = KVTransferManager(config, self.block_manager, self.runner.kv_cache)
         self.step_cost = self.runner.step_cost_model()
         self.step_budget = StepBudget(self.step_cost, config.max_step_ms)
+        spec_config = config.speculative
+        self.spec = SpecDecoder(spec_config) if spec_config is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy,
-                                   self.step_budget, config.scheduling_policy, config.priority_aging_s)
+                                   self.step_budget, config.scheduling_policy, config.priority_aging_s, self.spec)
         self.eos_token_ids = self._eos_ids()
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
@@ -287,8 +293,9 @@ class LLMEngine:
         sampled_reqs = [r for r, d in zip(reqs, sched.scheduled_reqs) if d.sample]  # the sampler's rows, in order
         self._fill_token_bitmasks(sched, sampled_reqs)
         seqs = [(d.num_computed_tokens, d.num_scheduled_tokens) for d in sched.scheduled_reqs]
-        stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens,
-                          len(sched.preempted_req_ids), 0.0)
+        stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens + sched.num_spec_tokens,
+                          len(sched.preempted_req_ids), 0.0,
+                          num_draft_tokens=sum(d.num_draft_tokens for d in sched.scheduled_reqs))
         try:
             t_run = time.perf_counter()
             sampled = self.runner.execute(sched)
@@ -301,9 +308,11 @@ class LLMEngine:
         for rid, scored in sampled.prompt_logprobs.items():
             self.scheduler.requests[rid].prompt_logprobs.extend(scored)
         self._add_pooled(sched, reqs, sampled.pooled)
-        outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled.token_ids, sampled.logprobs,
-                                             sampled.errors)
-        stats.flops, stats.bytes = self.step_cost.cost(seqs, len(sampled.token_ids))
+        accepted0 = self.spec.stats.num_accepted_tokens if self.spec is not None else 0
+        outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled)
+        if self.spec is not None:
+            stats.num_accepted_tokens = self.spec.stats.num_accepted_tokens - accepted0
+        stats.flops, stats.bytes = self.step_cost.cost(seqs, sum(d.num_sample_rows for d in sched.scheduled_reqs))
         self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
         self.step_budget.observe(stats.flops, stats.bytes, t_run)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
@@ -320,25 +329,29 @@ class LLMEngine:
         for j, k in enumerate(rows):
             sched.sampling_metadata.token_bitmask[k] = bitmask[j]
 
-    def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], sampled: list[Request], tokens: list[int],
-                     logprobs: list[TokenLogprobs | None],
-                     sample_errors: list[str | None] | None = None) -> list[RequestOutput]:
-        """reqs[i] is sched.scheduled_reqs[i]; tokens, logprobs and sample_errors (None or empty: none failed)
-        are per request of `sampled` (the scheduled requests that sample), in that order."""
+    def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], sampled: list[Request],
+                     out: SamplerOutput) -> list[RequestOutput]:
+        """reqs[i] is sched.scheduled_reqs[i]; the sampler output's rows (tokens, logprobs, errors: empty when none
+        failed, extra tokens: empty without drafts) are per request of `sampled` (the scheduled requests that
+        sample), in that order. A decode with drafts counts only its newest token as computed here; its accepted
+        drafts count as they are appended (_append_tokens)."""
         now = time.perf_counter()
         for req, d in zip(reqs, sched.scheduled_reqs):
-            if not is_decode(req, d.num_scheduled_tokens):
+            if not d.num_draft_tokens and not is_decode(req, d.num_scheduled_tokens):
                 req.times.prefill_chunks.append((now, d.num_scheduled_tokens))
-            req.num_computed_tokens += d.num_scheduled_tokens
+            req.num_computed_tokens += d.num_scheduled_tokens - d.num_draft_tokens
             self.block_manager.cache_full_blocks(req)
-        errors = sample_errors or [None] * len(sampled)
+        errors = out.errors or [None] * len(sampled)
+        extra = out.extra_token_ids or [[] for _ in sampled]
+        extra_lps = out.extra_logprobs or [[] for _ in sampled]
         outs = [self._finish_pooling(r) for r in reqs if r.pooling and r.num_computed_tokens == r.num_tokens]
-        for req, tok, lp, err in zip(sampled, tokens, logprobs, errors):
+        for k, (req, tok, lp, err) in enumerate(zip(sampled, out.token_ids, out.logprobs, errors)):
             if err is not None:  # only this row's sampling raised; its neighbours got their tokens
+                req.spec_token_ids = []
                 outs.append(self._fail(req, f"sampling failed: {err}", ErrorCode.SAMPLING_FAILED))
                 continue
             try:
-                outs.append(self._append_token(req, tok, lp, now))
+                outs.append(self._append_tokens(req, [tok, *extra[k]], [lp, *extra_lps[k]], now))
             except Exception as exc:  # e.g. a detokenizer failure: fail this request only
                 logger.exception("postprocess failed for request %s", req.request_id)
                 outs.append(self._fail(req, f"postprocess failed: {exc!r}", ErrorCode.POSTPROCESS_FAILED))
@@ -360,25 +373,42 @@ class LLMEngine:
         self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
         return self._output(req, [], "")
 
-    def _append_token(self, req: Request, tok: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
-        if req.matcher is not None and not req.matcher.accept_token(tok):
+    def _append_tokens(self, req: Request, toks: list[int], lps: list[TokenLogprobs | None],
+                       now: float) -> RequestOutput:
+        """Append a step's tokens in order, as if decoded one by one: one token, or a speculating decode's accepted
+        drafts then its correction/bonus token. A stop (token, string, max_tokens, grammar) drops the rest."""
+        drafted, req.spec_token_ids = len(req.spec_token_ids), []
+        if drafted and self.spec is not None:
+            self.spec.stats.observe(drafted, len(toks) - 1)
+            req.num_draft_tokens += drafted
+            req.num_accepted_tokens += len(toks) - 1
+        if req.matcher is not None and not req.matcher.accept_token(toks[0]):  # constrained: never drafts
             # only when every token was masked (a bug or an impossible grammar): fail, never emit invalid output
-            return self._fail(req, f"sampled token {tok} is not allowed by the structured output grammar",
+            return self._fail(req, f"sampled token {toks[0]} is not allowed by the structured output grammar",
                               ErrorCode.SAMPLING_FAILED)
-        req.append_output_token(tok)
-        req.times.token_times.append(now)
-        if req.times.first_token is None:
-            req.times.first_token = now
-        if lp is not None:
-            req.logprobs.append(lp)
-        status = self._check_stop(req, tok)
-        if status is None and req.matcher is not None and req.matcher.is_terminated():
-            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (its stop token was accepted)
-        if status is not None:
-            self.scheduler.finish_request(req, status)
+        appended: list[int] = []
+        for tok, lp in zip(toks, lps):
+            if appended:  # the previous token was an accepted draft: its K/V were computed this step
+                req.num_computed_tokens += 1
+            req.append_output_token(tok)
+            appended.append(tok)
+            req.times.token_times.append(now)
+            if req.times.first_token is None:
+                req.times.first_token = now
+            if lp is not None:
+                req.logprobs.append(lp)
+            status = self._check_stop(req, tok)
+            if status is None and req.matcher is not None and req.matcher.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (its stop token was accepted)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
+                break
+        if drafted and not req.is_finished:  # hash the blocks the accepted drafts filled; free rejected ones'
+            self.block_manager.cache_full_blocks(req)
+            self.block_manager.trim(req)
         assert req.detokenizer is not None
         delta = req.detokenizer.get_delta(finished=req.is_finished)
-        return self._output(req, [tok], delta)
+        return self._output(req, appended, delta)
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.sampling_params

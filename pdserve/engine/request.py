@@ -89,6 +89,12 @@ class Request:
         self.kv_transfer_result: dict[str, Any] | None = None
         # structured output: an xgrammar GrammarMatcher over the output tokens accepted so far; None: unconstrained
         self.matcher: Any = None
+        # speculative decoding (pdserve/engine/spec_decode): this step's draft tokens (set by the scheduler, cleared
+        # by postprocess), the proposer's per-sequence index, and how many drafts were proposed and accepted
+        self.spec_token_ids: list[int] = []
+        self.spec_index: Any = None
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

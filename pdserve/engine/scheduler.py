@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput, StepKind
 
@@ -61,6 +62,8 @@ def make_sampling_metadata(requests: Sequence[Request]) -> SamplingMetadata:
         md.output_token_ids.append(r.output_token_ids)
         md.logit_bias.append(p.logit_bias)
         md.token_bitmask.append(None)  # the engine fills constrained rows (LLMEngine._fill_token_bitmasks)
+        md.draft_token_ids.append(r.spec_token_ids)
+        md.banned_positions.append(max(0, p.min_tokens - r.num_output_tokens) if banned else 0)
     return md
 
 
@@ -68,8 +71,9 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, kv_transfer: KVTransfer | None = None,
                  kv_load_failure_policy: str = "recompute", step_budget: StepBudget | None = None,
-                 policy: str = "fcfs", priority_aging_s: float = 0.0) -> None:
+                 policy: str = "fcfs", priority_aging_s: float = 0.0, spec: SpecDecoder | None = None) -> None:
         self.block_manager = block_manager
+        self.spec = spec  # speculative decoding: drafts for decodes (None: off)
         self.policy = policy  # "fcfs" | "priority": see order_key
         self.priority_aging_s = priority_aging_s
         self.step_budget = step_budget  # caps the prefill tokens of steps that carry decodes (ITL tail)
@@ -193,23 +197,32 @@ class Scheduler:
 
         # 1. running requests, in queue order; preempt the last one in that order when blocks run out
         queue = list(self.running)
+        num_decoding = sum(1 for r in queue if is_decode(r, r.num_tokens - r.num_computed_tokens))
+        speculate = self.spec is not None and self.spec.enabled_for_step(num_decoding)
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if cap is not None and not is_decode(req, num_new):
+            decode = is_decode(req, num_new)
+            num_decoding -= decode  # decodes still to come: drafts leave each of them its token
+            if cap is not None and not decode:
                 if cap <= 0:
                     continue
                 num_new = min(num_new, cap)
                 cap -= num_new
-            while not self.block_manager.allocate_slots(req, num_new):
+            drafts = self._drafts(req, budget - 1 - num_decoding) if speculate and decode else []
+            while not self.block_manager.allocate_slots(req, num_new + len(drafts)):
+                if drafts:  # never preempt anyone for drafts: decode without them
+                    drafts = []
+                    continue
                 victim = queue[-1] if queue else req  # `running` is in queue order: the worst key is last
                 self._preempt(victim, now, out)
                 if victim is req:
                     break
                 queue.remove(victim)
             else:
-                (decodes if is_decode(req, num_new) else prefills).append((req, num_new))
-                budget -= num_new
+                req.spec_token_ids = drafts
+                (decodes if decode else prefills).append((req, num_new))
+                budget -= num_new + len(drafts)
 
         # 2. waiting requests in queue order, unless this step had to preempt (memory is tight)
         kv = self.kv_transfer
@@ -251,12 +264,26 @@ class Scheduler:
             if cap is not None:
                 cap -= num_new
 
-        out.scheduled_reqs = [self._scheduled(r, n) for r, n in decodes + prefills]
-        out.num_decode_tokens = len(decodes)
+        return self._fill_output(out, decodes, prefills)
+
+    def _fill_output(self, out: SchedulerOutput, decodes: list[tuple[Request, int]],
+                     prefills: list[tuple[Request, int]]) -> SchedulerOutput:
+        """The step's rows in the runner's order: plain decodes, decodes with drafts, prefill chunks."""
+        spec = [(r, n) for r, n in decodes if r.spec_token_ids]
+        plain = [(r, n) for r, n in decodes if not r.spec_token_ids]
+        order = plain + spec + prefills
+        out.scheduled_reqs = [self._scheduled(r, n) for r, n in order]
+        out.num_decode_tokens = len(plain)
+        out.num_spec_decodes = len(spec)
+        out.num_spec_tokens = sum(n + len(r.spec_token_ids) for r, n in spec)
         out.num_prefill_tokens = sum(n for _, n in prefills)
         out.sampling_metadata = make_sampling_metadata(
-            [r for (r, _), s in zip(decodes + prefills, out.scheduled_reqs) if s.sample])
+            [r for (r, _), s in zip(order, out.scheduled_reqs) if s.sample])
         return out
+
+    def _drafts(self, req: Request, max_tokens: int) -> list[int]:
+        """Speculative decoding: a decode's draft tokens, at most max_tokens (what the budget leaves)."""
+        return self.spec.propose(req, max_tokens) if self.spec is not None else []
 
     def _prefill_cap(self, budget: int) -> int | None:
         """The step budget's prefill cap for this step's decodes (the running requests one token behind)."""
@@ -268,9 +295,9 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         c = req.num_computed_tokens
-        s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new], c,
+        s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new] + req.spec_token_ids, c,
                              self.block_manager.get_block_ids(req.request_id),
-                             c + num_new == req.num_tokens and not req.pooling)
+                             c + num_new == req.num_tokens and not req.pooling, len(req.spec_token_ids))
         if req.pooling:  # an embedding request: its rows are pooled (each position once), none sampled
             if req.num_pooled < c + num_new:
                 s.pool_offset = max(0, req.num_pooled - c)

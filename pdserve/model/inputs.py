@@ -31,6 +31,9 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens whose K/V are already cached: the position of token_ids[0]
     block_ids: list[int]  # the request's block_table; covers num_computed_tokens + len(token_ids) tokens
     sample: bool  # token_ids ends at the request's newest token: sample the next one from the last row
+    # speculative decoding: the last num_draft_tokens of token_ids are drafts (proposed, not yet the request's);
+    # with `sample`, the last 1 + num_draft_tokens rows are sampled (verification, model/spec_sampler.py)
+    num_draft_tokens: int = 0
     # prompt logprobs: rows prompt_logprob_offset .. + len(prompt_logprob_targets) of this chunk score those
     # targets (the next prompt token of each row), with the top `prompt_logprobs`; None: no row is scored
     prompt_logprobs: int | None = None
@@ -42,6 +45,11 @@ class ScheduledRequest:
     @property
     def num_scheduled_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows of this chunk whose logits the sampler takes: its last 1 + num_draft_tokens, or none."""
+        return 1 + self.num_draft_tokens if self.sample else 0
 
 
 @dataclass
@@ -67,6 +75,11 @@ class SamplingMetadata:
     # structured output: int32 [ceil(vocab / 32)], bit t set when token t is allowed next; None: unconstrained.
     # Constrained rows' masks are views of one bitmask tensor the engine fills per step.
     token_bitmask: list[torch.Tensor | None] = field(default_factory=list)
+    # speculative decoding: the row's draft tokens (empty: a plain row). A row with k drafts has 1 + k logits rows,
+    # position j sampled as if drafts[:j] were already output (penalties, min_tokens), and the drafts are verified
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+    # how many of a row's positions (1 + drafts) banned_token_ids applies to (min_tokens not yet reached)
+    banned_positions: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -84,18 +97,21 @@ class SamplingMetadata:
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes. `scheduled_reqs` keeps decodes (one token each) ahead of prefill chunks."""
+    """What one step computes. `scheduled_reqs` keeps decodes (one token each) first, then decodes that carry draft
+    tokens (speculative decoding), then prefill chunks."""
 
     scheduled_reqs: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0  # also the number of decodes: the first entries of scheduled_reqs
+    num_spec_decodes: int = 0  # decodes with drafts: the entries right after the plain decodes
+    num_spec_tokens: int = 0  # their tokens (each 1 + its drafts)
     sampling_metadata: SamplingMetadata = field(default_factory=SamplingMetadata)  # rows: the `sample` requests
 
     @property
     def kind(self) -> StepKind:
         if not self.scheduled_reqs:
             return StepKind.IDLE
-        if self.num_prefill_tokens and self.num_decode_tokens:
+        if self.num_prefill_tokens and (self.num_decode_tokens or self.num_spec_decodes):
             return StepKind.MIXED
         return StepKind.PREFILL if self.num_prefill_tokens else StepKind.DECODE

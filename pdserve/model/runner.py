@@ -29,7 +29,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: list[int]  # flat-batch rows whose logits are sampled, in sampling-metadata order
+    sample_rows: list[int]  # flat-batch rows whose logits are sampled, in sampling-metadata order (1 + drafts each)
 
 
 class ModelRunner:
@@ -89,7 +89,8 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        qsl, seq_lens, tables, sample_rows = [0], [], [], []
+        qsl, seq_lens, tables = [0], [], []
+        sample_rows: list[int] = []
         for i, r in enumerate(sched.scheduled_reqs):
             c, n, b = r.num_computed_tokens, r.num_scheduled_tokens, r.block_ids
             ids.extend(r.token_ids)
@@ -100,7 +101,7 @@ class ModelRunner:
             seq_lens.append(c + n)
             tables.append(b)
             if i < sched.num_decode_tokens or r.sample:  # a decode computes the newest token: always sampled
-                sample_rows.append(len(ids) - 1)
+                sample_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
         width = max(len(b) for b in tables)
         block_table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
@@ -142,9 +143,8 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             ids.extend(d.token_ids)
             pos.extend(range(c, c + n))
-            chunks.append(PrefillChunk(start, n, c, table[:-(-(c + n) // bs)]))
-            if d.sample:
-                sample_rows.append(start + n - 1)
+            chunks.append(PrefillChunk(start, n, c, table[:-(-(c + n) // bs)]))  # also decodes with drafts
+            sample_rows.extend(range(start + n - d.num_sample_rows, start + n))
 
         meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=len(decodes),
                                  decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=chunks)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.model.inputs import SamplingMetadata
+from pdserve.model.spec_sampler import verify_drafts
 from pdserve.outputs import TokenLogprobs
 
 logger = logging.getLogger("pdserve.sampler")
@@ -29,6 +30,10 @@ class SamplerOutput:
     errors: list[str | None] = field(default_factory=list)  # per row, why it failed (None: ok); empty: all ok
     # request id -> the TokenLogprobs of the prompt tokens its rows scored this step (ScheduledRequest)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # speculative decoding (model/spec_sampler.py): per row, the tokens it emitted after token_ids[i] (accepted
+    # drafts, then the correction or bonus token) and their logprobs; empty lists when no row had drafts
+    extra_token_ids: list[list[int]] = field(default_factory=list)
+    extra_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
     # request id -> float32 [hidden]: the sum of its pooled rows' final hidden states this step (ScheduledRequest)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -123,29 +128,49 @@ class Sampler:
 
     def _sample_rows(self, logits: torch.Tensor, md: SamplingMetadata,
                      states: list[torch.Tensor | None]) -> SamplerOutput:
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        errors: list[str | None] = []
+        out = SamplerOutput([], [], [])
+        spec = any(md.draft_token_ids)
+        start = 0
         for i in range(md.num_rows):
             gen, state = md.generators[i], states[i]
             if gen is not None and state is not None:
                 gen.set_state(state)
+            n = 1 + len(md.draft_token_ids[i]) if spec else 1  # logits rows of row i
+            start += n
             try:
-                one = self._sample(logits[i:i + 1], md.row(i))
+                one = self._sample(logits[start - n:start], md.row(i))
             except Exception as exc:  # noqa: BLE001 - this row fails, the others keep their token
-                tokens.append(-1)
-                logprobs.append(None)
-                errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            tokens.append(one.token_ids[0])
-            logprobs.append(one.logprobs[0])
-            errors.append(None)
-        return SamplerOutput(tokens, logprobs, errors)
+                one = SamplerOutput([-1], [None], [f"{type(exc).__name__}: {exc}"], extra_token_ids=[[]],
+                                    extra_logprobs=[[]])
+            out.token_ids.append(one.token_ids[0])
+            out.logprobs.append(one.logprobs[0])
+            out.errors.append(one.errors[0] if one.errors else None)
+            if spec:
+                out.extra_token_ids.append(one.extra_token_ids[0] if one.extra_token_ids else [])
+                out.extra_logprobs.append(one.extra_logprobs[0] if one.extra_logprobs else [])
+        return out
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if any(md.draft_token_ids):  # speculative decoding: 1 + k logits rows per row of md
+            first, first_lps, extra, extra_lps = verify_drafts(self, logits, md)
+            return SamplerOutput(first, first_lps, extra_token_ids=extra, extra_logprobs=extra_lps)
         want_logprobs = any(n is not None for n in md.num_logprobs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # as vLLM: before any processing
+        logits = self.process(logits, md)
+        tokens = logits.argmax(-1)
+        rows = [i for i, g in enumerate(md.greedy) if not g]
+        if rows:  # only the random rows pay for softmax and draws
+            picked = rows if len(rows) < md.num_rows else slice(None)
+            tokens[rows] = self._random_sample(
+                logits[picked], [md.temperature[i] for i in rows], [md.top_k[i] for i in rows],
+                [md.top_p[i] for i in rows], [md.min_p[i] for i in rows], [md.generators[i] for i in rows])
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, md.num_logprobs))
 
+    @staticmethod
+    def process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """logit_bias, penalties, min_tokens bans and grammar masks: the logits greedy takes the argmax of and
+        temperature/top-k/p apply to. The input is never modified (a copy is made when anything applies)."""
         bias_rows = [(i, b) for i, b in enumerate(md.logit_bias) if b]
         banned_rows = [(i, b) for i, b in enumerate(md.banned_token_ids) if b]
         grammar_rows = [i for i, m in enumerate(md.token_bitmask) if m is not None]
@@ -159,27 +184,24 @@ class Sampler:
             logits[i, banned] = float("-inf")
         if grammar_rows:  # structured output: after logit_bias, before temperature/top-k/p (greedy rows too)
             apply_token_bitmask(logits, grammar_rows, [m for m in md.token_bitmask if m is not None])
+        return logits
 
-        tokens = logits.argmax(-1)
-        rows = [i for i, g in enumerate(md.greedy) if not g]
-        if rows:  # only the random rows pay for softmax and draws
-            picked = rows if len(rows) < md.num_rows else slice(None)
-            tokens[rows] = self._random_sample(
-                logits[picked], [md.temperature[i] for i in rows], [md.top_k[i] for i in rows],
-                [md.top_p[i] for i in rows], [md.min_p[i] for i in rows], [md.generators[i] for i in rows])
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, md.num_logprobs))
+    @staticmethod
+    def probs(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+              min_p: list[float]) -> torch.Tensor:
+        """The distribution a random row samples from: softmax(logits / T) after top-k/p and min-p."""
+        temp = torch.tensor(temperature, dtype=logits.dtype)
+        x = logits / temp.unsqueeze(1)
+        x = apply_top_k_top_p_min_p(x, torch.tensor(top_k), torch.tensor(top_p, dtype=x.dtype),
+                                    torch.tensor(min_p, dtype=x.dtype))
+        return x.softmax(-1)
 
     @staticmethod
     def _random_sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
                        min_p: list[float], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         """One draw per row from softmax(logits / T) after top-k/p and min-p, by inverse-CDF sampling:
         unseeded rows in one draw, seeded rows each from its own generator."""
-        temp = torch.tensor(temperature, dtype=logits.dtype)
-        x = logits / temp.unsqueeze(1)
-        x = apply_top_k_top_p_min_p(x, torch.tensor(top_k), torch.tensor(top_p, dtype=x.dtype),
-                                    torch.tensor(min_p, dtype=x.dtype))
-        cdf = x.softmax(-1).cumsum(-1)
+        cdf = Sampler.probs(logits, temperature, top_k, top_p, min_p).cumsum(-1)
         u = torch.empty(len(generators), 1, dtype=cdf.dtype)
         seeded = [i for i, g in enumerate(generators) if g is not None]
         if len(seeded) < len(generators):
@@ -191,7 +213,7 @@ class Sampler:
         return idx.clamp_(max=cdf.shape[1] - 1)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, tokens: list[int],
+    def logprobs(raw: torch.Tensor | None, tokens: list[int],
                   num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
         if raw is None:
             return [None] * len(tokens)

@@ -282,7 +282,7 @@ class AsyncEngine:
         if self.metrics is not None and stream is not None:
             req = stream.request
             if out.outputs[0].delta_token_ids:
-                self.metrics.observe_token(req)
+                self.metrics.observe_token(req, len(out.outputs[0].delta_token_ids))
             if out.finished:
                 self.metrics.observe_finished(req)
         if stream is not None:
@@ -296,3 +296,5 @@ class AsyncEngine:
         bm = eng.block_manager
         m.observe_step(stats, eng.scheduler.num_running, eng.scheduler.num_waiting, bm.usage,
                        bm.stats.queries, bm.stats.hits, eng.scheduler.num_preemptions)
+        if eng.spec is not None:
+            m.observe_spec(eng.spec.stats)

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.engine import StepStats
 from pdserve.engine.request import Request
+from pdserve.engine.spec_decode import SpecDecodeStats
 from pdserve.roofline import DeviceSpec
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -94,6 +95,17 @@ class Metrics:
         self.prefix_hits = Counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lbl,
                                    registry=r)
         self.preemptions = Counter("pdserve:num_preemptions", "Preemptions (recompute).", lbl, registry=r)
+        # speculative decoding, vLLM's names (fed from the engine's SpecDecodeStats; zero while it is off)
+        self.spec_drafts = Counter("pdserve:spec_decode_num_drafts", "Decode rows that carried draft tokens.", lbl,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed and "
+                                         "verified.", lbl, registry=r)
+        self.spec_accepted_tokens = Counter("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lbl,
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("pdserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                             "accepted, by position in the draft (0: first).",
+                                             ["model_name", "position"], registry=r)
+        self._last_spec = SpecDecodeStats()
         self.success = Counter("pdserve:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.errors = Counter("pdserve:request_errors", "Failed requests by kind.", ["model_name", "kind"],
@@ -106,7 +118,7 @@ class Metrics:
         self._children = {name: getattr(self, name).labels(m) for name in (
             "ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "prompt_hist", "gen_hist", "iter_tokens",
             "running", "waiting", "kv_usage", "prompt_tokens", "gen_tokens", "prefix_queries", "prefix_hits",
-            "preemptions")}
+            "preemptions", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
 
@@ -133,6 +145,18 @@ class Metrics:
         c["preemptions"].inc(num_preemptions - self._last_preemptions)
         self._last_preemptions = num_preemptions
 
+    def observe_spec(self, stats: SpecDecodeStats) -> None:
+        """Bring the spec_decode counters up to the engine's totals."""
+        c, last = self._children, self._last_spec
+        c["spec_drafts"].inc(stats.num_drafts - last.num_drafts)
+        c["spec_draft_tokens"].inc(stats.num_draft_tokens - last.num_draft_tokens)
+        c["spec_accepted_tokens"].inc(stats.num_accepted_tokens - last.num_accepted_tokens)
+        for pos, n in enumerate(stats.accepted_per_pos):
+            before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0
+            self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(n - before)
+        self._last_spec = SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                                          list(stats.accepted_per_pos))
+
     def set_peaks(self, peak_flops: float, bandwidth: float, device: DeviceSpec | None = None) -> None:
         """The peaks MFU/MBU are measured against; with `device`, also its provenance as info labels."""
         self.peak_flops.labels(self.model_name).set(peak_flops)
@@ -145,12 +169,14 @@ class Metrics:
         self.kernels_info.clear()
         self.kernels_info.labels(self.model_name, kernels, isa, cpu_isa).set(1)
 
-    def observe_token(self, req: Request) -> None:
+    def observe_token(self, req: Request, num_tokens: int = 1) -> None:
+        """An output that delivered `num_tokens` new tokens (several: a speculating step's accepted drafts and
+        bonus). ITL is one sample per delivery, as vLLM: the gap since the previous one."""
         c = self._children
-        c["gen_tokens"].inc()
+        c["gen_tokens"].inc(num_tokens)
         t = req.times.token_times
-        if len(t) >= 2:
-            c["itl"].observe(t[-1] - t[-2])
+        if len(t) > num_tokens:
+            c["itl"].observe(t[-1] - t[-1 - num_tokens])
 
     def observe_finished(self, req: Request) -> None:
         c, t = self._children, req.times

@@ -365,10 +365,15 @@ class OpenAIServing:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    @staticmethod
-    def timings(reqs: list[EngineRequest]) -> list[dict[str, Any]]:
+    def timings(self, reqs: list[EngineRequest]) -> list[dict[str, Any]]:
         """pdserve extension `pdserve_timings`: each child's phase times (seconds), by choice index."""
-        return [{"index": i, **r.times.as_dict()} for i, r in enumerate(reqs)]
+        return [{"index": i, **r.times.as_dict(), **self.spec_counts(r)} for i, r in enumerate(reqs)]
+
+    def spec_counts(self, req: EngineRequest) -> dict[str, int]:
+        """Speculative decoding: the request's drafted and accepted tokens (nothing while speculation is off)."""
+        if self.engine.spec is None:
+            return {}
+        return {"spec_draft_tokens": req.num_draft_tokens, "spec_accepted_tokens": req.num_accepted_tokens}
 
     @staticmethod
     def kv_response(reqs: list[EngineRequest]) -> dict[str, Any]:
@@ -410,7 +415,7 @@ class OpenAIServing:
             "output_tokens": req.num_output_tokens, "cached_tokens": max(req.num_cached_tokens, 0),
             "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
             "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
-            "finish_reason": req.status.finish_reason, "error": req.error}
+            "finish_reason": req.status.finish_reason, "error": req.error, **self.spec_counts(req)}
         kv = self.engine.kv_transfer
         if kv is not None:  # PD roles: which instances served it, and the hand-off
             rec["engine_id"] = kv.engine_id

@@ -1,0 +1,74 @@
+"""Speculative decoding, engine side: which decodes speculate, their drafts, and the acceptance counters.
+
+A speculating decode row carries its newest token plus k drafted tokens; the model layer verifies the drafts in the
+same forward pass (pdserve/model/spec_sampler.py) and returns the accepted drafts followed by one more token (the
+correction at the first rejected position, or a bonus token after the last draft). The engine then appends those
+tokens in order, as if decoded one by one (stop strings, stop tokens and max_tokens apply to each in turn), counts
+only the accepted drafts as computed, and frees the blocks that only rejected drafts used.
+
+Which requests speculate: every decode except those with structured output (their grammar matcher cannot be rolled
+back). Logprobs, penalties, min_tokens, logit_bias, seeds and n > 1 are supported (each position is sampled with
+the same transforms as a plain decode). A seeded request draws from its own generator; its output is reproducible
+for the same drafts, i.e. the same speculative config, batch-size switch and token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.config import SpeculativeConfig
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode.ngram import NgramIndex
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since start, under vLLM's metric names (spec_decode_num_*_total)."""
+
+    num_drafts: int = 0  # decode rows that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per speculating step: 1 + accepted drafts on average (vLLM's mean acceptance length)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+
+    def enabled_for_step(self, num_decoding: int) -> bool:
+        """The batch-size switch: no drafts in a step with more decoding requests than disable_by_batch_size."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_decoding <= limit
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        return req.matcher is None and not req.pooling
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        """Up to min(k, max_tokens) drafts for a decoding request (also bounded by its max_tokens)."""
+        k = min(self.k, max_tokens, req.max_tokens - req.num_output_tokens - 1)
+        if k <= 0 or not self.eligible(req):
+            return []
+        index = req.spec_index
+        if not isinstance(index, NgramIndex):
+            index = req.spec_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        return index.propose(req.all_token_ids, k)
+
+
+__all__ = ["SpecDecodeStats", "SpecDecoder"]

@@ -1,0 +1,132 @@
+"""Verification of draft tokens (speculative decoding): a row with k drafts has 1 + k logits rows, position j
+scored after its newest token and drafts[:j].
+
+Position j is processed exactly as a plain decode would process it had drafts[:j] been output already: logit_bias,
+penalties over output + drafts[:j], the min_tokens ban while output + j < min_tokens, then temperature / top-k /
+top-p / min-p. Call p_j the resulting distribution (greedy: its argmax).
+
+* Greedy: drafts are accepted while they equal the argmax; the first mismatch emits the argmax instead. All k
+  accepted: the argmax at position k is emitted too (the bonus token). The output is the plain greedy output.
+* Random: the proposer is deterministic (a draft d has proposal probability 1), so standard rejection sampling
+  accepts d with probability min(1, p_j(d) / 1) = p_j(d); on rejection it samples from p_j with d removed,
+  renormalised (the normalised residual max(p_j - q, 0)), and stops. All accepted: one more draw from p_k. Each
+  emitted token is then distributed exactly as p_j: P(d) = p_j(d), and for t != d,
+  P(t) = (1 - p_j(d)) * p_j(t) / (1 - p_j(d)) = p_j(t).
+
+Seeded rows draw from their own generator (two uniforms at most per position), unseeded from the global one; a
+row without drafts draws exactly as the plain sampler would.
+Logprobs are the raw model log-softmax of each emitted token's position, as for a plain decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.model.inputs import SamplingMetadata
+from pdserve.outputs import TokenLogprobs
+
+if TYPE_CHECKING:
+    from pdserve.model.sampler import Sampler
+
+Logprobs = list[TokenLogprobs | None]
+
+
+def expand_metadata(md: SamplingMetadata) -> tuple[SamplingMetadata, list[int]]:
+    """One metadata row per logits row (1 + drafts per row of md), and the first expanded row of each row."""
+    out = SamplingMetadata()
+    starts: list[int] = []
+    names = [f.name for f in fields(md)]
+    for i in range(md.num_rows):
+        drafts = md.draft_token_ids[i] if md.draft_token_ids else []
+        starts.append(out.num_rows)
+        for j in range(len(drafts) + 1):
+            for name in names:
+                column = getattr(md, name)
+                value = column[i] if column else None
+                if name == "output_token_ids" and j:
+                    value = md.output_token_ids[i] + drafts[:j]
+                elif name == "banned_token_ids" and md.banned_positions and j >= md.banned_positions[i]:
+                    value = []
+                elif name == "draft_token_ids":
+                    value = []
+                if column:
+                    getattr(out, name).append(value)
+    return out, starts
+
+
+def _uniform(gen: torch.Generator | None) -> torch.Tensor:
+    """One float32 uniform, drawn as the plain sampler draws a row's (so a row without drafts samples the same)."""
+    return torch.empty(1, dtype=torch.float32).uniform_(generator=gen)
+
+
+def _draw(p: torch.Tensor, gen: torch.Generator | None, exclude: int | None = None) -> int:
+    """Inverse-CDF draw from the (unnormalised) distribution p, as Sampler._random_sample draws a row; zero-mass
+    tokens are never chosen. `exclude`: draw from p with that token removed (renormalised), without copying p."""
+    cdf = p.cumsum(0)
+    u = _uniform(gen)
+    if exclude is None:
+        idx = torch.searchsorted(cdf, u * cdf[-1:], right=True)
+    else:
+        pd = p[exclude:exclude + 1]
+        target = u * (cdf[-1:] - pd)
+        # below the mass before `exclude`: an earlier token; else skip its mass (cdf[exclude] <= target + pd)
+        idx = torch.searchsorted(cdf, target if float(target) < float(cdf[exclude] - pd) else target + pd,
+                                 right=True)
+    return int(idx.clamp_(max=p.shape[0] - 1))
+
+
+def _verify_random(p: torch.Tensor, drafts: list[int], gen: torch.Generator | None) -> list[int]:
+    """Rejection sampling over positions p[0..k] (probabilities) for a deterministic proposal."""
+    out: list[int] = []
+    p_drafts = p[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)].tolist() if drafts else []
+    for j, d in enumerate(drafts):
+        if float(_uniform(gen)) < p_drafts[j] or p_drafts[j] >= 1.0:
+            out.append(d)
+            continue
+        out.append(_draw(p[j], gen, exclude=d))
+        return out
+    out.append(_draw(p[len(drafts)], gen))
+    return out
+
+
+def _verify_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        out.append(argmax[j])
+        if argmax[j] != d:
+            return out
+    out.append(argmax[len(drafts)])
+    return out
+
+
+def verify_drafts(sampler: Sampler, logits: torch.Tensor,
+                  md: SamplingMetadata) -> tuple[list[int], Logprobs, list[list[int]], list[Logprobs]]:
+    """logits float32 [sum(1 + k_i), vocab] -> per row of md, the emitted tokens and their logprobs: the first
+    token, its logprobs, the rest (accepted drafts, then the correction or bonus token), theirs."""
+    emd, starts = expand_metadata(md)
+    want_logprobs = any(n is not None for n in emd.num_logprobs)
+    raw = logits.log_softmax(-1) if want_logprobs else None
+    processed = sampler.process(logits, emd)
+    argmax = processed.argmax(-1).tolist()
+    rand = [r for r in range(emd.num_rows) if not emd.greedy[r]]
+    probs = None
+    if rand:
+        probs = sampler.probs(processed[rand], [emd.temperature[r] for r in rand], [emd.top_k[r] for r in rand],
+                              [emd.top_p[r] for r in rand], [emd.min_p[r] for r in rand])
+    rand_pos = {r: k for k, r in enumerate(rand)}
+    row_tokens = list(argmax)  # per expanded row: the token emitted there (rows past a rejection keep the argmax)
+    emitted: list[list[int]] = []
+    for i, s in enumerate(starts):
+        drafts = md.draft_token_ids[i]
+        if md.greedy[i] or probs is None:
+            toks = _verify_greedy(argmax[s:s + len(drafts) + 1], drafts)
+        else:
+            toks = _verify_random(probs[rand_pos[s]:rand_pos[s] + len(drafts) + 1], drafts, md.generators[i])
+        row_tokens[s:s + len(toks)] = toks
+        emitted.append(toks)
+    lps = sampler.logprobs(raw, row_tokens, emd.num_logprobs)
+    return ([t[0] for t in emitted], [lps[s] for s in starts], [t[1:] for t in emitted],
+            [lps[s + 1:s + len(t)] for s, t in zip(starts, emitted)])
