@@ -291,6 +291,8 @@ class Scheduler:
             return None
         decodes = [(r.num_computed_tokens, 1) for r in self.running
                    if is_decode(r, r.num_tokens - r.num_computed_tokens)]
+        if not self.waiting and len(decodes) == len(self.running):
+            return None  # a decode-only step: no prefill to cap, so no prediction to make
         return self.step_budget.prefill_cap(decodes, budget - len(decodes))
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:

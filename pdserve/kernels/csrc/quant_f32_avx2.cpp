@@ -11,8 +11,12 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
+#include "vec_avx2.h"
+
 namespace pdserve::quant {
 namespace {
+
+using vec::hsum;
 
 constexpr int kQ41 = 3, kQ80 = 8;
 
@@ -32,13 +36,6 @@ inline void unpack(const uint8_t* blk, __m256 q[4]) {
     const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
     q[0] = u8x8(lo), q[1] = u8x8(_mm_srli_si128(lo, 8)), q[2] = u8x8(hi), q[3] = u8x8(_mm_srli_si128(hi, 8));
   }
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
 }
 
 template <int QT, int MR, int NC>
