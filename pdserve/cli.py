@@ -1,4 +1,4 @@
-"""Command line: `pdserve serve | generate | bench | calc | convert`."""
+"""Command line: `pdserve serve | generate | bench | diagnose | poc | calc | convert | router`."""
 
 from __future__ import annotations
 
@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_diagnose_parser(sub)
     add_calc_parser(sub)
+    from pdserve.poc import add_poc_parser
+
+    add_poc_parser(sub)
     from pdserve.disagg.router import add_router_parser
 
     add_router_parser(sub)

@@ -65,6 +65,7 @@ class Target:
     temperature: float = 0.0
     ignore_eos: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body (e.g. `user`)
 
 
 def build_body(target: Target, sample: SampleRequest) -> dict[str, Any]:
@@ -72,6 +73,7 @@ def build_body(target: Target, sample: SampleRequest) -> dict[str, Any]:
                             "stream_options": {"include_usage": True}}
     if target.ignore_eos:
         body["ignore_eos"] = True
+    body.update(target.extra_body)
     if target.chat:
         body["messages"] = [{"role": "user", "content": sample.prompt}]
         body["max_completion_tokens"] = sample.output_len

@@ -85,7 +85,7 @@ def _plot_output_lengths(runs: Sequence[RunStats], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _plot_sweep(runs: Sequence[RunStats], knee: dict[str, Any] | None, path: Path) -> Path:
+def plot_sweep(runs: Sequence[RunStats], knee: dict[str, Any] | None, path: Path) -> Path:
     """`knee`: the knee finding (evidence form); red when it has a verdict, grey when it is an unexplained jump."""
     import matplotlib.pyplot as plt
 
@@ -120,7 +120,7 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(v: Any) -> str:
         if v is None:
             return "n/a"
@@ -146,14 +146,14 @@ def report_markdown(res: DiagnoseResult, plots: dict[str, str]) -> str:
              f"Verdict: **{res.verdict.value}** (its evidence is at the end).", ""]
     if res.shapes:
         lines += ["## (a) Same total prompt tokens: 1 long, 2 medium, 4 short", "",
-                  _table(["shape", "ok/failed", "TTFT mean", "TTFT max", "server queue", "server prefill",
+                  md_table(["shape", "ok/failed", "TTFT mean", "TTFT max", "server queue", "server prefill",
                           "prefill share %", "ITL p50", "out tok/s"],
                          [[r.label.removeprefix("(a) "), f"{r.completed}/{r.failed}", r.mean_ttft_ms, r.max_ttft_ms,
                            r.server_queue_ms, r.server_prefill_ms, _kv(r.prefill_share), r.median_itl_ms,
                            r.output_throughput] for r in res.shapes]), "", f"![TTFT per shape]({plots['a']})", ""]
     if res.output_lengths:
         lines += ["## (b) Output length, one stream", "",
-                  _table(["output tokens", "ok/failed", "TTFT", "TPOT p50", "ITL p50", "ITL p99", "E2EL",
+                  md_table(["output tokens", "ok/failed", "TTFT", "TPOT p50", "ITL p50", "ITL p99", "E2EL",
                           "out tok/s"],
                          [[r.label.removeprefix("(b) output "), f"{r.completed}/{r.failed}", r.median_ttft_ms,
                            r.median_tpot_ms,
@@ -162,7 +162,7 @@ def report_markdown(res: DiagnoseResult, plots: dict[str, str]) -> str:
     if res.sweep:
         r0 = res.sweep[0]
         lines += [f"## (c) Concurrency sweep (prompt {r0.prompt_len}, output {r0.output_len})", "",
-                  _table(["concurrency", "requests", "ok/failed", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+                  md_table(["concurrency", "requests", "ok/failed", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
                           "E2EL p50", "out tok/s", "queue mean", "preemptions", "KV peak %", "waiting peak"],
                          [[r.concurrency, r.num_requests, f"{r.completed}/{r.failed}", r.median_ttft_ms,
                            r.p99_ttft_ms, r.median_itl_ms, r.p99_itl_ms, r.median_e2el_ms, r.output_throughput,
@@ -201,7 +201,7 @@ def write_report(res: DiagnoseResult, out_dir: Path) -> Path:
     if res.output_lengths:
         plots["b"] = _plot_output_lengths(res.output_lengths, out_dir / "b_output_length.png").name
     if res.sweep:
-        plots["c"] = _plot_sweep(res.sweep, _knee(res), out_dir / "c_concurrency.png").name
+        plots["c"] = plot_sweep(res.sweep, _knee(res), out_dir / "c_concurrency.png").name
     (out_dir / "diagnose.json").write_text(
         json.dumps({"verdict": res.verdict.value, "knee_concurrency": res.knee_concurrency,
                     "findings": res.findings, "evidence": res.evidence}, ensure_ascii=False, indent=2),
