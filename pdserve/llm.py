@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, PromptType, StepStats
+from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel
 from pdserve.outputs import RequestOutput
 from pdserve.roofline import resolve_device_peaks
@@ -17,13 +18,15 @@ ChatMessages = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str | None = None, *, loaded_model: LoadedModel | None = None, tokenizer: Any = None,
-                 **engine_options: Any) -> None:
+                 load_progress: ProgressFn | None = None, **engine_options: Any) -> None:
+        """`load_progress(fraction, stage)`: called as the weights load (see pdserve/model/load_progress.py)."""
         unknown = set(engine_options) - set(EngineConfig.option_names())
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {EngineConfig.option_names()}")
         self.config = EngineConfig(model=model, **engine_options)
         peaks = resolve_device_peaks(self.config.device_peaks, self.config.num_threads)
-        self.engine = LLMEngine(self.config, model=loaded_model, tokenizer=tokenizer, device_peaks=peaks)
+        self.engine = LLMEngine(self.config, model=loaded_model, tokenizer=tokenizer, device_peaks=peaks,
+                                load_progress=load_progress)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

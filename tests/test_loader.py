@@ -626,3 +626,43 @@ def test_real_model_bfloat16() -> None:
     assert all(w.dtype == torch.bfloat16 for w in lm.state_dict.values())
     assert "lm_head.weight" not in lm.state_dict
     assert lm.state_dict["model.embed_tokens.weight"].shape == (49152, 576)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The fast GGUF header reader and load progress
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["f32", "mixed", "default"])
+def test_fast_reader_matches_gguf_reader(llama_files: dict[str, Any], which: str) -> None:
+    """read_gguf yields what gguf.GGUFReader does: every key/value (contents()) and every tensor's type, shape,
+    dtype and bytes — on written files and on the real default model (49k-token tokenizer arrays)."""
+    from pdserve.model.gguf_reader import read_gguf
+
+    path = loader.resolve_model_path(None) if which == "default" else llama_files[which]
+    fields, tensors = read_gguf(path)
+    ref = gguf.GGUFReader(path)
+    assert fields == {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert set(tensors) == {t.name for t in ref.tensors}
+    for t in ref.tensors:
+        mine = tensors[t.name]
+        assert mine.ggml_type == int(t.tensor_type) and mine.ne == tuple(int(d) for d in t.shape)
+        assert mine.data.dtype == t.data.dtype and mine.data.shape == t.data.shape
+        assert np.array_equal(mine.data, t.data), t.name
+
+
+def test_fast_reader_rejects_truncated_files(tmp_path: Path, llama_files: dict[str, Any]) -> None:
+    data = Path(llama_files["f32"]).read_bytes()
+    for cut in (3, 40, len(data) // 2):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError):
+            load_gguf(str(bad))
+
+
+def test_load_reports_progress(llama_files: dict[str, Any]) -> None:
+    seen: list[tuple[float, str]] = []
+    load_gguf(llama_files["mixed"], progress=lambda f, stage: seen.append((f, stage)))
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[0] < 0.1 and seen[-1] == (1.0, "loaded")
+    assert len(seen) > 3 and all(0.0 <= f <= 1.0 for f in fractions)

@@ -27,6 +27,7 @@ from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.kernels import kernels_description, resolve_kernels
+from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampler import SamplerOutput
@@ -68,16 +69,18 @@ class StepResult:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: LoadedModel | None = None, tokenizer: Any = None, *,
-                 device_peaks: DeviceSpec | None = None) -> None:
+                 device_peaks: DeviceSpec | None = None, load_progress: ProgressFn | None = None) -> None:
         """`device_peaks`: what the live roofline measures MFU/MBU against (None: no peaks). Callers resolve
-        `config.device_peaks` (roofline.resolve_device_peaks), which may benchmark the machine."""
+        `config.device_peaks` (roofline.resolve_device_peaks), which may benchmark the machine.
+        `load_progress(fraction, stage)`: the weights' load progress (model/load_progress.py)."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.kernels = resolve_kernels(config.kernels, config.torch_dtype)  # "native" | "torch"
         loaded = model if model is not None else load_model(config.model, dtype=config.torch_dtype,
-                                                            keep_quantized=self.kernels == "native")
+                                                            keep_quantized=self.kernels == "native",
+                                                            progress=load_progress)
         self.arch = loaded.arch
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer()
         self.model_name = config.model or "smollm2-135m"

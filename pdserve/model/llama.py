@@ -7,7 +7,10 @@ loaded from Hugging Face parameter names; q/k/v and gate/up are fused into singl
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -174,6 +177,27 @@ class DecoderLayer(nn.Module):
         act = torch.empty(x.shape[0], self.mlp.intermediate)
         ops.silu_and_mul(act, gate_up)
         return self.mlp.down_proj(act), residual
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "trunc_normal_", "zeros_", "ones_", "constant_")
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Modules built inside skip their random initialisation (nn.init's functions return their tensor as is), as
+    transformers' `no_init_weights` does: the loader overwrites every weight anyway. Building on the meta device
+    instead would import torch._dynamo (its meta kernels) and random-fill a 28M-row embedding: about 1.5 s."""
+    with _init_lock:
+        saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        try:
+            for name in _INIT_FUNCTIONS:
+                setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
 
 
 class LlamaForCausalLM(nn.Module):

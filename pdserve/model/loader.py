@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import shutil
-import struct
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,8 @@ import torch
 
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
+from pdserve.model.gguf_reader import read_gguf
+from pdserve.model.load_progress import LoadProgress, ProgressFn
 from pdserve.model.quant_linear import QTYPES, QuantizedWeight, StateDict
 
 logger = logging.getLogger(__name__)
@@ -128,10 +129,14 @@ class LoadedModel:
         return self._tokenizer
 
 
-def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> LoadedModel:
-    """Resolve `model` (see resolve_model_path) and load it as a GGUF file or a Hugging Face directory."""
+def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+               progress: ProgressFn | None = None) -> LoadedModel:
+    """Resolve `model` (see resolve_model_path) and load it as a GGUF file or a Hugging Face directory.
+    `progress(fraction, stage)`: see load_progress.py."""
     path = resolve_model_path(model)
-    return load_hf_dir(path, dtype) if os.path.isdir(path) else load_gguf(path, dtype, keep_quantized)
+    if os.path.isdir(path):
+        return load_hf_dir(path, dtype, progress)
+    return load_gguf(path, dtype, keep_quantized, progress)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -286,28 +291,20 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """Key/values and tensor infos of a GGUF file, read with gguf.GGUFReader (tensor payloads stay memory-mapped;
+    """Key/values and tensor infos of a GGUF file (gguf_reader.read_gguf: tensor payloads stay memory-mapped;
     dequantization is gguf.quants.dequantize)."""
 
     def __init__(self, path: str) -> None:
-        import gguf
+        from gguf import GGMLQuantizationType
 
         self.path = path
-        self.fields: dict[str, Any] = {}
-        self.tensors: dict[str, GGUFTensorInfo] = {}
         try:
-            reader = gguf.GGUFReader(path)
-        except (ValueError, struct.error, OSError) as e:
+            self.fields, raw = read_gguf(path)
+        except (ValueError, OSError) as e:
             raise ValueError(f"{path} is not a readable GGUF file ({e})") from e
-        self._from_reader(reader)
+        self.tensors: dict[str, GGUFTensorInfo] = {
+            name: GGUFTensorInfo(name, GGMLQuantizationType(t.ggml_type), t.ne, t.data) for name, t in raw.items()}
         self.arch: str = self.fields.get("general.architecture", "")
-
-    def _from_reader(self, reader: Any) -> None:
-        for key, f in reader.fields.items():
-            if not key.startswith("GGUF."):
-                self.fields[key] = f.contents()
-        for t in reader.tensors:
-            self.tensors[t.name] = GGUFTensorInfo(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data)
 
     def get(self, key: str, default: Any = None) -> Any:
         """Value of `key`, where `{arch}` expands to general.architecture."""
@@ -431,14 +428,20 @@ def _dequantize(t: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
-def _raw_blocks(t: GGUFTensorInfo) -> QuantizedWeight:
-    """A Q4_0/Q4_1/Q8_0 matrix as stored: uint8 [rows, bytes_per_row], no dequantization."""
+def _raw_blocks(t: GGUFTensorInfo, qk_heads: int = 0) -> QuantizedWeight:
+    """A Q4_0/Q4_1/Q8_0 matrix as stored: uint8 [rows, bytes_per_row], no dequantization; with `qk_heads`, q/k
+    rows un-permuted (a permutation of whole rows applies to the blocks as to the floats). Copied in numpy: torch
+    copies uint8 rows ~50x slower."""
     rows, cols = t.hf_shape
-    data = torch.from_numpy(np.array(t.data, copy=True).reshape(rows, -1))
-    return QuantizedWeight(data, int(t.qtype), (rows, cols))
+    blocks = np.asarray(t.data).reshape(rows, -1)
+    if qk_heads:
+        blocks = reverse_permute_qk(blocks, qk_heads)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks).copy() if not qk_heads
+                                            else np.ascontiguousarray(blocks)), int(t.qtype), (rows, cols))
 
 
-def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> LoadedModel:
+def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+              progress: ProgressFn | None = None) -> LoadedModel:
     """Load a single-file GGUF (llama / mistral / qwen2 / qwen3), dequantizing every tensor to `dtype`, or with
     `keep_quantized` keeping Q4_0/Q4_1/Q8_0 matrices as `QuantizedWeight` blocks (other types still dequantize)."""
     path = os.path.abspath(path)
@@ -466,24 +469,29 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         qk_heads = (n_head if ".attn_q." in t.name else n_kv) if permuted and (
             ".attn_q." in t.name or ".attn_k." in t.name) else 0
         if keep_quantized and int(t.qtype) in QTYPES and len(t.ne) == 2:
-            q = _raw_blocks(t)
-            if qk_heads:  # a permutation of whole rows: applies to the blocks as to the floats
-                q = QuantizedWeight(reverse_permute_qk(q.data, qk_heads).contiguous(), q.qtype, q.shape)
-            return name, q
+            return name, _raw_blocks(t, qk_heads)
         w = _dequantize(t)
         if qk_heads:
             w = reverse_permute_qk(w, qk_heads)
         return name, w.to(dtype).contiguous()
 
     items = [t for n, t in tensors.items() if n not in _IGNORED_TENSORS]
+    tracker = LoadProgress(os.path.basename(path), sum(t.data.nbytes for t in items), progress)
+
+    def convert_tracked(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | QuantizedWeight]:
+        out = convert(t)
+        tracker.advance(t.data.nbytes)
+        return out
+
     # numpy dequantization releases the GIL in its vector ops; a small pool overlaps the per-tensor Python overhead.
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        state_dict = dict(pool.map(convert, items))
+        state_dict = dict(pool.map(convert_tracked, items))
     del meta, tensors, items
     expected = _expected_param_names(hf_config)
     missing = sorted(expected - state_dict.keys())
     if missing:
         raise ValueError(f"GGUF {path} lacks tensors for {missing[:8]}")
+    tracker.finish()
     return LoadedModel(ModelArchConfig.from_hf_config(hf_config), hf_config, state_dict, path)
 
 
@@ -507,7 +515,7 @@ def _expected_param_names(cfg: dict[str, Any]) -> set[str]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_hf_dir(path: str, dtype: torch.dtype = torch.float32, progress: ProgressFn | None = None) -> LoadedModel:
     """Load config.json + all *.safetensors (sharded ok) of a Hugging Face checkpoint directory."""
     from safetensors.torch import load_file
 
@@ -526,15 +534,19 @@ def load_hf_dir(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weights in Hugging Face model directory {path}")
     state_dict: dict[str, torch.Tensor] = {}
+    tracker = LoadProgress(os.path.basename(path), sum(os.path.getsize(os.path.join(path, n)) for n in files),
+                           progress)
     for name in files:
         for k, v in load_file(os.path.join(path, name)).items():
             if k.endswith("rotary_emb.inv_freq"):
                 continue
             state_dict[k] = v.to(dtype) if v.is_floating_point() else v
+        tracker.advance(os.path.getsize(os.path.join(path, name)), f"read {name}")
     if hf_config.get("tie_word_embeddings", False):
         state_dict.pop("lm_head.weight", None)
     elif "lm_head.weight" not in state_dict:
         raise ValueError(f"{path}: tie_word_embeddings is false but lm_head.weight is missing")
+    tracker.finish()
     return LoadedModel(ModelArchConfig.from_hf_config(hf_config), hf_config, state_dict, path)
 
 

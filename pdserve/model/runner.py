@@ -4,9 +4,11 @@ masks) are built once per step and shared by all layers."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -14,7 +16,7 @@ from pdserve.config import ModelArchConfig
 from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from pdserve.model.cpu_linear import pack_model_linears, use_onednn
 from pdserve.model.inputs import SchedulerOutput
-from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.llama import LlamaForCausalLM, skip_weight_init
 from pdserve.model.quant import quantize_model
 from pdserve.model.quant_linear import QuantEmbedding, QuantLinear, StateDict
 from pdserve.model.sampler import Sampler, SamplerOutput, score_tokens
@@ -32,6 +34,16 @@ class StepInputs:
     sample_rows: list[int]  # flat-batch rows whose logits are sampled, in sampling-metadata order (1 + drafts each)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> torch.Tensor:
+    """A zero tensor whose pages the OS zero-fills on first touch (numpy's calloc) instead of torch.zeros' memset
+    of the whole buffer: a 1 GiB KV cache costs nothing at start-up, and memory is committed as blocks are used.
+    The data pointer is `align`-byte aligned, as torch's allocator would give."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    buf = np.zeros(nbytes + align, dtype=np.uint8)
+    off = -buf.ctypes.data % align
+    return torch.from_numpy(buf[off:off + nbytes]).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, state_dict: StateDict, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_model_len: int, kernels: str = "torch",
@@ -41,12 +53,9 @@ class ModelRunner:
         self.arch = arch
         self.dtype = dtype
         self.block_size = block_size
-        with torch.device("meta"):
+        with skip_weight_init():  # uninitialised (untouched, so unpaged) parameters: the state dict fills them
             model = LlamaForCausalLM(arch, max_positions=1)
-        model = model.to_empty(device="cpu")
-        model.rotary = type(model.rotary)(arch, max_model_len)  # meta tensors cannot hold the table
-        if arch.tie_word_embeddings:  # to_empty() allocates each parameter anew, which unties them
-            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary = type(model.rotary)(arch, max_model_len)
         model.load_hf_state_dict(state_dict)
         self.model = model.to(dtype).eval()
         native = kernels == "native"
@@ -58,8 +67,8 @@ class ModelRunner:
         if native:
             self.model.build_native_decoder(self.backend.ops)  # type: ignore[attr-defined]
         self.sampler = Sampler()
-        self.kv_cache = torch.zeros(arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
-                                    arch.head_dim, dtype=dtype)
+        self.kv_cache = lazy_zeros((arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
+                                    arch.head_dim), dtype)
 
     @property
     def weight_bytes(self) -> int:
