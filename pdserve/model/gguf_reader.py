@@ -76,7 +76,7 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, RawTensor]]:
     from gguf.quants import quant_shape_to_byte_shape
 
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    cur = _Cursor(memoryview(mm))
+    cur = _Cursor(memoryview(mm.data))
     try:
         if bytes(mm[:4]) != b"GGUF":
             raise ValueError("bad magic")
