@@ -19,7 +19,7 @@ def _ms(values: list[float], q: float) -> float | None:
 
 
 async def check_short(t: PocTarget, cfg: PocConfig, log: RunLog, res: CheckResult) -> None:
-    """A handful of short prompts (half Chinese), streamed one after another: all succeed, text decodes cleanly."""
+    """A handful of short prompts (half Chinese), streamed one after another: all succeed."""
     n, out = cfg.sizes.short_requests, cfg.sizes.short_output_len
     recs = []
     for i in range(n):
@@ -32,9 +32,11 @@ async def check_short(t: PocTarget, cfg: PocConfig, log: RunLog, res: CheckResul
                     "e2el_p50_ms": _ms([r.e2el for r in ok], 50),
                     "samples": [{"prompt": prompt(i), "text": r.generated_text[:120]} for i, r in enumerate(recs[:2])],
                     "garbled_texts": garbled}
-    res.status = PASS if len(ok) == n and not garbled else FAIL
+    # U+FFFD alone is no failure: a model may emit invalid byte sequences, and a max_tokens cut can end inside a
+    # character (vLLM decodes that the same way); the streaming check compares streamed and whole text instead
+    res.status = PASS if len(ok) == n else FAIL
     res.summary = (f"{len(ok)}/{n} succeeded, TTFT p50 {res.evidence['ttft_p50_ms']} ms"
-                   + (f"; {len(garbled)} texts with U+FFFD (broken CJK decoding)" if garbled else "")
+                   + (f"; {len(garbled)} texts hold U+FFFD (see evidence)" if garbled else "")
                    + (f"; errors: {res.evidence['errors']}" if len(ok) < n else ""))
 
 
@@ -138,8 +140,8 @@ async def check_streaming(t: PocTarget, cfg: PocConfig, log: RunLog, res: CheckR
             problems.append("streamed text differs from the non-streamed text for the same seed")
         if usage is None and status == 200:
             problems.append("no usage chunk although stream_options.include_usage was set")
-        if has_mojibake(streamed):
-            problems.append("streamed text holds U+FFFD (a CJK character cut between chunks)")
+        if has_mojibake(streamed) and not has_mojibake(whole or ""):
+            problems.append("streamed text holds U+FFFD the whole text does not (a CJK character cut between chunks)")
         cases.append({"prompt": text, "chunks": len(events), "streamed": streamed[:160], "non_streamed":
                       (whole or "")[:160], "usage": usage, "problems": problems})
     bad = [c for c in cases if c["problems"]]

@@ -16,6 +16,7 @@ from pdserve.bench.diagnose.rules import Thresholds, analyze, sweep_knees
 from pdserve.bench.diagnose.stats import RunStats, stats_from_result
 from pdserve.bench.report import BenchResult, compute_metrics
 from pdserve.bench.runner import run_load
+from pdserve.bench.server_metrics import scrape, server_deltas
 from pdserve.poc.check import FAIL, FILLER, PASS, CheckResult, RunLog, error_counts, prompt
 from pdserve.poc.config import PocConfig
 from pdserve.poc.target import PocTarget
@@ -44,14 +45,16 @@ async def _level(t: PocTarget, cfg: PocConfig, log: RunLog, level: int) -> tuple
     gauges: list[dict[str, float]] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(_sample_gauges(t, stop, gauges))
+    before = await scrape(t.http, t.base_url)  # the server's split of TTFT into queue and prefill, preemptions
     try:
         records, duration = await run_load(t.http, t.target(cfg.tenants[0]), samples, bc)
     finally:
         stop.set()
         await sampler
+    after = await scrape(t.http, t.base_url)
     for r in records:
         log.add("concurrency", cfg.tenants[0], r)
-    res = BenchResult(bc, t.model, None, records, duration)
+    res = BenchResult(bc, t.model, None, records, duration, server_deltas(before, after))
     return stats_from_result(res, f"c={level}", p.sweep_prompt_len, p.sweep_output_len, level,
                              gauges if any(gauges) else None), res
 
