@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -187,3 +189,89 @@ def test_pdserve_poc_command_against_pdserve_serve(tmp_path: Path) -> None:
         assert json.loads((out / "report.json").read_text(encoding="utf-8"))["passed"]
     finally:
         srv.stop()
+
+
+def _contract_server() -> Any:
+    """The lifecycle contract's admin API (README "Model lifecycle") in a few lines, serving canned streams: enough
+    to run the admin checks' client side (switch + rollback under load, load/unload) until the real one lands."""
+    app = FastAPI()
+    models = {"m@v1": "v1", "m@v2": "v2"}
+    aliases: dict[str, list[str]] = {"chat": ["m@v1"]}
+    audit: list[dict[str, Any]] = []
+
+    def admin_ok(req: Request) -> bool:
+        return req.headers.get("authorization") == "Bearer adm"
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        data = [{"id": n, "object": "model", "version": v, "config_hash": "0" * 12, "max_model_len": 512,
+                 "state": "loaded"} for n, v in models.items()]
+        data += [{"id": a, "object": "model", "alias_of": t[-1], "max_model_len": 512} for a, t in aliases.items()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def complete(req: Request) -> Any:
+        body = await req.json()
+        name = aliases.get(body["model"], [body["model"]])[-1]
+        if name not in models:
+            return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
+                                           "code": "model_not_found"}}, 404)
+        header = {"x-pdserve-model-version": f"{name}@{models[name]}"}
+
+        async def events() -> Any:
+            for i in range(3):
+                await asyncio.sleep(0.05)
+                yield f'data: {json.dumps({"id": "x", "object": "text_completion", "choices": [{"text": str(i), "finish_reason": "length" if i == 2 else None}]})}\n\n'  # noqa: E501
+            yield "data: [DONE]\n\n"
+        if body.get("stream"):
+            return StreamingResponse(events(), media_type="text/event-stream", headers=header)
+        return JSONResponse({"choices": [{"text": "012"}]}, headers=header)
+
+    @app.api_route("/admin/{path:path}", methods=["GET", "PUT", "POST", "DELETE"])
+    async def admin(path: str, req: Request) -> Any:
+        if not admin_ok(req):
+            return JSONResponse({"error": {"message": "bad key", "type": "authentication_error"}}, 401)
+        parts = path.split("/")
+        if parts == ["audit"]:
+            return {"entries": audit}
+        if parts[0] == "aliases":
+            hist = aliases.setdefault(parts[1], [])
+            if parts[-1] == "rollback":
+                hist.pop()
+            else:
+                hist.append((await req.json())["model"])
+            audit.append({"action": parts[-1], "alias": parts[1], "model": hist[-1]})
+            return {"alias": parts[1], "model": hist[-1], "previous": hist[-2] if len(hist) > 1 else None,
+                    "switch_s": 0.001}
+        if parts == ["models"]:
+            body = await req.json()
+            models[body["name"]] = body.get("version") or "v"
+            return {"name": body["name"], "state": "loaded"}
+        models.pop(parts[1], None)
+        return {"name": parts[1], "state": "unloaded"}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse("process_resident_memory_bytes 1e9\n")
+
+    return app
+
+
+def test_admin_checks_follow_the_lifecycle_contract(tmp_path: Path) -> None:
+    base, stop = _serve(_contract_server())
+    try:
+        rep = _poc(base, tmp_path / "out", checks=("switch_rollback", "reclaim"), admin_api_key="adm",
+                   model="chat", switch_to="m@v2")
+        wrong = _poc(base, tmp_path / "out2", checks=("reclaim",), admin_api_key="nope")
+    finally:
+        stop()
+    by = {c.name: c for c in rep.checks}
+    sw = by["switch_rollback"]
+    assert sw.status == "pass", sw.summary
+    assert set(sw.evidence["served_by"]) <= {"m@v1@v1", "m@v2@v2"} and sw.evidence["alias_after"] == "m@v1"
+    assert sw.evidence["rollback"]["model"] == "m@v1" and all(r["ok"] for r in sw.evidence["requests"])
+    assert by["reclaim"].status == "pass" and by["reclaim"].evidence["status_after_unload"] == 404
+    audit = rep.evidence.configuration["audit_entries"]
+    assert [e["action"] for e in audit] == ["chat", "rollback"]  # the switch and the rollback, as the server logged
+    assert "exercised and worked" in rep.evidence.review["rollback"]
+    assert wrong.checks[0].status == "skipped" and "401" in wrong.checks[0].summary

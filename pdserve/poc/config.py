@@ -36,7 +36,7 @@ PROFILES = {
     "quick": Profile(short_requests=3, short_output_len=8, long_output_len=4, long_context_cap=1024,
                      sweep_levels=(1, 2, 4), sweep_prompt_len=16, sweep_output_len=8, requests_per_level=1.0,
                      stream_output_len=12, disconnects=2, burst_extra=4, burst_default=24, tenant_requests=2,
-                     tenant_output_len=6, tenant_concurrency=2, switch_requests=6, baseline_timeout_s=15.0),
+                     tenant_output_len=6, tenant_concurrency=2, switch_requests=6, baseline_timeout_s=8.0),
     "default": Profile(),
 }
 CHECKS = ("short", "long_context", "concurrency", "streaming", "interruption", "switch_rollback", "reclaim",
