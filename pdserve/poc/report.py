@@ -90,14 +90,16 @@ def write_plots_of(log: RunLog, tenants: list[dict[str, Any]], out: Path) -> lis
 
 
 def _model_line(m: dict[str, Any]) -> str:
-    return f"{m.get('id')} (version {m.get('version')}, config {m.get('config_hash')}, state {m.get('state')})"
+    facts = [f"{k} {m[k]}" for k in ("version", "config_hash", "state", "alias_of") if m.get(k) is not None]
+    return f"{m.get('id')} ({', '.join(facts) or 'no version or config hash listed'})"
 
 
 def _evidence_md(ev: Evidence) -> list[str]:
     c, r, resp, rv = ev.configuration, ev.run, ev.responsibility, ev.review
     audit = c.get("audit_entries")
     lines = ["## Evidence", "", "### 1. Configuration", "",
-             f"- server version: `{json.dumps(c.get('version'), ensure_ascii=False)}`",
+             "- server version: " + (f"`{json.dumps(c['version'], ensure_ascii=False)}`" if c.get("version")
+                                     else "not exported (no GET /version)"),
              "- models: " + (", ".join(_model_line(m) for m in c.get("models", [])) or "n/a"),
              f"- effective options (GET /v1/config): {'see report.json' if c.get('config') else 'not exported'}",
              "- audit entries during the run: " + (
@@ -135,7 +137,8 @@ def report_markdown(rep: PocReport) -> str:
                       [[r["tenant"], r["requests"], r["errors"], r["ttft_50_ms"], r["ttft_99_ms"], r["tpot_50_ms"],
                         r["tpot_99_ms"], r["itl_50_ms"], r["itl_99_ms"], r["output_tokens"], r["queue_share"],
                         r["server_requests"]] for r in rep.tenants]),
-             "", "Latencies in ms (client side); queue share and server count from `pdserve:tenant_*` metrics.", ""]
+             "", "Latencies in ms (client side); queue share and server count from `pdserve:tenant_*` metrics. The "
+             "first tenant also carries the single-tenant checks (short, long context, streaming, the sweep).", ""]
     lines += _evidence_md(rep.evidence)
     lines += ["", "## Check details", ""]
     for c in rep.checks:
