@@ -416,6 +416,9 @@ class OpenAIServing:
             "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
             "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
             "finish_reason": req.status.finish_reason, "error": req.error, **self.spec_counts(req)}
+        if found := self.aengine.explanations.get(req.request_id):  # timeline and stall causes (explain.py)
+            rec["explain"] = {k: v for k, v in found[0].items() if k not in ("request_id", "parent_id",
+                                                                             "finish_reason")}
         kv = self.engine.kv_transfer
         if kv is not None:  # PD roles: which instances served it, and the hand-off
             rec["engine_id"] = kv.engine_id
