@@ -40,7 +40,7 @@ class StallThreshold:
     @classmethod
     def parse(cls, text: str) -> StallThreshold:
         """`3x` (relative to the median ITL), `50ms` or `0.05` (seconds)."""
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(x|ms|s)?\s*", text)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(x|ms|s)?\s*", text)
         if m is None or float(m.group(1)) <= 0:
             raise ValueError(f"ITL threshold {text!r}: give a factor like 2x, or a time like 50ms or 0.05")
         value, unit = float(m.group(1)), m.group(2) or "s"

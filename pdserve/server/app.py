@@ -99,6 +99,10 @@ def configure_introspection(aengine: AsyncEngine, cfg: ServerConfig) -> None:
     aengine.explainer.threshold = StallThreshold.parse(cfg.explain_itl_threshold)
     aengine.explanations.size = cfg.debug_requests_history
     aengine.profiler_dir = cfg.profiler_dir
+    if cfg.otlp_traces_endpoint:
+        from pdserve.server.tracing import RequestTracer
+
+        aengine.tracer = RequestTracer(cfg.otlp_traces_endpoint, cfg.served_model_name)
 
 
 class DrainingServer(uvicorn.Server):

@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.engine import LLMEngine, StepStats
 from pdserve.engine.explain import ExplanationHistory, RequestExplainer
@@ -26,6 +26,8 @@ from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
 from pdserve.server.metrics import Metrics
 
+if TYPE_CHECKING:
+    from pdserve.server.tracing import RequestTracer
 logger = logging.getLogger("pdserve.async_engine")
 
 
@@ -141,6 +143,7 @@ class AsyncEngine:
         self.explanations = ExplanationHistory()
         # profiler by phase (/start_profile, /stop_profile): the profiler lives on the engine thread
         self.profiler_dir: str | None = None
+        self.tracer: RequestTracer | None = None  # OpenTelemetry (--otlp-traces-endpoint), set by the app
         self._profiler: PhaseProfiler | None = None
         self._profile_done: Future[ProfileResult] | None = None  # set while a profile is open
 
@@ -163,6 +166,8 @@ class AsyncEngine:
         elif self._thread.is_alive():
             self._thread.join(timeout)
         self.engine.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     @property
     def num_unfinished(self) -> int:
