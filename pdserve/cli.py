@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     from pdserve.profiler.cli import add_profile_parser
 
-    add_profile_parser(sub, add_engine_args)
+    add_profile_parser(sub, add_engine_args, engine_config_from_args)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
     conv.add_argument("gguf", help="a .gguf file or smollm2-135m")

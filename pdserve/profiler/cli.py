@@ -15,7 +15,8 @@ from typing import Any
 from pdserve.profiler.workload import WORKLOADS
 
 
-def add_profile_parser(subparsers: Any, add_engine_args: Any) -> argparse.ArgumentParser:
+def add_profile_parser(subparsers: Any, add_engine_args: Any, engine_config_from_args: Any) -> argparse.ArgumentParser:
+    """The `profile` subcommand; the engine-option helpers come from pdserve.cli (which imports this module)."""
     p = subparsers.add_parser("profile", help="profile N engine steps: top operators per step kind vs the roofs",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p)
@@ -28,7 +29,7 @@ def add_profile_parser(subparsers: Any, add_engine_args: Any) -> argparse.Argume
     p.add_argument("--batch", type=int, default=8, help="offline: decoding requests (decode, mixed)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="offline: tokens of each long prompt")
     p.add_argument("--out", default=None, help="write profile.md, profile.json and the trace here")
-    p.set_defaults(func=_cmd_profile)
+    p.set_defaults(func=_cmd_profile, engine_config_from_args=engine_config_from_args)
     return p
 
 
@@ -46,12 +47,11 @@ def _remote(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _offline(args: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.cli import engine_config_from_args
     from pdserve.engine.engine import LLMEngine
     from pdserve.profiler.workload import profile_workload
     from pdserve.roofline import resolve_device_peaks
 
-    cfg = engine_config_from_args(args)
+    cfg = args.engine_config_from_args(args)
     engine = LLMEngine(cfg, device_peaks=resolve_device_peaks(cfg.device_peaks, cfg.num_threads))
     result = profile_workload(engine, args.workload, args.steps, args.out, args.batch, args.prompt_tokens)
     return result.as_dict()
