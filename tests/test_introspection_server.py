@@ -148,3 +148,22 @@ def test_a_stalled_request_names_the_prefill_that_stalled_it(server: Any, caplog
     assert kids == {"queue", "prefill", "decode"}
     assert roots[f"{ids['B']}-0-0"].attributes["gen_ai.usage.completion_tokens"] == 2
     at_baseline(base)
+
+
+def test_profile_command_against_the_server(server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdserve profile --base-url` starts, waits for its steps under traffic, and writes the report files."""
+    from pdserve.cli import main
+
+    base = server[0]
+    traffic = threading.Thread(target=lambda: httpx.post(
+        base + "/v1/completions", headers=AUTH, timeout=120,
+        json={"model": "tiny", "prompt": "hello", "max_tokens": 400, "ignore_eos": True}))
+    traffic.start()  # decoding while the command profiles
+    rc = [main(["profile", "--base-url", base, "--api-key", KEY, "--steps", "4", "--timeout", "60",
+                "--out", str(tmp_path)])]
+    traffic.join(120)
+    assert rc == [0]
+    report = json.loads((tmp_path / "profile.json").read_text())
+    assert report["num_steps"] == 4 and "Reading:" in (tmp_path / "profile.md").read_text()
+    assert list(tmp_path.glob("pdserve-trace-*.json"))  # same machine: the trace is copied along
+    assert "| op |" in capsys.readouterr().out
