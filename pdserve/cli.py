@@ -1,4 +1,4 @@
-"""Command line: `pdserve serve | generate | bench | diagnose | poc | calc | convert | router`."""
+"""Command line: `pdserve serve | generate | bench | diagnose | poc | profile | calc | convert | router`."""
 
 from __future__ import annotations
 
@@ -111,7 +111,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                           max_sequences_per_request=args.max_sequences_per_request,
                                           max_prompt_chars=args.max_prompt_chars,
                                           prefix_cache_isolation=args.prefix_cache_isolation,
-                                          tool_call_parser=args.tool_call_parser), engine_thread)
+                                          tool_call_parser=args.tool_call_parser,
+                                          explain_itl_threshold=args.explain_itl_threshold,
+                                          debug_requests_history=args.debug_requests_history,
+                                          profiler_dir=args.profiler_dir,
+                                          otlp_traces_endpoint=args.otlp_traces_endpoint), engine_thread)
     # SIGTERM/SIGINT: /health turns 503 "draining", open requests finish for up to the grace period, then the
     # streams still open end with an error event and the app's shutdown aborts what is left and frees its blocks.
     run_server(app, args.host, args.port, args.log_level, args.shutdown_grace)
@@ -164,6 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="seconds open requests may run after SIGTERM (while /health answers 503 draining) "
                      "before the rest end with an error")
+    srv.add_argument("--explain-itl-threshold", default="2x",
+                     help="a stall explained in GET /debug/requests/{id} and the request log: an inter-token gap "
+                     "above Nx the request's median ITL, or above a time (50ms, 0.05)")
+    srv.add_argument("--debug-requests-history", type=int, default=1000,
+                     help="finished requests whose explanations GET /debug/requests/{id} keeps (0: none)")
+    srv.add_argument("--profiler-dir", default=None,
+                     help="where /start_profile writes traces (default: a new temporary directory)")
+    srv.add_argument("--otlp-traces-endpoint", default=None,
+                     help="OpenTelemetry collector URL (OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces): one trace "
+                     "per request; needs pip install pdserve[otel]")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_cmd_serve)
 
@@ -180,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.disagg.router import add_router_parser
 
     add_router_parser(sub)
+    from pdserve.profiler.cli import add_profile_parser
+
+    add_profile_parser(sub, add_engine_args, engine_config_from_args)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
     conv.add_argument("gguf", help="a .gguf file or smollm2-135m")

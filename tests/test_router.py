@@ -126,6 +126,44 @@ def test_stream_hands_the_prefill_kv_to_the_decode_instance() -> None:
     assert dec.bodies[0]["kv_transfer_params"] == PARAMS and dec.bodies[0]["max_tokens"] == 2
 
 
+@pytest.mark.parametrize("incoming", [None, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"])
+def test_trace_context_reaches_both_instances(incoming: str | None) -> None:
+    """Both instances get one W3C traceparent: the client's, else one the router makes per routed request."""
+    seen: list[str | None] = []
+
+    def recorder(fake: Fake) -> Fake:
+        answer = fake.answer or tokens_stream
+
+        async def record(body: dict[str, Any]) -> httpx.Response:
+            seen.append(body.pop("_traceparent"))
+            return await answer(body)
+
+        return Fake(fake.url, record)
+
+    pre, dec = recorder(Fake("http://p:1", prefill_ok)), recorder(Fake("http://d:1"))
+    inner = transport(pre, dec)
+
+    async def handle(request: httpx.Request) -> httpx.Response:  # hand the header to the fake with the body
+        if request.method == "POST":
+            body = {**json.loads(request.content), "_traceparent": request.headers.get("traceparent")}
+            request = httpx.Request("POST", request.url, json=body, headers=request.headers)
+        return await inner.handle_async_request(request)
+
+    srv = RouterServing(RouterConfig([pre.url], [dec.url]), httpx.MockTransport(handle))
+
+    async def go() -> list[str]:
+        await srv.start(poll=False)
+        try:
+            return [ev async for ev in srv.stream("/v1/completions", BODY,
+                                                  {"traceparent": incoming} if incoming else {})]
+        finally:
+            await srv.close()
+
+    assert text_of(events_of(asyncio.run(go()))) == "Hello world"
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0] is not None
+    assert seen[0] == incoming if incoming else len(seen[0].split("-")[1]) == 32
+
+
 @pytest.mark.parametrize("code", [ErrorCode.KV_TRANSFER_FAILED.value, ErrorCode.MODEL_STEP_FAILED.value])
 @pytest.mark.parametrize("how", ["status", "event"])
 def test_decode_failure_before_the_first_token_is_retried_elsewhere(code: str, how: str) -> None:

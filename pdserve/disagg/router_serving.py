@@ -57,7 +57,8 @@ logger = logging.getLogger("pdserve.router")
 
 T = TypeVar("T")
 Disconnected = Callable[[], Awaitable[bool]]  # asks whether the client went away
-FORWARDED_HEADERS = ("authorization", "x-tenant")  # passed on to the instances
+# passed on to the instances; the W3C trace context too, so both instances' spans join the client's trace
+FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate")
 # the instance cannot use the hand-off params: the next try computes the prompt instead
 KV_CODES = (ErrorCode.KV_TRANSFER_FAILED, ErrorCode.KV_TRANSFER_PARAMS_REJECTED)
 
@@ -267,8 +268,11 @@ class RouterServing:
 
     # ---- entry points --------------------------------------------------------------------------------------
     def new_trace(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> RouteTrace:
-        fwd = {k: v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
-        return RouteTrace(f"router-{uuid.uuid4().hex}", path, bool(body.get("stream")), headers=fwd)
+        fwd = {k.lower(): v for k, v in headers.items() if k.lower() in FORWARDED_HEADERS}
+        trace_id = uuid.uuid4().hex
+        if "traceparent" not in fwd:  # one trace per routed request: prefill and decode instance spans join it
+            fwd["traceparent"] = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+        return RouteTrace(f"router-{trace_id}", path, bool(body.get("stream")), headers=fwd)
 
     async def complete(self, path: str, body: dict[str, Any], headers: dict[str, str],
                        disconnected: Disconnected | None = None) -> RoutedResponse:

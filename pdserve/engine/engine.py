@@ -24,6 +24,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
 from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
+from pdserve.engine.step_log import StepLog
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.kernels import kernels_description, resolve_kernels
@@ -109,6 +110,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self.roofline = RooflineMeter(device_peaks, config.torch_dtype)
+        self.step_log = StepLog()  # what each recent step carried: per-request explanations (explain.py)
         logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, kernels %s",
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
@@ -286,6 +288,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         kv_failed = [self._fail(r, msg, ErrorCode.KV_TRANSFER_FAILED)
                      for r, msg in self.scheduler.update_from_kv_transfer()]
+        t_kv = time.perf_counter() - t0
         sched = self.scheduler.schedule()
         if not sched.scheduled_reqs:
             if self.kv_transfer is not None and self.scheduler.num_loading and not kv_failed:
@@ -294,14 +297,19 @@ class LLMEngine:
                                                    time.perf_counter() - t0))
         reqs = [self.scheduler.requests[d.req_id] for d in sched.scheduled_reqs]
         sampled_reqs = [r for r, d in zip(reqs, sched.scheduled_reqs) if d.sample]  # the sampler's rows, in order
+        t_grammar = time.perf_counter()
         self._fill_token_bitmasks(sched, sampled_reqs)
+        t_grammar = time.perf_counter() - t_grammar
         seqs = [(d.num_computed_tokens, d.num_scheduled_tokens) for d in sched.scheduled_reqs]
+        chunks = tuple((r.request_id, d.num_scheduled_tokens) for r, d in zip(reqs, sched.scheduled_reqs)
+                       if not d.num_draft_tokens and not is_decode(r, d.num_scheduled_tokens))
         stats = StepStats(sched.kind, sched.num_prefill_tokens, sched.num_decode_tokens + sched.num_spec_tokens,
                           len(sched.preempted_req_ids), 0.0,
                           num_draft_tokens=sum(d.num_draft_tokens for d in sched.scheduled_reqs))
         try:
             t_run = time.perf_counter()
-            sampled = self.runner.execute(sched)
+            with torch.profiler.record_function(f"pdserve.forward.{sched.kind.value}"):  # profiler label
+                sampled = self.runner.execute(sched)
             t_run = time.perf_counter() - t_run
         except Exception as exc:  # a failed forward fails the requests in it, not the engine
             logger.exception("model step failed")
@@ -312,7 +320,10 @@ class LLMEngine:
             self.scheduler.requests[rid].prompt_logprobs.extend(scored)
         self._add_pooled(sched, reqs, sampled.pooled)
         accepted0 = self.spec.stats.num_accepted_tokens if self.spec is not None else 0
-        outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled)
+        now = time.perf_counter()
+        self.step_log.append(t0, now, sched.kind.value, len(reqs) - len(chunks), chunks,
+                             tuple(sched.preempted_req_ids), t_grammar, t_kv, t_run)
+        outs = kv_failed + self._postprocess(sched, reqs, sampled_reqs, sampled, now)
         if self.spec is not None:
             stats.num_accepted_tokens = self.spec.stats.num_accepted_tokens - accepted0
         stats.flops, stats.bytes = self.step_cost.cost(seqs, sum(d.num_sample_rows for d in sched.scheduled_reqs))
@@ -333,12 +344,11 @@ class LLMEngine:
             sched.sampling_metadata.token_bitmask[k] = bitmask[j]
 
     def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], sampled: list[Request],
-                     out: SamplerOutput) -> list[RequestOutput]:
+                     out: SamplerOutput, now: float) -> list[RequestOutput]:
         """reqs[i] is sched.scheduled_reqs[i]; the sampler output's rows (tokens, logprobs, errors: empty when none
         failed, extra tokens: empty without drafts) are per request of `sampled` (the scheduled requests that
         sample), in that order. A decode with drafts counts only its newest token as computed here; its accepted
-        drafts count as they are appended (_append_tokens)."""
-        now = time.perf_counter()
+        drafts count as they are appended (_append_tokens). `now` stamps this step's tokens (and its StepRecord)."""
         for req, d in zip(reqs, sched.scheduled_reqs):
             if not d.num_draft_tokens and not is_decode(req, d.num_scheduled_tokens):
                 req.times.prefill_chunks.append((now, d.num_scheduled_tokens))

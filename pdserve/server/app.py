@@ -20,12 +20,14 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.explain import StallThreshold
 from pdserve.kernels import kernels_isa
 from pdserve.server.async_engine import AsyncEngine, EngineThread
 from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.server.errors import install_exception_handlers
 from pdserve.server.metrics import Metrics
 from pdserve.server.routes import router
+from pdserve.server.routes_debug import debug_router
 from pdserve.server.serving import ServingOptions
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
@@ -47,6 +49,10 @@ class ServerConfig:
     max_prompt_chars: int | None = None  # None: serving.PROMPT_CHARS_PER_TOKEN x max_model_len
     prefix_cache_isolation: Literal["none", "tenant"] = "none"
     tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
+    explain_itl_threshold: str = "2x"  # a stall: an ITL gap above this (explain.StallThreshold.parse)
+    debug_requests_history: int = 1000  # finished requests kept for GET /debug/requests/{id}
+    profiler_dir: str | None = None  # /start_profile traces go here (None: a new temporary directory)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry: export one trace per request (pdserve[otel])
 
     def serving_options(self) -> ServingOptions:
         seqs = self.max_sequences_per_request or self.max_waiting_requests or 1024
@@ -60,6 +66,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
     if (dev := engine.roofline.device) is not None:
         metrics.set_peaks(engine.roofline.peak_flops, dev.mem_bandwidth, dev)
     aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests, engine_thread)
+    configure_introspection(aengine, cfg)
     if engine.kv_transfer is not None:  # PD disaggregation role: KV hand-off metrics
         from pdserve.disagg.metrics import KVTransferMetrics
 
@@ -83,7 +90,19 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
                        metrics=metrics, body_read_timeout=cfg.body_read_timeout)
     install_exception_handlers(app, metrics)
     app.include_router(router)
+    app.include_router(debug_router)
     return app
+
+
+def configure_introspection(aengine: AsyncEngine, cfg: ServerConfig) -> None:
+    """Explanations, profiler and tracing options onto the AsyncEngine."""
+    aengine.explainer.threshold = StallThreshold.parse(cfg.explain_itl_threshold)
+    aengine.explanations.size = cfg.debug_requests_history
+    aengine.profiler_dir = cfg.profiler_dir
+    if cfg.otlp_traces_endpoint:
+        from pdserve.server.tracing import RequestTracer
+
+        aengine.tracer = RequestTracer(cfg.otlp_traces_endpoint, cfg.served_model_name)
 
 
 class DrainingServer(uvicorn.Server):

@@ -16,14 +16,18 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.engine import LLMEngine, StepStats
+from pdserve.engine.explain import ExplanationHistory, RequestExplainer
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import StepKind
 from pdserve.outputs import RequestOutput
+from pdserve.profiler import PhaseProfiler, ProfileResult
 from pdserve.server.metrics import Metrics
 
+if TYPE_CHECKING:
+    from pdserve.server.tracing import RequestTracer
 logger = logging.getLogger("pdserve.async_engine")
 
 
@@ -37,6 +41,10 @@ class EngineDead(RuntimeError):
 
 class ShuttingDown(RuntimeError):
     """The shutdown grace ran out: open requests end, new ones are refused."""
+
+
+class ProfilerState(RuntimeError):
+    """/start_profile while a profile runs, or /stop_profile with none started."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,14 @@ class AsyncEngine:
         self._kv_snapshot = KVSnapshot.of(engine)  # replaced whole (one reference store) by the engine thread
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
+        # per-request explanations (GET /debug/requests/{id}, the log line's `explain`), made as requests finish
+        self.explainer = RequestExplainer(engine.step_log)
+        self.explanations = ExplanationHistory()
+        # profiler by phase (/start_profile, /stop_profile): the profiler lives on the engine thread
+        self.profiler_dir: str | None = None
+        self.tracer: RequestTracer | None = None  # OpenTelemetry (--otlp-traces-endpoint), set by the app
+        self._profiler: PhaseProfiler | None = None
+        self._profile_done: Future[ProfileResult] | None = None  # set while a profile is open
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,6 +166,8 @@ class AsyncEngine:
         elif self._thread.is_alive():
             self._thread.join(timeout)
         self.engine.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     @property
     def num_unfinished(self) -> int:
@@ -236,7 +254,9 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                result = eng.step()
+                result = eng.step() if self._profiler is None else self._profiler.step(eng.step)
+                if self._profiler is not None and self._profiler.done:
+                    self._finish_profile()
                 self._observe(result.stats)
                 # published before the outputs: a client that saw its request finish reads a state this new
                 self._kv_snapshot = KVSnapshot.of(eng)
@@ -262,6 +282,11 @@ class AsyncEngine:
                 assert isinstance(arg, Request)
                 if arg.request_id in self._streams:  # not aborted while queued
                     eng.add_request(arg)
+            elif kind == "profile_start":
+                assert isinstance(arg, int | None)
+                self._begin_profile(arg)
+            elif kind == "profile_stop":
+                self._finish_profile()
             else:
                 assert isinstance(arg, str)
                 for out in eng.abort_request(arg):
@@ -274,6 +299,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
+        if stream is not None and out.finished:
+            self._explain(stream.request)
         if stream is not None and out.finished and stream.on_finished is not None:
             try:
                 stream.on_finished(stream.request)
@@ -298,3 +325,59 @@ class AsyncEngine:
                        bm.stats.queries, bm.stats.hits, eng.scheduler.num_preemptions)
         if eng.spec is not None:
             m.observe_spec(eng.spec.stats)
+
+    def _explain(self, req: Request) -> None:
+        """Keep a finished request's explanation (engine thread; never takes the loop down)."""
+        try:
+            self.explanations.add(req.request_id, {"request_id": req.request_id, "parent_id": req.parent_id,
+                                                   "finish_reason": req.status.finish_reason,
+                                                   **self.explainer.explain(req)})
+        except Exception:
+            logger.exception("explaining request %s failed", req.request_id)
+
+    # ---- profiler by phase ---------------------------------------------------------------------------------
+    def start_profile(self, num_steps: int | None) -> None:
+        """Profile the next `num_steps` steps (None: until stop_profile). Call on the event loop."""
+        if self._profile_done is not None:
+            raise ProfilerState("a profile is already running; POST /stop_profile first")
+        self._profile_done = Future()
+        self._cmds.put(("profile_start", num_steps))
+        self._wake.set()
+
+    async def stop_profile(self, wait_s: float = 0.0) -> ProfileResult:
+        """Wait up to `wait_s` for the profile's steps to be done, stop it, and return its report."""
+        done = self._profile_done
+        if done is None:
+            raise ProfilerState("no profile is running; POST /start_profile first")
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), wait_s) if wait_s > 0 \
+                else await self._stop_now(done)
+        except TimeoutError:
+            return await self._stop_now(done)
+        finally:
+            if done.done():
+                self._profile_done = None
+
+    async def _stop_now(self, done: Future[ProfileResult]) -> ProfileResult:
+        self._cmds.put(("profile_stop", None))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
+    def _begin_profile(self, num_steps: int | None) -> None:
+        assert self._profile_done is not None
+        try:
+            self._profiler = PhaseProfiler(num_steps, self.profiler_dir, self.engine.roofline.device,
+                                           self.engine.config.torch_dtype)
+        except Exception as exc:  # e.g. a bad step count: the waiting /stop_profile gets it
+            self._profile_done.set_exception(exc)
+
+    def _finish_profile(self) -> None:
+        prof, done = self._profiler, self._profile_done
+        self._profiler = None
+        if prof is None or done is None or done.done():
+            return
+        try:
+            done.set_result(prof.stop())
+        except Exception as exc:
+            logger.exception("profiler stop failed")
+            done.set_exception(exc)

@@ -14,7 +14,7 @@ from pdserve.server.metrics import Metrics
 
 # Paths that need the API key (when one is set); /health and /metrics stay open for probes.
 _KEYED_PREFIXES = ("/v1", "/debug", "/docs", "/redoc")
-_KEYED_PATHS = ("/tokenize", "/detokenize", "/openapi.json")
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/openapi.json", "/start_profile", "/stop_profile")
 
 
 class AuthAndBodyLimitMiddleware:

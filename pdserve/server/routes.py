@@ -16,12 +16,14 @@ from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
 from pdserve.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 from pdserve.server.serving_tokenization import OpenAIServingTokenization
+from pdserve.server.tracing import trace_headers
 
 router = APIRouter()
 
 
 def _context(raw: Request, user: str | None) -> RequestContext:
-    return RequestContext(tenant=raw.headers.get("x-tenant") or user, is_disconnected=raw.is_disconnected)
+    return RequestContext(tenant=raw.headers.get("x-tenant") or user, is_disconnected=raw.is_disconnected,
+                          trace_headers=trace_headers(raw.headers))
 
 
 def _respond(result: ServingResult) -> Response:

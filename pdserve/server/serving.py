@@ -75,6 +75,7 @@ class RequestContext:
 
     tenant: str | None = None  # X-Tenant header, else the body's `user`: logged, and the cache salt's tenant
     is_disconnected: Callable[[], Awaitable[bool]] | None = None  # polled while collecting a non-streamed reply
+    trace_headers: dict[str, str] | None = None  # incoming W3C trace context (traceparent), for OpenTelemetry
 
 
 def sse(obj: dict[str, Any] | str) -> str:
@@ -223,9 +224,8 @@ class OpenAIServing:
 
     def admit(self, reqs: list[EngineRequest], ctx: RequestContext) -> Children:
         """Hand made children to the engine, all or none (429 when the waiting queue cannot take them)."""
-        tenant = ctx.tenant
         try:
-            streams = self.aengine.add_requests(reqs, on_finished=lambda r: self.log_finished(r, tenant))
+            streams = self.aengine.add_requests(reqs, on_finished=lambda r: self.on_finished(r, ctx))
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="too_many_requests", kind="rate_limited") from e
         except ShuttingDown as e:
@@ -406,7 +406,18 @@ class OpenAIServing:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "pdserve", "max_model_len": self.engine.max_model_len}]}
 
-    # ---- request log ---------------------------------------------------------------------------------------
+    # ---- request log and trace -----------------------------------------------------------------------------
+    def on_finished(self, req: EngineRequest, ctx: RequestContext) -> None:
+        """A child finished (engine thread): its log line, and its trace when tracing is on."""
+        self.log_finished(req, ctx.tenant)
+        if (tracer := self.aengine.tracer) is not None:
+            tracer.record(req, ctx.trace_headers, {
+                "gen_ai.request.id": req.request_id, "gen_ai.response.model": self.model_name,
+                "gen_ai.usage.prompt_tokens": req.num_prompt_tokens,
+                "gen_ai.usage.completion_tokens": req.num_output_tokens,
+                "gen_ai.response.finish_reasons": [req.status.finish_reason or ""],
+                **({"pdserve.tenant": ctx.tenant} if ctx.tenant else {})})
+
     def log_finished(self, req: EngineRequest, tenant: str | None) -> None:
         """One JSON line per finished child on the `pdserve.requests` logger."""
         t = req.times
@@ -416,6 +427,9 @@ class OpenAIServing:
             "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
             "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
             "finish_reason": req.status.finish_reason, "error": req.error, **self.spec_counts(req)}
+        if found := self.aengine.explanations.get(req.request_id):  # timeline and stall causes (explain.py)
+            rec["explain"] = {k: v for k, v in found[0].items() if k not in ("request_id", "parent_id",
+                                                                             "finish_reason")}
         kv = self.engine.kv_transfer
         if kv is not None:  # PD roles: which instances served it, and the hand-off
             rec["engine_id"] = kv.engine_id
