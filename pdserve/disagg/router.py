@@ -64,8 +64,8 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
         return await route("/v1/chat/completions", raw)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return as_response(await serving.models())
+    async def models(raw: Request) -> Response:
+        return as_response(await serving.models(dict(raw.headers.items())))
 
     @app.get("/health")
     async def health() -> Response:

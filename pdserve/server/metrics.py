@@ -111,8 +111,7 @@ class Metrics:
                                ["model_name", "finished_reason"], registry=r)
         self.errors = Counter("pdserve:request_errors", "Failed requests by kind.", ["model_name", "kind"],
                               registry=r)
-        self.model_name = m
-        self.live = LiveStats(m)  # the same events, windowed, for GET /v1/stats
+        self.model_name, self.live = m, LiveStats(m)  # live: the same events, windowed, for GET /v1/stats
         for kind in ERROR_KINDS:
             self.errors.labels(m, kind)
         for reason in ("stop", "length", "abort", "error"):

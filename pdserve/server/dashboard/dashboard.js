@@ -145,7 +145,7 @@ function chart(title, h, series) {
   svg.setAttribute("preserveAspectRatio", "none");
   const max = Math.max(1e-9, ...h.flatMap((p) => series.map(([k]) => (isNum(p[k]) ? p[k] : 0))));
   for (const [k, , color] of series) {
-    const pts = h.map((p, i) => `${(i / Math.max(1, HISTORY - 1)) * W},${H - (H - 4) * ((isNum(p[k]) ? p[k] : 0) / max)}`);
+    const pts = h.map((p, i) => `${(i / Math.max(1, h.length - 1)) * W},${H - (H - 4) * ((isNum(p[k]) ? p[k] : 0) / max)}`);
     const line = document.createElementNS(ns, "polyline");
     line.setAttribute("points", pts.join(" "));
     line.setAttribute("fill", "none");
