@@ -55,11 +55,11 @@ def send_load(base_url: str, n: int = 6) -> None:
         prompt = PROMPTS[i % len(PROMPTS)]
         if i % 2:
             stream = client.completions.create(model=model, prompt=prompt, max_tokens=12, stream=True,
-                                               extra_body={"ignore_eos": True})
+                                               user="团队-a", extra_body={"ignore_eos": True})
             assert "".join(c.choices[0].text for c in stream if c.choices)
         else:
             c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=12, extra_body={"ignore_eos": True})
+                                               max_tokens=12, user="团队-a", extra_body={"ignore_eos": True})
             assert c.usage.completion_tokens == 12
 
 
@@ -114,6 +114,7 @@ def test_stats_after_load_agree_with_metrics(server: ServerProc) -> None:
         assert st["steps"] == sample(fams, "pdserve:engine_step_time_seconds", "_count", step_kind=kind) > 0
         assert st["mfu"] > 0 and st["mbu"] > 0
     assert b["steps"]["peak_flops"] == 2e11 and b["steps"]["peak_bandwidth"] == 2e10
+    assert b["tenants"]["团队-a"]["finished"] == 6  # the body's `user` (CJK): every request's tenant
     v = b["verdict"]
     assert v["verdict"] in {x.value for x in Verdict} and v["findings"] and v["numbers"]["ttft_limit_ms"] > 0
 

@@ -90,7 +90,7 @@ def test_storage_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         live.record_step(step(StepKind.DECODE, 0.01, decode=1), 1, 0, 0.1, 0, 0, 0)
     assert len(live._s.steps) == n
     for i in range(stats_mod.MAX_TENANTS + 5):
-        live.record_finished(finished(f"r{i}", clock.t - 1, 0.0, 0.01, 0.01, 2), tenant=f"租户{i}")
+        live.record_tenant(finished(f"r{i}", clock.t - 1, 0.0, 0.01, 0.01, 2), f"租户{i}")
     tenants = live.snapshot(60)["tenants"]
     assert len(tenants) == stats_mod.MAX_TENANTS + 1 and tenants[stats_mod.OTHER_TENANT]["finished"] == 5
     assert tenants["租户0"]["finished"] == 1

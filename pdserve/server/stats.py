@@ -100,6 +100,7 @@ def percentiles(values: Iterable[float], scale: float = 1000.0) -> dict[str, flo
 class _Series:
     steps: deque[StepSample] = field(default_factory=lambda: deque(maxlen=MAX_STEPS))
     requests: deque[RequestSample] = field(default_factory=lambda: deque(maxlen=MAX_REQUESTS))
+    tenant_requests: deque[RequestSample] = field(default_factory=lambda: deque(maxlen=MAX_REQUESTS))
     itl: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=MAX_ITL))  # (t, gap)
     kv_loads: deque[KVLoadSample] = field(default_factory=lambda: deque(maxlen=MAX_REQUESTS))
     errors: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=MAX_REQUESTS))
@@ -142,19 +143,30 @@ class LiveStats:
                 self._s.itl.popleft()
             self._s.itl.append((now, gap))
 
-    def record_finished(self, req: Request, tenant: str | None = None) -> None:
+    def _sample(self, req: Request, tenant: str | None) -> RequestSample:
         t = req.times
-        if tenant is not None and tenant not in self._tenants:
+        return RequestSample(self.clock(), tenant, req.status.finish_reason or "error", req.num_prompt_tokens,
+                             req.num_output_tokens, t.ttft, t.tpot, t.e2e, t.queue_time, t.prefill_time,
+                             t.decode_time)
+
+    def record_finished(self, req: Request) -> None:
+        s = self._sample(req, None)
+        with self._lock:
+            _prune(self._s.requests, s.t - MAX_WINDOW_S)
+            self._s.requests.append(s)
+
+    def record_tenant(self, req: Request, tenant: str) -> None:
+        """A finished request of a tenant (the serving layer knows it; the per-tenant view). Past MAX_TENANTS
+        distinct tenants, new ones count under OTHER_TENANT."""
+        if tenant not in self._tenants:
             if len(self._tenants) >= MAX_TENANTS:
                 tenant = OTHER_TENANT
             else:
                 self._tenants.add(tenant)
-        now = self.clock()
-        s = RequestSample(now, tenant, req.status.finish_reason or "error", req.num_prompt_tokens,
-                          req.num_output_tokens, t.ttft, t.tpot, t.e2e, t.queue_time, t.prefill_time, t.decode_time)
+        s = self._sample(req, tenant)
         with self._lock:
-            _prune(self._s.requests, now - MAX_WINDOW_S)
-            self._s.requests.append(s)
+            _prune(self._s.tenant_requests, s.t - MAX_WINDOW_S)
+            self._s.tenant_requests.append(s)
 
     def record_kv_load(self, ok: bool, seconds: float, nbytes: int) -> None:
         now = self.clock()
@@ -179,6 +191,7 @@ class LiveStats:
         with self._lock:
             all_steps = list(self._s.steps)
             reqs = [r for r in self._s.requests if r.t >= cutoff]
+            by_tenant = [r for r in self._s.tenant_requests if r.t >= cutoff]
             itl = [g for t, g in self._s.itl if t >= cutoff]
             loads = [x for x in self._s.kv_loads if x.t >= cutoff]
             errors = [k for t, k in self._s.errors if t >= cutoff]
@@ -200,7 +213,7 @@ class LiveStats:
             "preemptions": (steps[-1].preemptions - (base.preemptions if base else 0)) if steps else 0,
             "steps": self._steps(steps, span),
             "kv_transfer": self._kv_transfer(loads, span),
-            "tenants": self._by_tenant(reqs, span),
+            "tenants": self._by_tenant(by_tenant, span),
         }
         itl_ref_ms = float(np.median(solo)) * 1000 if solo else None
         block["verdict"] = self._verdict(block, window_s, itl_ref_ms, thresholds)
