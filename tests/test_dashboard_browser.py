@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_dashboard import AUTH, KEY, TINY, families, sample, send_load, wait_baseline
+from test_dashboard import AUTH, KEY, PD, TINY, families, pd, sample, send_load, wait_baseline  # noqa: F401 (pd: a fixture)
 
 from pdserve.bench.diagnose import Verdict
 from pdserve.launch import ServerProc, start_server
@@ -121,3 +121,19 @@ def test_the_page_asks_for_the_key(server: ServerProc, browser: Any) -> None:
     wrong.wait_for_function("document.getElementById('status').textContent.includes('API key needed')")
     assert wrong.locator('[data-stat="requests.finished"]').count() == 0
     wrong.close()
+
+
+def test_router_page_shows_the_instances_side_by_side(pd: PD, browser: Any) -> None:  # noqa: F811 (fixture)
+    send_load(pd.router.base_url, n=2)
+    wait_baseline(pd.decode)
+    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    page.goto(pd.router.base_url + f"/dashboard?key={KEY}&window=900")
+    pulls = '.instance[data-role="decode"] [data-stat="kv_transfer.pulls"]'
+    page.wait_for_selector(pulls, timeout=30_000)
+    assert page.locator("#role").inner_text() == "router"
+    assert page.locator('.instance[data-role="prefill"] .phase.prefill').count() == 1
+    ok = sample(families(pd.decode), "pdserve:kv_transfer", "_total", result="ok")
+    assert float(str(page.locator(pulls).get_attribute("data-value"))) == ok >= 2
+    box = {r: page.locator(f'.instance[data-role="{r}"]').bounding_box() for r in ("prefill", "decode")}
+    assert box["prefill"] and box["decode"] and box["prefill"]["x"] < box["decode"]["x"]  # side by side
+    page.close()
