@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 KERNELS := pdserve/kernels/_build/sources.sha256   # native CPU kernels (C++), rebuilt when csrc/ changes
 
-.PHONY: install serve generate test test-fast lint clean
+.PHONY: install serve generate test test-fast lint browser clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# the dashboard's browser test (tests/test_dashboard_browser.py, marker `browser`): Debian's chromium and the
+# playwright package (it drives the system chromium; no browser download). Idempotent.
+browser: install
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
+	$(PY) -m pip install -q playwright==1.65.2
 
 lint: install
 	$(VENV)/bin/ruff check pdserve tests benchmarks

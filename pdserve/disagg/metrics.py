@@ -15,12 +15,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.kv_transfer import FinishedLoad, KVTransfer
+from pdserve.server.stats import LiveStats
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.0, 30.0)
 
 
 class KVTransferMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, kv: KVTransfer) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, kv: KVTransfer,
+                 live: LiveStats | None = None) -> None:
         lbl, m = ["model_name"], model_name
         self.bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes pulled into this instance.", lbl,
                              registry=registry).labels(m)
@@ -39,12 +41,14 @@ class KVTransferMetrics:
               registry=registry).labels(m).set_function(lambda: kv.num_loading)
         for result in ("ok", "failed"):
             self.transfers.labels(m, result)
-        self.model_name = m
+        self.model_name, self.live = m, live
         kv.on_load = self.observe_load
         kv.on_pin_timeout = self.pin_timeouts.inc
 
     def observe_load(self, res: FinishedLoad) -> None:
         self.transfers.labels(self.model_name, "ok" if res.ok else "failed").inc()
+        if self.live is not None:
+            self.live.record_kv_load(res.ok, res.seconds, res.num_bytes if res.ok else 0)
         if res.ok:
             self.bytes.inc(res.num_bytes)
             self.seconds.observe(res.seconds)

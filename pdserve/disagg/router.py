@@ -17,9 +17,11 @@ from prometheus_client import generate_latest
 
 from pdserve.disagg.router_pool import Instance, Pool
 from pdserve.disagg.router_serving import RoutedResponse, RouterConfig, RouterServing, parse_body
+from pdserve.disagg.router_stats import router_stats
 from pdserve.disagg.trust import secret_from_env
 from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.server.errors import install_exception_handlers
+from pdserve.server.routes_dashboard import WindowQuery, page_router
 
 if TYPE_CHECKING:
     from pdserve.server.metrics import Metrics
@@ -62,8 +64,8 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
         return await route("/v1/chat/completions", raw)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return as_response(await serving.models())
+    async def models(raw: Request) -> Response:
+        return as_response(await serving.models(dict(raw.headers.items())))
 
     @app.get("/health")
     async def health() -> Response:
@@ -75,6 +77,11 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
         return PlainTextResponse(generate_latest(serving.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/v1/stats")
+    async def stats(raw: Request, window: float = WindowQuery) -> dict[str, Any]:
+        return await router_stats(serving, window, dict(raw.headers.items()))
+
+    app.include_router(page_router)  # the same dashboard; it shows the instances side by side
     return app
 
 

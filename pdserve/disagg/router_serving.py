@@ -323,11 +323,14 @@ class RouterServing:
         finally:
             tr.finish(self.metrics)
 
-    async def models(self) -> RoutedResponse:
-        """/v1/models of the first decode instance that answers."""
+    async def models(self, headers: dict[str, str] | None = None) -> RoutedResponse:
+        """/v1/models of the first decode instance that answers (with the client's API key, as requests)."""
+        fwd = {k: v for k, v in (headers or {}).items() if k.lower() in FORWARDED_HEADERS}
         for attempt in Tries(self.registry.decode, log_prefix="/v1/models: "):
             with attempt as inst:
-                r = await self.client.get(inst.url + "/v1/models", timeout=self.cfg.connect_timeout + 2)
+                r = await self.client.get(inst.url + "/v1/models", headers=fwd, timeout=self.cfg.connect_timeout + 2)
+                if r.status_code == 401:  # the client's key, not the instance: say so
+                    return RoutedResponse(401, r.content)
                 if r.status_code != 200:
                     raise InstanceFailed(f"answered {r.status_code}")
                 return RoutedResponse(200, r.content)

@@ -28,6 +28,13 @@ class RooflineMeter:
         self.peak_flops = self.peak_for(device, compute_dtype) if device else 0.0
         self.totals: dict[str, PhaseTotals] = {}
 
+    @classmethod
+    def with_peak(cls, device: DeviceSpec | None, peak_flops: float) -> RooflineMeter:
+        """An empty meter against a known peak (e.g. another meter's `peak_flops`), for a window's steps."""
+        meter = cls(None, torch.float32)
+        meter.device, meter.peak_flops = device, peak_flops if device else 0.0
+        return meter
+
     @staticmethod
     def peak_for(device: DeviceSpec, dtype: torch.dtype) -> float:
         """The measured peak of the dtype the model computes in, when the device says; else its headline peak."""

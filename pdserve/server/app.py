@@ -28,6 +28,7 @@ from pdserve.server.errors import install_exception_handlers
 from pdserve.server.metrics import Metrics
 from pdserve.server.routes import router
 from pdserve.server.routes_debug import debug_router
+from pdserve.server.routes_dashboard import page_router, stats_router
 from pdserve.server.serving import ServingOptions
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
@@ -70,7 +71,7 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
     if engine.kv_transfer is not None:  # PD disaggregation role: KV hand-off metrics
         from pdserve.disagg.metrics import KVTransferMetrics
 
-        KVTransferMetrics(metrics.registry, cfg.served_model_name, engine.kv_transfer)
+        KVTransferMetrics(metrics.registry, cfg.served_model_name, engine.kv_transfer, metrics.live)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -91,6 +92,8 @@ def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread
     install_exception_handlers(app, metrics)
     app.include_router(router)
     app.include_router(debug_router)
+    app.include_router(stats_router)
+    app.include_router(page_router)
     return app
 
 

@@ -14,6 +14,7 @@ from pdserve.engine.engine import StepStats
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode import SpecDecodeStats
 from pdserve.roofline import DeviceSpec
+from pdserve.server.stats import LiveStats
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -110,7 +111,7 @@ class Metrics:
                                ["model_name", "finished_reason"], registry=r)
         self.errors = Counter("pdserve:request_errors", "Failed requests by kind.", ["model_name", "kind"],
                               registry=r)
-        self.model_name = m
+        self.model_name, self.live = m, LiveStats(m)  # live: the same events, windowed, for GET /v1/stats
         for kind in ERROR_KINDS:
             self.errors.labels(m, kind)
         for reason in ("stop", "length", "abort", "error"):
@@ -144,6 +145,8 @@ class Metrics:
         self._last_prefix = (prefix_queries, prefix_hits)
         c["preemptions"].inc(num_preemptions - self._last_preemptions)
         self._last_preemptions = num_preemptions
+        self.live.record_step(step, num_running, num_waiting, kv_usage, prefix_queries, prefix_hits,
+                              num_preemptions)
 
     def observe_spec(self, stats: SpecDecodeStats) -> None:
         """Bring the spec_decode counters up to the engine's totals."""
@@ -162,6 +165,7 @@ class Metrics:
         self.peak_flops.labels(self.model_name).set(peak_flops)
         self.peak_bandwidth.labels(self.model_name).set(bandwidth)
         if device is not None:
+            self.live.set_peaks(device, peak_flops)
             self.peaks_info.clear()
             self.peaks_info.labels(self.model_name, *peaks_info_labels(device)).set(1)
 
@@ -177,6 +181,7 @@ class Metrics:
         t = req.times.token_times
         if len(t) > num_tokens:
             c["itl"].observe(t[-1] - t[-1 - num_tokens])
+            self.live.record_itl(t[-1] - t[-1 - num_tokens])
 
     def observe_finished(self, req: Request) -> None:
         c, t = self._children, req.times
@@ -189,6 +194,8 @@ class Metrics:
                             ("decode", t.decode_time), ("tpot", t.tpot)):
             if value is not None:
                 c[name].observe(value)
+        self.live.record_finished(req)
 
     def error(self, kind: str) -> None:
         self.errors.labels(self.model_name, kind).inc()
+        self.live.record_error(kind)

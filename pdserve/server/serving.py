@@ -419,7 +419,9 @@ class OpenAIServing:
                 **({"pdserve.tenant": ctx.tenant} if ctx.tenant else {})})
 
     def log_finished(self, req: EngineRequest, tenant: str | None) -> None:
-        """One JSON line per finished child on the `pdserve.requests` logger."""
+        """One JSON line per finished child on the `pdserve.requests` logger (and the /v1/stats tenant view)."""
+        if tenant is not None and self.metrics is not None:
+            self.metrics.live.record_tenant(req, tenant)
         t = req.times
         rec: dict[str, Any] = {
             "request_id": req.request_id, "tenant": tenant, "prompt_tokens": req.num_prompt_tokens,

@@ -15,9 +15,17 @@ from pdserve.bench.diagnose.cli import add_diagnose_parser, config_from_args, ru
 from pdserve.bench.diagnose.config import EXPERIMENTS, DiagnoseConfig
 from pdserve.bench.diagnose.experiments import diagnose
 from pdserve.bench.diagnose.report import DiagnoseResult, write_report
-from pdserve.bench.diagnose.rules import Finding, Thresholds, Verdict, analyze, find_knee, knee_points
+from pdserve.bench.diagnose.rules import (
+    Finding,
+    Thresholds,
+    Verdict,
+    analyze,
+    analyze_window,
+    find_knee,
+    knee_points,
+)
 from pdserve.bench.diagnose.stats import RunStats
 
 __all__ = ["EXPERIMENTS", "DiagnoseConfig", "DiagnoseResult", "Finding", "RunStats", "Thresholds", "Verdict",
-           "add_diagnose_parser", "analyze", "config_from_args", "diagnose", "find_knee", "knee_points",
-           "run_diagnose_cli", "write_report"]
+           "add_diagnose_parser", "analyze", "analyze_window", "config_from_args", "diagnose", "find_knee",
+           "knee_points", "run_diagnose_cli", "write_report"]

@@ -33,6 +33,8 @@ decode/scheduling; both high -> capacity; a sudden knee in the concurrency sweep
       -> queueing or prefill-bound by the share.
 Primary verdict: the first found of kv-capacity-bound, prefill-bound, queueing, decode-bound; else healthy. Every
 finding is listed with the numbers that led to it.
+Live (GET /v1/stats, the dashboard): the server's last window is read as one level — KV evidence, then the TTFT/ITL
+reading — with ITL_ref the median single-stream decode step it has seen (analyze_window).
 """
 
 from __future__ import annotations
@@ -294,7 +296,7 @@ def analyze_sweep(runs: Sequence[RunStats], itl_ref: float | None, th: Threshold
                                 f"{ok[i - 1].concurrency}): {e}, latency ≥ {th.knee_min_growth:g}× the level below;"
                                 f" no sharper knee there (latency was already growing with load: compute saturated "
                                 f"first); {_level_line(ok[i])}", "c", ok[i].concurrency))
-    return findings + _top_level_findings(ok[-1], itl_ref, th)
+    return findings + level_findings(ok[-1], itl_ref, th)
 
 
 def _knee_finding(ok: Sequence[RunStats], k: int, attr: str, th: Thresholds) -> Finding:
@@ -322,8 +324,9 @@ def _knee_finding(ok: Sequence[RunStats], k: int, attr: str, th: Thresholds) -> 
                    f"{_level_line(knee)}", "c", knee.concurrency)
 
 
-def _top_level_findings(r: RunStats, itl_ref: float | None, th: Thresholds) -> list[Finding]:
-    """The TTFT/ITL reading (see the module doc) at the highest level of a sweep without a knee."""
+def level_findings(r: RunStats, itl_ref: float | None, th: Thresholds) -> list[Finding]:
+    """The TTFT/ITL reading (see the module doc) of one load level: the highest level of a sweep without a knee,
+    or a live server's window (analyze_window)."""
     t_high, i_high = ttft_high(r.median_ttft_ms, itl_ref, th), itl_high(r, itl_ref, th)
     numbers = (f"at c={r.concurrency}: TTFT p50 {fmt_ms(r.median_ttft_ms)} ({_ttft_rule(th, itl_ref)}), ITL p50 "
                f"{fmt_ms(r.median_itl_ms)} / TPOT p50 {fmt_ms(r.median_tpot_ms)} ({_itl_rule(th, itl_ref)}), "
@@ -360,6 +363,24 @@ def healthy_summary(a: Sequence[RunStats], b: Sequence[RunStats], c: Sequence[Ru
     return (f"worst TTFT {fmt_ms(worst_ttft.max_ttft_ms)} ({worst_ttft.label}; {_ttft_rule(th, itl_ref)}), worst "
             f"median ITL {fmt_ms(worst_itl.median_itl_ms)} ({worst_itl.label}; ITL_ref {fmt_ms(itl_ref)}, "
             f"{_itl_rule(th, itl_ref)}), {sweep}{pre:.0f} preemptions")
+
+
+def analyze_window(r: RunStats, itl_ref: float | None, th: Thresholds) -> tuple[Verdict, list[Finding]]:
+    """A live server's last window (GET /v1/stats) read as one level of the sweep: KV evidence at this load
+    (kv_evidence: preemptions, or a full pool with requests waiting) -> kv-capacity-bound; then the TTFT/ITL reading
+    (level_findings); `decide` picks the verdict by the same priority as `diagnose`. Without a sweep there is no
+    knee, so KV evidence alone counts. `itl_ref`: the server's unloaded decode step (None: unknown yet)."""
+    if not r.completed and not r.preemptions:
+        return Verdict.HEALTHY, [Finding(None, f"{r.label}: no request finished, nothing to judge", "")]
+    findings: list[Finding] = []
+    if (evidence := kv_evidence(r, th)) is not None:
+        findings.append(Finding(Verdict.KV_CAPACITY, f"KV exhausted at this load: {evidence}; {_level_line(r)}",
+                                "", r.concurrency))
+    findings += level_findings(r, itl_ref, th)
+    verdict, _ = decide(findings)
+    if verdict == Verdict.HEALTHY:
+        findings.append(Finding(None, "healthy: " + healthy_summary([r], [], [], itl_ref, th), ""))
+    return verdict, findings
 
 
 def analyze(a: Sequence[RunStats], b: Sequence[RunStats], c: Sequence[RunStats],
