@@ -122,6 +122,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tool_parsers(sub: Any) -> None:
+    """The measuring and deployment commands (imported here: `pdserve serve` does not need them)."""
+    from pdserve.bench import add_bench_parser
+    from pdserve.bench.diagnose import add_diagnose_parser
+    from pdserve.disagg.router import add_router_parser
+    from pdserve.poc import add_poc_parser
+    from pdserve.profiler.cli import add_profile_parser
+    from pdserve.roofline import add_calc_parser
+
+    add_bench_parser(sub)
+    add_diagnose_parser(sub)
+    add_calc_parser(sub)
+    add_poc_parser(sub)
+    add_router_parser(sub)
+    add_profile_parser(sub, add_engine_args, engine_config_from_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -181,22 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_cmd_serve)
 
-    from pdserve.bench import add_bench_parser
-    from pdserve.bench.diagnose import add_diagnose_parser
-    from pdserve.roofline import add_calc_parser
-
-    add_bench_parser(sub)
-    add_diagnose_parser(sub)
-    add_calc_parser(sub)
-    from pdserve.poc import add_poc_parser
-
-    add_poc_parser(sub)
-    from pdserve.disagg.router import add_router_parser
-
-    add_router_parser(sub)
-    from pdserve.profiler.cli import add_profile_parser
-
-    add_profile_parser(sub, add_engine_args, engine_config_from_args)
+    _add_tool_parsers(sub)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
     conv.add_argument("gguf", help="a .gguf file or smollm2-135m")
