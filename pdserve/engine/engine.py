@@ -392,7 +392,7 @@ class LLMEngine:
         drafts then its correction/bonus token. A stop (token, string, max_tokens, grammar) drops the rest."""
         drafted, req.spec_token_ids = len(req.spec_token_ids), []
         if drafted and self.spec is not None:
-            self.spec.stats.observe(drafted, len(toks) - 1)
+            self.spec.on_verified(req, drafted, len(toks) - 1)
             req.num_draft_tokens += drafted
             req.num_accepted_tokens += len(toks) - 1
         if req.matcher is not None and not req.matcher.accept_token(toks[0]):  # constrained: never drafts

@@ -133,6 +133,8 @@ class Scheduler:
         # the KV transfer may keep the blocks (pinned for a decode instance, or a pull still writing them)
         if self.kv_transfer is None or not self.kv_transfer.on_finish(request, status):
             self.block_manager.free(request.request_id)
+        if self.spec is not None:
+            self.spec.on_finished(request)
         del self.requests[request.request_id]
 
     def has_unfinished(self) -> bool:
@@ -269,6 +271,8 @@ class Scheduler:
     def _fill_output(self, out: SchedulerOutput, decodes: list[tuple[Request, int]],
                      prefills: list[tuple[Request, int]]) -> SchedulerOutput:
         """The step's rows in the runner's order: plain decodes, decodes with drafts, prefill chunks."""
+        if self.spec is not None:  # a batched proposer (draft model) drafts for the speculating decodes now
+            self.spec.fill([r for r, _ in decodes if r.spec_token_ids])
         spec = [(r, n) for r, n in decodes if r.spec_token_ids]
         plain = [(r, n) for r, n in decodes if not r.spec_token_ids]
         order = plain + spec + prefills
@@ -318,6 +322,8 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.times.preemptions.append(now)
+        if self.spec is not None:
+            self.spec.on_preempted(req)
         self._enqueue(req, front=True)
         self.num_preemptions += 1
         out.preempted_req_ids.append(req.request_id)

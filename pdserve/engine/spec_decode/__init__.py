@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SpeculativeConfig
 from pdserve.engine.request import Request
-from pdserve.engine.spec_decode.ngram import NgramIndex
+from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.proposer import RESERVED, Proposer
 
 
 @dataclass
@@ -45,10 +46,18 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of `config.method` (config.py's SPEC_METHODS lists the methods that exist)."""
+    if config.method == "ngram":
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ValueError(f"speculative_config: method {config.method!r} has no proposer")
+
+
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        self.proposer = proposer if proposer is not None else make_proposer(config)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
 
     def enabled_for_step(self, num_decoding: int) -> bool:
@@ -61,14 +70,28 @@ class SpecDecoder:
         return req.matcher is None and not req.pooling
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
-        """Up to min(k, max_tokens) drafts for a decoding request (also bounded by its max_tokens)."""
+        """Up to min(k, max_tokens) drafts for a decoding request (also bounded by its max_tokens); a batched
+        proposer answers with RESERVED slots that `fill` replaces once the step's decodes are known."""
         k = min(self.k, max_tokens, req.max_tokens - req.num_output_tokens - 1)
         if k <= 0 or not self.eligible(req):
             return []
-        index = req.spec_index
-        if not isinstance(index, NgramIndex):
-            index = req.spec_index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-        return index.propose(req.all_token_ids, k)
+        return self.proposer.propose(req, k)
+
+    def fill(self, reqs: list[Request]) -> None:
+        """After scheduling: a batched proposer drafts for the step's speculating decodes at once."""
+        if self.proposer.batched and reqs:
+            self.proposer.fill(reqs)
+            assert all(RESERVED not in r.spec_token_ids for r in reqs), "a batched proposer left a slot unfilled"
+
+    def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        self.stats.observe(num_drafted, num_accepted)
+        self.proposer.on_verified(req, num_drafted, num_accepted)
+
+    def on_preempted(self, req: Request) -> None:
+        self.proposer.on_preempted(req)
+
+    def on_finished(self, req: Request) -> None:
+        self.proposer.on_finished(req)
 
 
-__all__ = ["SpecDecodeStats", "SpecDecoder"]
+__all__ = ["Proposer", "SpecDecodeStats", "SpecDecoder", "make_proposer"]

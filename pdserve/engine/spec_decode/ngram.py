@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode.proposer import Proposer
+
 
 class NgramIndex:
     """Per sequence: n-gram hash -> position right after its most recent occurrence, for n in [min_n, max_n]."""
@@ -55,3 +58,18 @@ class NgramIndex:
 def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Stateless form of `NgramIndex.propose` (a fresh index per call): for tests and one-off use."""
     return NgramIndex(min_n, max_n).propose(tokens, k)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup over the request's own prompt + output (`prompt_lookup_min` .. `prompt_lookup_max`)."""
+
+    method = "ngram"
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        index = req.spec_index
+        if not isinstance(index, NgramIndex):
+            index = req.spec_index = NgramIndex(self.min_n, self.max_n)
+        return index.propose(req.all_token_ids, k)
