@@ -27,8 +27,8 @@ from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.server.errors import install_exception_handlers
 from pdserve.server.metrics import Metrics
 from pdserve.server.routes import router
-from pdserve.server.routes_debug import debug_router
 from pdserve.server.routes_dashboard import page_router, stats_router
+from pdserve.server.routes_debug import debug_router
 from pdserve.server.serving import ServingOptions
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
