@@ -5,11 +5,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 import torch
+import uvicorn
+
+from pdserve.launch import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests never read or write the user's cache (~/.cache/pdserve: converted tokenizers, measured device peaks): one
@@ -115,3 +121,24 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def serve_app(app: Any) -> tuple[str, Callable[[], None]]:
+    """Serve a FastAPI app with uvicorn in a thread; (base URL once /health answers 200, stop)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+
+    return base, stop

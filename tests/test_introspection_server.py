@@ -14,14 +14,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.launch import free_port
 from pdserve.server.app import ServerConfig, create_app
 
-from conftest import loaded_from_hf
+from conftest import loaded_from_hf, serve_app
 
 otel = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter",
                            reason="the otel extra is not installed (pip install 'pdserve[otel]')")
@@ -41,20 +39,9 @@ def server(tiny_hf_model: Any, tokenizer: Any, tmp_path_factory: pytest.TempPath
                                           profiler_dir=str(prof_dir)))
     exporter = otel.InMemorySpanExporter()
     app.state.engine.tracer = RequestTracer(None, "tiny", exporter=exporter)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    base, stop = serve_app(app)
     yield base, exporter, prof_dir
-    srv.should_exit = True
-    thread.join(10)
+    stop()
 
 
 def at_baseline(base: str) -> None:

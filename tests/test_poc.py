@@ -6,47 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.launch import free_port
 from pdserve.poc import PocConfig, run_poc
 from pdserve.server.app import ServerConfig, create_app
 
-from conftest import loaded_from_hf
+from conftest import loaded_from_hf, serve_app
 
 ADMIN_CHECKS = {"switch_rollback", "reclaim"}
-
-
-def _serve(app: Any) -> tuple[str, Callable[[], None]]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(10)
-
-    return base, stop
 
 
 @pytest.fixture
@@ -58,7 +34,7 @@ def make_server(tiny_hf_model: Any, tokenizer: Any) -> Iterator[Callable[..., tu
         engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, max_num_seqs=2, device_peaks="off",
                                         max_step_ms=0), model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
         app = create_app(engine, ServerConfig(served_model_name="tiny", max_waiting_requests=max_waiting))
-        base, stop = _serve(wrap(app) if wrap else app)
+        base, stop = serve_app(wrap(app) if wrap else app)
         stops.append(stop)
         return base, engine, app
 
@@ -171,7 +147,7 @@ def test_poc_fails_streaming_on_a_server_whose_streams_hang(make_server: Any, tm
 
 
 @pytest.mark.slow
-def test_pdserve_poc_command_against_pdserve_serve(tmp_path: Path) -> None:
+def test_pdserve_poc_command_against_pdserveserve_app(tmp_path: Path) -> None:
     """The command line end to end: `pdserve serve` (default model) and `pdserve poc --quick` as processes."""
     import subprocess
     import sys
@@ -258,7 +234,7 @@ def _contract_server() -> Any:
 
 
 def test_admin_checks_follow_the_lifecycle_contract(tmp_path: Path) -> None:
-    base, stop = _serve(_contract_server())
+    base, stop = serve_app(_contract_server())
     try:
         rep = _poc(base, tmp_path / "out", checks=("switch_rollback", "reclaim"), admin_api_key="adm",
                    model="chat", switch_to="m@v2")

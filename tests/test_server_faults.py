@@ -4,21 +4,17 @@ Runs the real app under uvicorn in a thread, on a tiny in-memory model, so fault
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.launch import free_port
 from pdserve.server.app import ServerConfig, create_app
 
-from conftest import loaded_from_hf
+from conftest import loaded_from_hf, serve_app
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +22,9 @@ def app_server(tiny_hf_model: Any, tokenizer: Any) -> Iterator[tuple[str, LLMEng
     engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=128), model=loaded_from_hf(tiny_hf_model),
                        tokenizer=tokenizer)
     app = create_app(engine, ServerConfig(served_model_name="tiny"))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    base, stop = serve_app(app)
     yield base, engine
-    server.should_exit = True
-    thread.join(10)
+    stop()
 
 
 def _poison(engine: LLMEngine, marker: str) -> None:
