@@ -25,7 +25,7 @@ install: $(STAMP) $(KERNELS)
 serve: install
 	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q
 
 test-fast: install
@@ -33,9 +33,10 @@ test-fast: install
 
 # the dashboard's browser test (tests/test_dashboard_browser.py, marker `browser`): Debian's chromium and the
 # playwright package (it drives the system chromium; no browser download). Idempotent.
+# `make test` takes it, so the browser test runs wherever the suite runs.
 browser: install
-	command -v chromium >/dev/null || (apt-get update && apt-get install -y --no-install-recommends chromium)
-	$(PY) -m pip install -q playwright==1.65.2
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q --no-install-recommends chromium)
+	$(PY) -c 'import playwright' 2>/dev/null || $(PY) -m pip install -q -e '.[browser]'
 
 lint: install
 	$(VENV)/bin/ruff check pdserve tests benchmarks

@@ -108,7 +108,8 @@ def test_a_stalled_request_names_the_prefill_that_stalled_it(server: Any, caplog
 
     caplog.set_level(logging.INFO, logger="pdserve.requests")
     with httpx.stream("POST", base + "/v1/completions", headers=headers, timeout=120,
-                      json={"model": "tiny", "prompt": "hello", "max_tokens": 300, "ignore_eos": True,
+                      # long enough that B arrives while A decodes, even on a loaded machine (max_model_len 1024)
+                      json={"model": "tiny", "prompt": "hello", "max_tokens": 1000, "ignore_eos": True,
                             "stream": True}) as resp:
         for n, line in enumerate(resp.iter_lines()):
             if line.startswith("data: {"):

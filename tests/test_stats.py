@@ -146,3 +146,20 @@ def test_snapshot_verdict_reads_the_window() -> None:
     assert v["numbers"]["itl_ref_ms"] == pytest.approx(20.0) and v["numbers"]["preemptions"] == 2
     assert v["numbers"]["kv_watermark"] == pytest.approx(0.97)
     assert any("2 preemptions" in f["text"] for f in v["findings"])
+
+
+def test_cached_snapshot_is_reused_for_a_second_then_recomputed() -> None:
+    clock = Clock()
+    live = LiveStats("m", clock)
+    live.record_finished(finished("a", clock.t - 1, 0.01, 0.05, 0.02, 5))
+    first = live.cached_snapshot(60)
+    live.record_finished(finished("b", clock.t - 1, 0.01, 0.05, 0.02, 5))
+    clock.t += 0.5
+    assert live.cached_snapshot(60) is first  # younger than max_age_s: the same block, "b" not yet in it
+    assert live.cached_snapshot(30)["requests"]["finished"] == 2  # another window is its own entry
+    clock.t += 0.6
+    fresh = live.cached_snapshot(60)
+    assert fresh is not first and fresh["requests"]["finished"] == 2
+    for w in range(1, 40):  # arbitrary windows keep the cache bounded
+        live.cached_snapshot(float(w))
+    assert len(live._cached) <= 16

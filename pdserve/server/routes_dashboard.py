@@ -57,7 +57,7 @@ async def stats(raw: Request, window: float = WindowQuery) -> dict[str, Any]:
     kind, KV and prefix-cache figures, and the bottleneck verdict with the numbers behind it."""
     metrics: Metrics = raw.app.state.metrics
     aengine: AsyncEngine = raw.app.state.engine
-    block = metrics.live.snapshot(window)
+    block = metrics.live.cached_snapshot(window)
     kv = aengine.kv_snapshot
     block["kv_cache"].update(num_blocks=kv.num_blocks, used_blocks=kv.num_used_blocks,
                              cached_blocks=kv.num_cached_blocks)

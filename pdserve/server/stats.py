@@ -27,6 +27,7 @@ from pdserve.engine.request import Request
 from pdserve.roofline import DeviceSpec, RooflineMeter
 
 MAX_WINDOW_S = 900.0  # the longest window a snapshot may ask for
+SNAPSHOT_MAX_AGE_S = 1.0  # /v1/stats answers from a snapshot at most this old
 DEFAULT_WINDOW_S = 60.0
 MAX_STEPS = 30_000  # ~15 min of 30 ms steps
 MAX_REQUESTS = 20_000
@@ -119,6 +120,7 @@ class LiveStats:
         self.started = clock()
         self.device: DeviceSpec | None = None
         self.peak_flops = 0.0
+        self._cached: dict[tuple[float, Thresholds | None], tuple[float, dict[str, Any]]] = {}
 
     def set_peaks(self, device: DeviceSpec | None, peak_flops: float) -> None:
         self.device, self.peak_flops = device, peak_flops
@@ -182,6 +184,20 @@ class LiveStats:
             self._s.errors.append((now, kind))
 
     # ---- snapshot ------------------------------------------------------------------------------------------
+    def cached_snapshot(self, window_s: float = DEFAULT_WINDOW_S, thresholds: Thresholds | None = None,
+                        max_age_s: float = SNAPSHOT_MAX_AGE_S) -> dict[str, Any]:
+        """`snapshot`, reused while younger than max_age_s: with full buffers a snapshot costs up to ~0.2 s of
+        the event loop, and every open dashboard polls it. Keyed by (window, thresholds); a few keys at most."""
+        key, now = (window_s, thresholds), self.clock()
+        hit = self._cached.get(key)
+        if hit is not None and now - hit[0] < max_age_s:
+            return hit[1]
+        block = self.snapshot(window_s, thresholds)
+        if len(self._cached) >= 16:  # arbitrary ?window= values must not grow it
+            self._cached.clear()
+        self._cached[key] = (now, block)
+        return block
+
     def snapshot(self, window_s: float = DEFAULT_WINDOW_S, thresholds: Thresholds | None = None) -> dict[str, Any]:
         """The model's block of /v1/stats over the last `window_s` seconds (clamped to (0, MAX_WINDOW_S])."""
         window_s = min(max(window_s, 1e-3), MAX_WINDOW_S)
