@@ -101,8 +101,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
     engine_thread = EngineThread()  # builds the engine and later runs its loop: one OpenMP team (async_engine.py)
     # peaks are resolved on the engine thread too: `auto` may measure, and must do so with the engine's threads
-    engine = engine_thread.call(lambda: LLMEngine(cfg, device_peaks=resolve_device_peaks(cfg.device_peaks,
-                                                                                          cfg.num_threads)))
+    engine = engine_thread.call(lambda: LLMEngine(cfg, device_peaks=resolve_device_peaks(
+        cfg.device_peaks, cfg.num_threads, cfg.device)))
     name = args.served_model_name or engine.model_name
     app = create_app(engine, ServerConfig(served_model_name=name, api_key=args.api_key,
                                           max_waiting_requests=args.max_waiting_requests,

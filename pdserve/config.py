@@ -129,6 +129,9 @@ class ModelArchConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
 
 
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
 SPEC_METHODS = ("ngram",)
 SPEC_METHODS_PLANNED = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp")
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
@@ -243,6 +246,19 @@ class EngineConfig:
         "auto", "`native`: pdserve's C++ CPU kernels (GGUF Q4_0/Q4_1/Q8_0 and `--quantization` weights read as "
         "stored, paged attention in place, fused layer ops; float32 activations), `torch`: the PyTorch reference "
         "path, `auto`: native where built and the dtype is float32")
+    device: str = option(
+        "cpu", "`cpu` or `cuda` (one GPU: weights, KV cache and sampling on it; fails at start-up where "
+        "torch.cuda.is_available() is false)")
+    gpu_memory_utilization: float = option(
+        0.9, "on `cuda`: fraction of the device's total memory this engine may use (as vLLM); the KV cache gets what "
+        "is left after the weights and the profiled activation peak of the largest step (`kv_cache_memory` is not "
+        "used there; `num_kv_blocks` still overrides)")
+    attention_backend: str = option(
+        "auto", "attention with `--kernels torch`: `sdpa` (gather the blocks, then scaled_dot_product_attention), "
+        "`flex` (PyTorch FlexAttention reading K/V blocks in place through a block mask; compiled on cuda, eager on "
+        "cpu); `auto`: flex on cuda, sdpa on cpu")
+    enforce_eager: bool = option(
+        False, "on `cuda`: run decode steps eagerly instead of replaying CUDA graphs captured at padded batch sizes")
     # live roofline
     device_peaks: str = option(
         "auto", "peaks the live roofline measures MFU/MBU against: `auto` (this machine: measured on a quiet machine "
@@ -276,6 +292,12 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8, int4 or unset, got {self.quantization!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kernels not in ("auto", "native", "torch"):
             raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
         if self.kv_role not in ("both", "prefill", "decode"):
@@ -313,6 +335,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """On cuda `auto` is bfloat16 (tensor cores); on cpu it depends on the CPU (parse_dtype)."""
+        if self.device == "cuda" and self.dtype == "auto":
+            return torch.bfloat16
         return parse_dtype(self.dtype)
 
     @classmethod

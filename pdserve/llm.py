@@ -24,7 +24,8 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}; known: {EngineConfig.option_names()}")
         self.config = EngineConfig(model=model, **engine_options)
-        peaks = resolve_device_peaks(self.config.device_peaks, self.config.num_threads)
+        peaks = resolve_device_peaks(self.config.device_peaks, self.config.num_threads,
+                                     self.config.device)
         self.engine = LLMEngine(self.config, model=loaded_model, tokenizer=tokenizer, device_peaks=peaks,
                                 load_progress=load_progress)
 

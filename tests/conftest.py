@@ -36,9 +36,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
-    """The default model's tokenizer (vocab 49152), cached on disk after the first build."""
+    """The default model's tokenizer (vocab 49152), cached on disk after the first build; or, where the GGUF cannot
+    travel (benchmarks/gpu_check.sh on a GPU machine), the saved copy in $PDSERVE_TEST_TOKENIZER."""
     from pdserve.model.loader import load_tokenizer
 
+    saved = os.environ.get("PDSERVE_TEST_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
     return load_tokenizer(None)
 
 
@@ -96,6 +102,10 @@ def tiny_hf_model() -> Any:
     return make_tiny_hf_model()
 
 
+# The device the engine tests run on: cpu in CI; benchmarks/gpu_check.sh runs the equality tests with cuda.
+TEST_DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture
 def make_llm(tiny_hf_model: Any, tokenizer: Any) -> Callable[..., Any]:
     """Factory for a pdserve.LLM on the tiny model (fp32, no device peaks by default: a test that needs MFU/MBU
@@ -105,6 +115,7 @@ def make_llm(tiny_hf_model: Any, tokenizer: Any) -> Callable[..., Any]:
 
     def factory(hf_model: Any = None, **options: Any) -> Any:
         options.setdefault("dtype", "float32")
+        options.setdefault("device", TEST_DEVICE)
         options.setdefault("device_peaks", "off")
         options.setdefault("num_kv_blocks", 256)
         options.setdefault("max_step_ms", 0)

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import SamplingParams
 
-from conftest import hf_greedy, loaded_from_hf, make_tiny_hf_model
+from conftest import TEST_DEVICE, hf_greedy, loaded_from_hf, make_tiny_hf_model
 
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -29,12 +29,24 @@ def _prompts(tokenizer: Any) -> list[list[int]]:
     return ids
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "torch", "flex"])
 def make_llm(request: pytest.FixtureRequest, make_llm: Any) -> Any:
-    """conftest's factory, once per kernel path (a bf16 model keeps the PyTorch path under `auto`)."""
+    """conftest's factory, once per kernel path (a bf16 model keeps the PyTorch path under `auto`), on
+    TEST_DEVICE (passed explicitly). `flex`: the torch path with FlexAttention on the cache in place and decode
+    steps through the DecodeGraphRunner (CUDA graphs on cuda, its eager twin on cpu)."""
     choice = request.param
+    if choice == "native" and TEST_DEVICE != "cpu":
+        pytest.skip("the native kernels are CPU code")
 
     def factory(hf_model: Any = None, **options: Any) -> Any:
+        options.setdefault("device", TEST_DEVICE)
+        if choice == "flex":
+            options.setdefault("attention_backend", "flex")
+            options.setdefault("kernels", "torch")
+            llm = make_llm(hf_model, **options)
+            if llm.engine.runner.decode_graphs is None:
+                llm.engine.runner.enable_decode_graphs()
+            return llm
         native_ok = options.get("dtype", "float32") == "float32"
         options.setdefault("kernels", choice if native_ok or choice == "torch" else "auto")
         return make_llm(hf_model, **options)
@@ -48,9 +60,12 @@ def reference(tiny_hf_model: Any, tokenizer: Any) -> dict[tuple[int, ...], list[
 
 
 def _run(llm: Any, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    graphs = llm.engine.runner.decode_graphs
+    before = graphs.replays if graphs is not None else 0
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     llm.engine.block_manager.check_integrity()
     assert llm.engine.block_manager.is_at_baseline()
+    assert graphs is None or graphs.replays > before  # the decode steps did go through the graph runner
     return [o.outputs[0].token_ids for o in outs]
 
 

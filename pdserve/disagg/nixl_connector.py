@@ -1,7 +1,9 @@
 """NIXL KV connector: the decode side READs the pinned remote blocks straight into its own KV tensor.
 
-The whole KV tensor is registered with NIXL as host memory (DRAM) at start-up; UCX carries the bytes (over TCP
-here: `UCX_TLS=tcp` unless the environment says otherwise). The ZeroMQ side channel of ZmqConnector stays for what
+The whole KV tensor is registered with NIXL at start-up, as host memory (DRAM) or, when the KV cache lives on a GPU
+(`--device cuda`), as device memory (VRAM, with the GPU's index: `nixl_memory`); each side tells the other its type
+in the handshake. UCX carries the bytes (over TCP unless the environment sets `UCX_TLS`; with GPUs, UCX's cuda
+transports move VRAM directly). The ZeroMQ side channel of ZmqConnector stays for what
 NIXL does not do: the first handshake with a peer (`nixl_meta`: its agent metadata, KV base address and layout),
 the pin check before each read (`nixl_prepare`, which also extends the pin so it cannot expire mid-read) and the
 release after a failed read. A successful READ carries the remote request id as its NIXL notification; the prefill
@@ -28,8 +30,19 @@ from pdserve.disagg.zmq_connector import ZmqConnector, encode_json
 logger = logging.getLogger("pdserve.disagg")
 
 
-def import_nixl() -> tuple[Any, Any]:
-    os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA NICs or GPUs assumed; must be set before UCX loads
+def nixl_memory(device: torch.device) -> tuple[str, int]:
+    """NIXL's memory type and device id for a tensor on `device`: ("VRAM", GPU index) on cuda, ("DRAM", 0) in
+    host memory."""
+    if device.type == "cuda":
+        return "VRAM", device.index if device.index is not None else torch.cuda.current_device()
+    if device.type != "cpu":
+        raise ValueError(f"NIXL registers host or CUDA memory, not {device.type}")
+    return "DRAM", 0
+
+
+def import_nixl(gpu: bool = False) -> tuple[Any, Any]:
+    # no RDMA NICs assumed; cuda_copy lets UCX stage VRAM through TCP (set before UCX loads)
+    os.environ.setdefault("UCX_TLS", "tcp,cuda_copy" if gpu else "tcp")
     errors = []
     for mod in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
@@ -48,17 +61,18 @@ class NixlConnector(ZmqConnector):
     def __init__(self, engine_id: str, kv_cache: torch.Tensor, host: str, port: int, pins: PinTable,
                  timeout: float) -> None:
         super().__init__(engine_id, kv_cache, host, port, pins, timeout)
-        nixl_agent, nixl_agent_config = import_nixl()
+        self.mem_type, self.device_id = nixl_memory(kv_cache.device)
+        nixl_agent, nixl_agent_config = import_nixl(gpu=self.mem_type == "VRAM")
         try:
             # no NIXL progress thread: it busy-polls a whole core, which a CPU-bound engine cannot spare; UCX
             # progresses when this connector polls (the server thread every few ms, a loader while it waits)
             self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
             if "UCX" not in self.agent.backends:
                 raise RuntimeError("NIXL has no UCX backend here")
-            self._reg = self.agent.register_memory(kv_cache)
+            self._reg = self.agent.register_memory(kv_cache)  # the agent reads the type from the tensor's device
         except Exception as exc:
-            raise RuntimeError(f"NIXL could not start a UCX agent with the KV cache registered as DRAM: {exc}. "
-                               "Use --kv-connector zmq.") from exc
+            raise RuntimeError(f"NIXL could not start a UCX agent with the KV cache registered as {self.mem_type}: "
+                               f"{exc}. Use --kv-connector zmq.") from exc
         self._lock = threading.Lock()  # one NIXL call at a time (server thread + loader threads)
         self._remotes: dict[str, dict[str, Any]] = {}  # "host:port" -> {agent, base, layout}
         self._chunk = self.layout["block_size"] * self.layout["kv_heads"] * self.layout["head_dim"] * \
@@ -87,7 +101,8 @@ class NixlConnector(ZmqConnector):
             with self._lock:
                 meta = self.agent.get_agent_metadata()
             return [encode_json({"ok": True, "agent_name": self.engine_id, "base_addr": self.kv_cache.data_ptr(),
-                           "layout": self.layout}), meta]
+                                 "layout": self.layout, "mem_type": self.mem_type, "device_id": self.device_id}),
+                    meta]
         if op == b"nixl_prepare":
             ids = [int(b) for b in msg["block_ids"]]
             err = check_compatible(self.layout, msg.get("layout", {})) or self.pins.check(
@@ -111,14 +126,14 @@ class NixlConnector(ZmqConnector):
         return info
 
     def _descs(self, base: int, num_blocks: int, block_ids: list[int], runs: list[tuple[int, int, int]],
-               local: bool) -> np.ndarray:
+               local: bool, device_id: int = 0) -> np.ndarray:
         rows = []
         for layer in range(self.layout["num_layers"]):
             for kv in (0, 1):
                 plane = (layer * 2 + kv) * num_blocks
                 for loc, rem, n in runs:
                     b = loc if local else rem
-                    rows.append((base + (plane + b) * self._chunk, n * self._chunk, 0))
+                    rows.append((base + (plane + b) * self._chunk, n * self._chunk, device_id))
         return np.array(rows, dtype=np.uint64)
 
     def _pull(self, job: LoadJob) -> tuple[int, bool]:
@@ -132,13 +147,15 @@ class NixlConnector(ZmqConnector):
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
             else:
                 runs.append((loc, rem, 1))
-        local = self._descs(self.kv_cache.data_ptr(), self.layout["num_blocks"], job.local_block_ids, runs, True)
+        local = self._descs(self.kv_cache.data_ptr(), self.layout["num_blocks"], job.local_block_ids, runs, True,
+                            self.device_id)
+        rtype = str(remote.get("mem_type", "DRAM"))  # a peer of before VRAM support: host memory
         rdescs = self._descs(int(remote["base_addr"]), int(remote["layout"]["num_blocks"]), job.remote_block_ids,
-                             runs, False)
+                             runs, False, int(remote.get("device_id", 0)))
         nbytes = int(local[:, 1].sum())
         with self._lock:
-            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
-                                                self.agent.get_xfer_descs(rdescs, "DRAM"), remote["agent_name"],
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem_type),
+                                                self.agent.get_xfer_descs(rdescs, rtype), remote["agent_name"],
                                                 str(p["remote_request_id"]).encode())
             state = self.agent.transfer(handle)
         try:

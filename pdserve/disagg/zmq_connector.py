@@ -126,9 +126,10 @@ class ZmqConnector(KVConnector):
             err = err or self.pins.check(str(msg["request_id"]), ids)
             if err is not None:
                 return [encode_json({"ok": False, "error": err})]
-            idx = torch.tensor(ids, dtype=torch.long)
+            idx = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
             layers = [self.kv_cache[layer].index_select(1, idx) for layer in range(self.layout["num_layers"])]
-        frames = [memoryview(t.view(torch.uint8).numpy().reshape(-1)) for t in layers]  # type: ignore[arg-type]
+        # a cache on a GPU is staged through host memory (.cpu() is a no-op for a host cache)
+        frames = [memoryview(t.cpu().view(torch.uint8).numpy().reshape(-1)) for t in layers]  # type: ignore[arg-type]
         return [encode_json({"ok": True, "num_blocks": len(ids)}), *frames]
 
     # ---- loader side (decode) ------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class ZmqConnector(KVConnector):
             raise KVTransferError(f"expected {lay['num_layers']} layer frames, got {len(frames)}")
         shape = (2, n, lay["block_size"], lay["kv_heads"], lay["head_dim"])
         expect = 2 * n * lay["block_size"] * lay["kv_heads"] * lay["head_dim"] * lay["element_size"]
-        idx = torch.tensor(job.local_block_ids, dtype=torch.long)
+        idx = torch.tensor(job.local_block_ids, dtype=torch.long, device=self.kv_cache.device)
         total = 0
         with warnings.catch_warnings(), torch.no_grad():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -172,7 +173,7 @@ class ZmqConnector(KVConnector):
                 if buf.nbytes != expect:
                     raise KVTransferError(f"layer {layer}: expected {expect} bytes, got {buf.nbytes}")
                 src = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_cache.dtype).view(shape)
-                self.kv_cache[layer].index_copy_(1, idx, src)
+                self.kv_cache[layer].index_copy_(1, idx, src.to(self.kv_cache.device))
                 total += buf.nbytes
         return total, True
 

@@ -28,6 +28,7 @@ from pdserve.engine.step_log import StepLog
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.kernels import kernels_description, resolve_kernels
+from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
@@ -78,7 +79,10 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.kernels = resolve_kernels(config.kernels, config.torch_dtype)  # "native" | "torch"
+        self.device = resolve_device(config.device)
+        self.kernels = resolve_kernels(config.kernels, config.torch_dtype, config.device)  # "native" | "torch"
+        cuda_sized = self.device.type == "cuda" and config.num_kv_blocks is None  # KV from device memory
+        free_total = device_memory(self.device) if cuda_sized else (0, 0)
         loaded = model if model is not None else load_model(config.model, dtype=config.torch_dtype,
                                                             keep_quantized=self.kernels == "native",
                                                             progress=load_progress)
@@ -88,11 +92,18 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks(config)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, self.num_blocks,
+        num_blocks = ModelRunner.profile_num_blocks(config.max_num_batched_tokens, config.max_num_seqs,
+                                                    config.block_size) if cuda_sized else self._num_blocks(config)
+        self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, num_blocks,
                                   config.block_size, self.max_model_len, self.kernels,
-                                  config.quantization, config.linear_backend)
+                                  config.quantization, config.linear_backend, self.device, config.attention_backend,
+                                  max_num_seqs=config.max_num_seqs)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_decode_graphs()
+        if cuda_sized:
+            self._size_kv_cache_from_device(config, *free_total)
+        self.num_blocks = self.runner.num_blocks
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         # PD disaggregation (prefill/decode roles): KV hand-off over a connector
         self.kv_transfer: KVTransfer | None = None
         if config.kv_role != "both":
@@ -124,6 +135,14 @@ class LLMEngine:
         if n < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no block of {per_block} bytes")
         return int(n)
+
+    def _size_kv_cache_from_device(self, config: EngineConfig, free: int, total: int) -> None:
+        """vLLM's gpu_memory_utilization: profile the largest step, then give the KV cache what the budget leaves."""
+        activations = self.runner.profile_activation_bytes(config.max_num_batched_tokens, config.max_num_seqs)
+        plan = kv_cache_budget(total, free, self.runner.weight_bytes, activations, config.gpu_memory_utilization)
+        per_block = config.block_size * self.arch.kv_bytes_per_token(config.torch_dtype)
+        self.runner.allocate_kv_cache(max(1, plan.num_blocks(per_block) - 1))  # one block is the scratch block
+        logger.info("device memory plan: %s", plan)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -76,11 +76,16 @@ def isa() -> str:
     return mod.active_isa() if mod is not None else "none"
 
 
-def resolve_kernels(kernels: str, dtype: torch.dtype) -> str:
+def resolve_kernels(kernels: str, dtype: torch.dtype, device: str = "cpu") -> str:
     """"native" or "torch" for `--kernels auto|native|torch`: auto takes the native kernels where they are built
-    and the compute dtype is float32 (their activations are float32; bf16/fp16 models keep the PyTorch path)."""
+    and the compute dtype is float32 (their activations are float32; bf16/fp16 models keep the PyTorch path).
+    The native kernels are CPU code: on cuda auto is torch and native an error."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    if device != "cpu":
+        if kernels == "native":
+            raise ValueError(f"--kernels native runs on the CPU only; with --device {device} use auto or torch")
+        return "torch"
     if kernels == "torch":
         return "torch"
     if kernels == "native":

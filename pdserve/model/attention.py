@@ -13,7 +13,7 @@ chunk sees its own keys as well as those of earlier chunks and prefix-cache hits
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +41,17 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None  # int32 [S, max_blocks] (padded with block 0)
     query_start_loc: torch.Tensor | None = None  # int32 [S + 1]
     seq_lens: torch.Tensor | None = None  # int32 [S]
+    block_mask: Any = None  # the flex backend's BlockMask of the step (model/flex_attention.py)
+    dense_mask: torch.Tensor | None = None  # flex's dense mode: bool [T, slots], the block mask evaluated
 
 
 class AttentionBackend(Protocol):
     name: str
+    varlen: bool  # reads the varlen metadata (block_table / query_start_loc / seq_lens); else the sdpa form
+
+    def prepare(self, meta: AttentionMetadata, positions: torch.Tensor, num_blocks: int, block_size: int) -> None:
+        """Once per step, before the layers: per-step structures shared by all layers (stored in `meta`)."""
+        ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -63,6 +70,10 @@ class SDPABackend:
     prefill chunks one sequence at a time (causal, offset by their context)."""
 
     name = "sdpa"
+    varlen = False
+
+    def prepare(self, meta: AttentionMetadata, positions: torch.Tensor, num_blocks: int, block_size: int) -> None:
+        pass
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -88,8 +99,8 @@ class SDPABackend:
                 total = chunk.num_context + n
                 kp, vp = self._gather(layer_cache, chunk.block_ids.unsqueeze(0), total)
                 # query i sits at position num_context + i and sees keys 0..num_context + i
-                qpos = torch.arange(chunk.num_context, total).unsqueeze(1)
-                mask = torch.arange(total).unsqueeze(0) <= qpos
+                qpos = torch.arange(chunk.num_context, total, device=q.device).unsqueeze(1)
+                mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s:s + n] = op.squeeze(0).transpose(0, 1)
         return out
@@ -115,6 +126,10 @@ class NativeBackend:
     kernel for decodes, multi-token decode rows and prefill chunks with context (GQA-aware, online softmax)."""
 
     name = "native"
+    varlen = True
+
+    def prepare(self, meta: AttentionMetadata, positions: torch.Tensor, num_blocks: int, block_size: int) -> None:
+        pass
 
     def __init__(self) -> None:
         from pdserve import kernels
@@ -128,13 +143,3 @@ class NativeBackend:
         out = torch.empty(q.shape, dtype=torch.float32)
         self.ops.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale)
         return out
-
-
-_BACKENDS: dict[str, type] = {"sdpa": SDPABackend, "native": NativeBackend}
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    backend: AttentionBackend = _BACKENDS[name]()
-    return backend

@@ -81,6 +81,16 @@ class SamplingMetadata:
     # how many of a row's positions (1 + drafts) banned_token_ids applies to (min_tokens not yet reached)
     banned_positions: list[int] = field(default_factory=list)
 
+    @classmethod
+    def greedy_rows(cls, k: int) -> SamplingMetadata:
+        """k greedy rows with every option off (profiling and tests)."""
+        return cls(temperature=[0.0] * k, greedy=[True] * k, top_k=[0] * k, top_p=[1.0] * k, min_p=[0.0] * k,
+                   repetition_penalty=[1.0] * k, presence_penalty=[0.0] * k, frequency_penalty=[0.0] * k,
+                   generators=[None] * k, num_logprobs=[None] * k, banned_token_ids=[[] for _ in range(k)],
+                   prompt_token_ids=[[] for _ in range(k)], output_token_ids=[[] for _ in range(k)],
+                   logit_bias=[None] * k, token_bitmask=[None] * k, draft_token_ids=[[] for _ in range(k)],
+                   banned_positions=[0] * k)
+
     @property
     def num_rows(self) -> int:
         return len(self.temperature)

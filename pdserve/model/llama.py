@@ -73,6 +73,9 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos()  # [P, D/2]
         self.sin = freqs.sin()
 
+    def to_device(self, device: torch.device) -> None:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
     def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D/2] of a step's positions: looked up once per step, shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from pdserve.config import ModelArchConfig
-from pdserve.model.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from pdserve.model.attention import AttentionMetadata, PrefillChunk
+from pdserve.model.attention_backends import get_attention_backend
 from pdserve.model.cpu_linear import pack_model_linears, use_onednn
-from pdserve.model.inputs import SchedulerOutput
+from pdserve.model.decode_graphs import DecodeGraphRunner
+from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput
 from pdserve.model.llama import LlamaForCausalLM, skip_weight_init
 from pdserve.model.quant import quantize_model
 from pdserve.model.quant_linear import QuantEmbedding, QuantLinear, StateDict
@@ -47,28 +49,102 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> t
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, state_dict: StateDict, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_model_len: int, kernels: str = "torch",
-                 quantization: str | None = None, linear_backend: str = "auto") -> None:
+                 quantization: str | None = None, linear_backend: str = "auto", device: str | torch.device = "cpu",
+                 attention_backend: str = "auto", max_num_seqs: int = 64) -> None:
         """`kernels`: "native" (pdserve/kernels: fused layer ops, paged attention in place, GGUF-block linears) or
-        "torch" (the PyTorch reference path); the engine resolves "auto" before this."""
+        "torch" (the PyTorch reference path); the engine resolves "auto" before this. `device`: where weights, KV
+        cache, step tensors and sampling live. `attention_backend` (torch kernels): sdpa | flex | auto (flex on
+        cuda). `max_num_seqs`: the largest padded batch of decode graphs (enable_decode_graphs)."""
         self.arch = arch
         self.dtype = dtype
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        native = kernels == "native"
+        if not on_cpu and (native or quantization):
+            raise ValueError("native kernels and --quantization are CPU-only; on cuda use --kernels torch and a "
+                             "float checkpoint")
         with skip_weight_init():  # uninitialised (untouched, so unpaged) parameters: the state dict fills them
             model = LlamaForCausalLM(arch, max_positions=1)
         model.rotary = type(model.rotary)(arch, max_model_len)
         model.load_hf_state_dict(state_dict)
-        self.model = model.to(dtype).eval()
-        native = kernels == "native"
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.model.rotary.to_device(self.device)
         if quantization:
             quantize_model(self.model, quantization, packed=use_onednn(linear_backend, dtype), native=native)
-        if use_onednn(linear_backend, dtype):
+        if on_cpu and use_onednn(linear_backend, dtype):
             pack_model_linears(self.model)  # the float projections that remain
-        self.backend = get_attention_backend("native" if native else "sdpa")
         if native:
+            self.backend = get_attention_backend("native")
             self.model.build_native_decoder(self.backend.ops)  # type: ignore[attr-defined]
+        else:
+            name = attention_backend if attention_backend != "auto" else ("sdpa" if on_cpu else "flex")
+            self.backend = get_attention_backend(name, self.device)
         self.sampler = Sampler()
-        self.kv_cache = lazy_zeros((arch.num_hidden_layers, 2, num_blocks, block_size, arch.num_key_value_heads,
-                                    arch.head_dim), dtype)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self._graphs_capture: bool | None = None  # set by enable_decode_graphs
+        self._max_num_seqs = max_num_seqs
+        self.allocate_kv_cache(num_blocks)
+
+    def enable_decode_graphs(self, capture: bool | None = None) -> None:
+        """Pure-decode steps go through a DecodeGraphRunner at padded batch sizes up to max_num_seqs: CUDA graphs
+        (capture None: on cuda), or its eager twin (on cpu; the tests' path). Not with the native kernels."""
+        if self.backend.name == "native":
+            raise ValueError("decode graphs run the torch kernels; the native kernels are CPU code")
+        self._graphs_capture = self.device.type == "cuda" if capture is None else capture
+        self.decode_graphs = DecodeGraphRunner(
+            self.model, self.kv_cache, self.backend, self.block_size, -(-self.max_model_len // self.block_size),
+            self._max_num_seqs, scratch_block=self.num_blocks, capture=self._graphs_capture)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)allocate the KV cache with `num_blocks` blocks for the block manager, plus one scratch block past
+        them (id num_blocks) that padded decode rows write to: never handed out, never read unmasked."""
+        arch = self.arch
+        shape = (arch.num_hidden_layers, 2, num_blocks + 1, self.block_size, arch.num_key_value_heads,
+                 arch.head_dim)
+        self.kv_cache = torch.empty(0)  # free the old cache first
+        if self.device.type == "cpu":
+            self.kv_cache = lazy_zeros(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
+        self.decode_graphs = None
+        if self._graphs_capture is not None:
+            self.enable_decode_graphs(self._graphs_capture)
+
+    @staticmethod
+    def profile_num_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
+        """Blocks the profiling step (`profile_activation_bytes`) needs."""
+        return -(-num_tokens // block_size) + min(num_seqs, num_tokens)
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        """Run the largest step the scheduler may send (num_tokens prompt tokens over min(num_seqs, num_tokens)
+        sampled sequences, greedy) and return the peak device memory it allocated above what was allocated before
+        (0 on cpu, where the cache is not sized this way). Needs profile_num_blocks(...) KV blocks; the KV it
+        writes is garbage the caller reallocates."""
+        k = max(1, min(num_seqs, num_tokens))
+        sizes = [num_tokens // k + (i < num_tokens % k) for i in range(k)]
+        reqs, next_block, bs = [], 0, self.block_size
+        for i, n in enumerate(sizes):
+            nblk = -(-n // bs)
+            reqs.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, list(range(next_block, next_block + nblk)),
+                                         True))
+            next_block += nblk
+        md = SamplingMetadata.greedy_rows(k)
+        sched = SchedulerOutput(reqs, num_prefill_tokens=num_tokens, sampling_metadata=md)
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        out = self.execute(sched)
+        assert len(out.token_ids) == k
+        if not on_cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device) - base)
 
     @property
     def weight_bytes(self) -> int:
@@ -90,7 +166,13 @@ class ModelRunner:
             lm_head_bytes=head_bytes, embed_row_bytes=emb_row_bytes, kv_dtype_bytes=self.kv_cache.element_size())
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
-        return self._prepare_varlen(sched) if self.backend.name == "native" else self._prepare_sdpa(sched)
+        """The step's tensors, built on the CPU from plain lists and copied to the device once each."""
+        inp = self._prepare_varlen(sched) if self.backend.varlen else self._prepare_sdpa(sched)
+        self.backend.prepare(inp.meta, inp.positions, self.kv_cache.shape[2], self.block_size)
+        return inp
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def _prepare_varlen(self, sched: SchedulerOutput) -> StepInputs:
         """One row per sequence (decodes first): the native kernel's block_table / query_start_loc / seq_lens."""
@@ -113,12 +195,13 @@ class ModelRunner:
                 sample_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
         width = max(len(b) for b in tables)
         block_table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
+        d = self._dev
+        meta = AttentionMetadata(slot_mapping=d(torch.tensor(slots, dtype=torch.long)),
                                  num_decodes=sched.num_decode_tokens, decode_block_tables=None, decode_mask=None,
-                                 prefills=[], block_table=block_table,
-                                 query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32))
-        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+                                 prefills=[], block_table=d(block_table),
+                                 query_start_loc=d(torch.tensor(qsl, dtype=torch.int32)),
+                                 seq_lens=d(torch.tensor(seq_lens, dtype=torch.int32)))
+        return StepInputs(d(torch.tensor(ids, dtype=torch.long)), d(torch.tensor(pos, dtype=torch.long)), meta,
                           sample_rows)
 
     def _prepare_sdpa(self, sched: SchedulerOutput) -> StepInputs:
@@ -152,17 +235,21 @@ class ModelRunner:
             slots.append(table[p // bs] * bs + p % bs)
             ids.extend(d.token_ids)
             pos.extend(range(c, c + n))
-            chunks.append(PrefillChunk(start, n, c, table[:-(-(c + n) // bs)]))  # also decodes with drafts
+            chunks.append(PrefillChunk(start, n, c, self._dev(table[:-(-(c + n) // bs)])))  # also drafts
             sample_rows.extend(range(start + n - d.num_sample_rows, start + n))
 
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots), num_decodes=len(decodes),
-                                 decode_block_tables=decode_tables, decode_mask=decode_mask, prefills=chunks)
-        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+        dev = self._dev
+        meta = AttentionMetadata(slot_mapping=dev(torch.cat(slots)), num_decodes=len(decodes),
+                                 decode_block_tables=None if decode_tables is None else dev(decode_tables),
+                                 decode_mask=None if decode_mask is None else dev(decode_mask), prefills=chunks)
+        return StepInputs(dev(torch.tensor(ids, dtype=torch.long)), dev(torch.tensor(pos, dtype=torch.long)), meta,
                           sample_rows)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         """Run one step; row i of the result is row i of `sched.sampling_metadata`."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
+            return self.sampler(self.decode_graphs.run(sched), sched.sampling_metadata)
         inp = self.prepare(sched)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend)
         if inp.sample_rows:
@@ -180,7 +267,7 @@ class ModelRunner:
         row = 0
         for r in sched.scheduled_reqs:
             if r.pool_offset is not None:
-                out[r.req_id] = hidden[row + r.pool_offset:row + r.num_scheduled_tokens].float().sum(0)
+                out[r.req_id] = hidden[row + r.pool_offset:row + r.num_scheduled_tokens].float().sum(0).cpu()
             row += r.num_scheduled_tokens
         return out
 

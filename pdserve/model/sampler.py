@@ -38,51 +38,55 @@ class SamplerOutput:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _pad(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.long)
     for i, r in enumerate(rows):
         if r:
             out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
+    return out.to(device)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
     """In place. Repetition penalty (prompt and output tokens, CTRL-style divide/multiply), then OpenAI presence
     and frequency penalties (output tokens only)."""
-    b, v = logits.shape
-    counts = torch.zeros(b, v + 1, dtype=logits.dtype)
-    out_idx = _pad(md.output_token_ids, v)  # padding goes to column v, dropped below
-    counts.scatter_add_(1, out_idx, torch.ones(out_idx.shape, dtype=logits.dtype))
+    (b, v), dev = logits.shape, logits.device
+    counts = torch.zeros(b, v + 1, dtype=logits.dtype, device=dev)
+    out_idx = _pad(md.output_token_ids, v, dev)  # padding goes to column v, dropped below
+    counts.scatter_add_(1, out_idx, torch.ones(out_idx.shape, dtype=logits.dtype, device=dev))
     counts = counts[:, :v]
-    rep = torch.tensor(md.repetition_penalty, dtype=logits.dtype).unsqueeze(1)
-    if (rep != 1).any():
-        seen = torch.zeros(b, v + 1, dtype=torch.bool)
-        seen.scatter_(1, _pad(md.prompt_token_ids, v), True)
+    rep = torch.tensor(md.repetition_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
+    if any(r != 1 for r in md.repetition_penalty):  # decided on the host: no device sync
+        seen = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, _pad(md.prompt_token_ids, v, dev), True)
         seen = seen[:, :v] | (counts > 0)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalized, logits))
-    freq = torch.tensor(md.frequency_penalty, dtype=logits.dtype).unsqueeze(1)
-    pres = torch.tensor(md.presence_penalty, dtype=logits.dtype).unsqueeze(1)
+    freq = torch.tensor(md.frequency_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
+    pres = torch.tensor(md.presence_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
     logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets. k=0, p=1, min_p=0 disable."""
-    v = logits.shape[1]
-    if (top_k > 0).any() or (top_p < 1).any():
+    """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets. k=0, p=1, min_p=0 disable.
+    The three parameter tensors are on the host (which masks apply is decided there: no device sync); they are
+    copied to the logits' device."""
+    v, dev = logits.shape[1], logits.device
+    use_k, use_p, use_min_p = bool((top_k > 0).any()), bool((top_p < 1).any()), bool((min_p > 0).any())
+    top_k, top_p, min_p = top_k.to(dev), top_p.to(dev), min_p.to(dev)
+    if use_k or use_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         k = torch.where(top_k > 0, top_k, v).clamp(max=v)
-        pos = torch.arange(v).unsqueeze(0)
+        pos = torch.arange(v, device=dev).unsqueeze(0)
         drop = pos >= k.unsqueeze(1)
-        if (top_p < 1).any():
+        if use_p:
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
             before = probs.cumsum(-1) - probs  # mass of strictly better tokens
             drop |= before >= top_p.unsqueeze(1)  # smallest set reaching top_p; the best token always stays
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if (min_p > 0).any():
+    if use_min_p:
         probs = logits.softmax(-1)
         thresh = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < thresh, float("-inf"))
@@ -92,7 +96,15 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: Sequence[torch.Tensor]) -> None:
     """In place: logits[rows[k], t] = -inf where bit t of masks[k] (int32 words, bit t % 32 of word t // 32) is
     clear. xgrammar's CPU kernel (no triton needed; 4x faster than unpacking the bits with torch), imported only
-    when a row is constrained: xgrammar is installed wherever a request could be."""
+    when a row is constrained: xgrammar is installed wherever a request could be. On a GPU the bits are unpacked
+    with torch ops on the device."""
+    if logits.device.type != "cpu":
+        words = torch.stack(list(masks)).to(logits.device)  # [R, ceil(vocab / 32)] int32
+        t = torch.arange(logits.shape[1], device=logits.device)
+        allowed = (words[:, t // 32] >> (t % 32)) & 1
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(allowed == 0, float("-inf"))
+        return
     import xgrammar as xgr
 
     bits = torch.empty(logits.shape[0], masks[0].shape[0], dtype=torch.int32)  # rows outside `rows` are not read
@@ -104,7 +116,7 @@ def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[Token
     """Row i's log_softmax at targets[i], its rank, and the top k (the raw model distribution, as vLLM's prompt
     logprobs): logits float32 [len(targets), vocab]."""
     lp = logits.log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1)).squeeze(1)
     ranks = (lp > chosen.unsqueeze(1)).sum(-1) + 1
     top_vals, top_ids = lp.topk(max(k, 1), dim=-1)
     return [TokenLogprobs(t, float(chosen[i]), int(ranks[i]),
@@ -177,7 +189,7 @@ class Sampler:
         if bias_rows or banned_rows or grammar_rows or not md.no_penalties:
             logits = logits.clone()  # the caller's logits stay intact for the per-row fallback
         for i, bias in bias_rows:  # OpenAI logit_bias: added before everything else
-            logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+            logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
         if not md.no_penalties:
             apply_penalties(logits, md)
         for i, banned in banned_rows:
@@ -190,7 +202,7 @@ class Sampler:
     def probs(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
               min_p: list[float]) -> torch.Tensor:
         """The distribution a random row samples from: softmax(logits / T) after top-k/p and min-p."""
-        temp = torch.tensor(temperature, dtype=logits.dtype)
+        temp = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)
         x = logits / temp.unsqueeze(1)
         x = apply_top_k_top_p_min_p(x, torch.tensor(top_k), torch.tensor(top_p, dtype=x.dtype),
                                     torch.tensor(min_p, dtype=x.dtype))
@@ -200,7 +212,9 @@ class Sampler:
     def _random_sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
                        min_p: list[float], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         """One draw per row from softmax(logits / T) after top-k/p and min-p, by inverse-CDF sampling:
-        unseeded rows in one draw, seeded rows each from its own generator."""
+        unseeded rows in one draw, seeded rows each from its own generator. The uniforms are drawn on the host
+        (requests' generators are CPU generators) and copied to the device: a seed gives the same draws on any
+        device."""
         cdf = Sampler.probs(logits, temperature, top_k, top_p, min_p).cumsum(-1)
         u = torch.empty(len(generators), 1, dtype=cdf.dtype)
         seeded = [i for i, g in enumerate(generators) if g is not None]
@@ -208,6 +222,7 @@ class Sampler:
             u.uniform_()
         for i in seeded:
             u[i].uniform_(generator=generators[i])
+        u = u.to(cdf.device, non_blocking=True)
         # first token whose cumulative mass exceeds u * total: a zero-probability token is never chosen
         idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
         return idx.clamp_(max=cdf.shape[1] - 1)
@@ -219,7 +234,7 @@ class Sampler:
             return [None] * len(tokens)
         n_top = max(n or 0 for n in num_logprobs)
         top_vals, top_ids = raw.topk(max(n_top, 1), dim=-1)
-        idx = torch.tensor(tokens).unsqueeze(1)
+        idx = torch.tensor(tokens, device=raw.device).unsqueeze(1)
         chosen = raw.gather(1, idx).squeeze(1)
         ranks = (raw > chosen.unsqueeze(1)).sum(-1) + 1
         out: list[TokenLogprobs | None] = []

@@ -66,7 +66,7 @@ def _draw(p: torch.Tensor, gen: torch.Generator | None, exclude: int | None = No
     """Inverse-CDF draw from the (unnormalised) distribution p, as Sampler._random_sample draws a row; zero-mass
     tokens are never chosen. `exclude`: draw from p with that token removed (renormalised), without copying p."""
     cdf = p.cumsum(0)
-    u = _uniform(gen)
+    u = _uniform(gen).to(p.device)
     if exclude is None:
         idx = torch.searchsorted(cdf, u * cdf[-1:], right=True)
     else:
@@ -81,7 +81,8 @@ def _draw(p: torch.Tensor, gen: torch.Generator | None, exclude: int | None = No
 def _verify_random(p: torch.Tensor, drafts: list[int], gen: torch.Generator | None) -> list[int]:
     """Rejection sampling over positions p[0..k] (probabilities) for a deterministic proposal."""
     out: list[int] = []
-    p_drafts = p[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)].tolist() if drafts else []
+    rows, cols = torch.arange(len(drafts), device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)
+    p_drafts = p[rows, cols].tolist() if drafts else []
     for j, d in enumerate(drafts):
         if float(_uniform(gen)) < p_drafts[j] or p_drafts[j] >= 1.0:
             out.append(d)

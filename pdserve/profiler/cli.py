@@ -52,7 +52,7 @@ def _offline(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve.roofline import resolve_device_peaks
 
     cfg = args.engine_config_from_args(args)
-    engine = LLMEngine(cfg, device_peaks=resolve_device_peaks(cfg.device_peaks, cfg.num_threads))
+    engine = LLMEngine(cfg, device_peaks=resolve_device_peaks(cfg.device_peaks, cfg.num_threads, cfg.device))
     result = profile_workload(engine, args.workload, args.steps, args.out, args.batch, args.prompt_tokens)
     return result.as_dict()
 

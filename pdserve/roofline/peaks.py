@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from pdserve.cache import cache_root
-from pdserve.roofline.devices import DeviceSpec, PeaksProvenance, cpu_name, device_preset, torch_build
+from pdserve.roofline.devices import (
+    DEVICE_PRESETS,
+    DeviceSpec,
+    PeaksProvenance,
+    cpu_name,
+    device_preset,
+    torch_build,
+)
 from pdserve.roofline.measure import COPY_BYTES, measure_device, probe_device
 
 logger = logging.getLogger("pdserve.roofline")
@@ -134,9 +141,10 @@ def _auto_device_peaks(threads: int) -> DeviceSpec:
     return device
 
 
-def resolve_device_peaks(spec: str, threads: int | None = None) -> DeviceSpec | None:
+def resolve_device_peaks(spec: str, threads: int | None = None, device: str = "cpu") -> DeviceSpec | None:
     """Peaks for the live roofline. "auto": this machine with `threads` torch threads (default: torch's current
-    count), see auto_device_peaks; "off": none; a preset name; or "FLOPS,BYTES_PER_S" (e.g. "170e9,17e9")."""
+    count), see auto_device_peaks, or on `device` cuda the preset of the GPU's name (gpu_preset); "off": none; a
+    preset name; or "FLOPS,BYTES_PER_S" (e.g. "170e9,17e9")."""
     spec = spec.strip()
     if spec.lower() in ("off", "none", ""):
         return None
@@ -145,4 +153,17 @@ def resolve_device_peaks(spec: str, threads: int | None = None) -> DeviceSpec | 
         return DeviceSpec("given peaks", flops, bw, 0.0, provenance=PeaksProvenance("given"))
     if spec.lower() != "auto":
         return device_preset(spec)
+    if device == "cuda":
+        return gpu_preset(torch.cuda.get_device_name())
     return auto_device_peaks(threads or torch.get_num_threads())
+
+
+def gpu_preset(device_name: str) -> DeviceSpec | None:
+    """The preset whose key occurs in the GPU's name ("NVIDIA H200" -> h200; longest key first), or None (with a
+    warning: the live roofline shows no MFU/MBU; give `--device-peaks FLOPS,BYTES_PER_S`)."""
+    key = "".join(c for c in device_name.lower() if c.isalnum())
+    for name in sorted(DEVICE_PRESETS, key=len, reverse=True):
+        if name in key:
+            return DEVICE_PRESETS[name]
+    logger.warning("no peaks preset matches GPU %r; pass --device-peaks FLOPS,BYTES_PER_S for MFU/MBU", device_name)
+    return None
