@@ -71,10 +71,11 @@ def random_model(shape: str, dtype: torch.dtype, max_pos: int = 8192, seed: int 
     arch = ModelArchConfig.from_hf_config(cfg)
     h, inter, kv = arch.hidden_size, arch.intermediate_size, arch.num_key_value_heads * arch.head_dim
     q = arch.num_attention_heads * arch.head_dim
-    g = torch.Generator().manual_seed(seed)
+    gen_dev = "cuda" if torch.cuda.is_available() else "cpu"  # 8B normals on one CPU thread take minutes
+    g = torch.Generator(gen_dev).manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=g)
+        return torch.empty(shape, dtype=dtype, device=gen_dev).normal_(0, 0.02, generator=g).cpu()
 
     sd: dict[str, Any] = {"model.embed_tokens.weight": w(arch.vocab_size, h), "model.norm.weight": torch.ones(h)}
     if not arch.tie_word_embeddings:

@@ -134,3 +134,19 @@ def test_nixl_memory_type_follows_the_cache_device() -> None:
     assert nixl_memory(torch.device("cuda", 0)) == ("VRAM", 0)
     with pytest.raises(ValueError, match="not meta"):
         nixl_memory(torch.device("meta"))
+
+
+def test_bitmask_on_device_equals_xgrammar() -> None:
+    """The structured-output mask the GPU path applies with torch ops equals xgrammar's CPU kernel, bit 31 and a
+    vocabulary that is not a multiple of 32 included."""
+    from pdserve.model.sampler import apply_token_bitmask, apply_token_bitmask_torch
+
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [0, 2, 3]
+    logits = torch.randn(5, vocab, generator=g)
+    masks = [torch.randint(-2**31, 2**31 - 1, (-(-vocab // 32),), generator=g, dtype=torch.int32) for _ in rows]
+    want, got = logits.clone(), logits.clone()
+    apply_token_bitmask(want, rows, masks)
+    apply_token_bitmask_torch(got, rows, masks)
+    assert torch.equal(got, want)
+    assert got[1].isfinite().all() and not got[0].isfinite().all()

@@ -92,6 +92,10 @@ class FlexBackend:
             raise ValueError(f"flex mode must be one of {FLEX_MODES}, got {self.mode!r}")
         # automatic dynamic shapes: compiled for the first step's row count, recompiled once with a symbolic one
         self._attn: Any = torch.compile(flex_attention) if self.mode == "compiled" else flex_attention
+        # The Triton kernel's tiles must divide the sparse blocks (Q_BLOCK rows x one cache block of keys), and
+        # its separate decoding kernel has other constraints: force the main kernel at those tile sizes (as vLLM's
+        # flex backend does for a directly built block mask). Not on cpu, whose compiled template picks its own.
+        self._on_cuda = torch.device(device).type == "cuda"
 
     def prepare(self, meta: AttentionMetadata, positions: torch.Tensor, num_blocks: int, block_size: int) -> None:
         assert meta.block_table is not None and meta.query_start_loc is not None and meta.seq_lens is not None
@@ -113,5 +117,7 @@ class FlexBackend:
         if self.mode == "dense":
             out = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=meta.dense_mask, scale=scale, enable_gqa=True)
         else:
-            out = self._attn(qf, kc, vc, block_mask=meta.block_mask, scale=scale, enable_gqa=True)
+            opts = {"BLOCK_M": Q_BLOCK, "BLOCK_N": bs, "FORCE_USE_FLEX_ATTENTION": True} if self._on_cuda else None
+            out = self._attn(qf, kc, vc, block_mask=meta.block_mask, scale=scale, enable_gqa=True,
+                             kernel_options=opts)
         return out[0].transpose(0, 1).to(q.dtype)

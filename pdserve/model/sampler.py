@@ -99,17 +99,22 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: Sequence[t
     when a row is constrained: xgrammar is installed wherever a request could be. On a GPU the bits are unpacked
     with torch ops on the device."""
     if logits.device.type != "cpu":
-        words = torch.stack(list(masks)).to(logits.device)  # [R, ceil(vocab / 32)] int32
-        t = torch.arange(logits.shape[1], device=logits.device)
-        allowed = (words[:, t // 32] >> (t % 32)) & 1
-        idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(allowed == 0, float("-inf"))
+        apply_token_bitmask_torch(logits, rows, masks)
         return
     import xgrammar as xgr
 
     bits = torch.empty(logits.shape[0], masks[0].shape[0], dtype=torch.int32)  # rows outside `rows` are not read
     bits[rows] = torch.stack(list(masks))
     xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=logits.shape[1], indices=rows)
+
+
+def apply_token_bitmask_torch(logits: torch.Tensor, rows: list[int], masks: Sequence[torch.Tensor]) -> None:
+    """apply_token_bitmask with torch ops on the logits' device (no xgrammar kernel: the GPU path)."""
+    words = torch.stack(list(masks)).to(logits.device)  # [R, ceil(vocab / 32)] int32
+    t = torch.arange(logits.shape[1], device=logits.device)
+    allowed = (words[:, t // 32] >> (t % 32)) & 1
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(allowed == 0, float("-inf"))
 
 
 def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
