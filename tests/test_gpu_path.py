@@ -150,3 +150,27 @@ def test_bitmask_on_device_equals_xgrammar() -> None:
     apply_token_bitmask_torch(got, rows, masks)
     assert torch.equal(got, want)
     assert got[1].isfinite().all() and not got[0].isfinite().all()
+
+
+def test_cli_flags() -> None:
+    """The new options are flags of every command line (serve here), through the one option machinery."""
+    from pdserve.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--device", "cuda", "--gpu-memory-utilization", "0.8",
+                                      "--enforce-eager", "--attention-backend", "sdpa"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.device, cfg.gpu_memory_utilization, cfg.enforce_eager, cfg.attention_backend) == \
+        ("cuda", 0.8, True, "sdpa")
+    default = engine_config_from_args(build_parser().parse_args(["serve"]))
+    assert (default.device, default.enforce_eager, default.attention_backend) == ("cpu", False, "auto")
+
+
+def test_engine_sizes_the_cache_from_a_memory_plan(make_llm: Any) -> None:
+    """The engine's glue on cuda (profile, plan, reallocate) with injected device memory: on cpu the profiled
+    activations are 0, so KV blocks = (0.9 x total - weights) / bytes per block - the scratch block."""
+    engine = make_llm().engine
+    total = 64 * 2**20
+    engine._size_kv_cache_from_device(engine.config, total, total)
+    per_block = engine.block_size * engine.arch.kv_bytes_per_token(torch.float32)
+    assert engine.runner.num_blocks == (int(total * 0.9) - engine.runner.weight_bytes) // per_block - 1
+    assert engine.runner.kv_cache.shape[2] == engine.runner.num_blocks + 1
