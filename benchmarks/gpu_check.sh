@@ -27,12 +27,12 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PDSERVE_TEST_TOKENIZER=${PDSERVE_TEST_TOKENIZER:-$PWD/.gpu_carry/tokenizer}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
 # 1. the engine's greedy-equality tests against transformers, on cuda (flex attention + CUDA graphs, and sdpa)
-PDSERVE_TEST_DEVICE=cuda PDSERVE_TEST_TOKENIZER=${PDSERVE_TEST_TOKENIZER:-$PWD/.gpu_carry/tokenizer} \
-    timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -x -p no:cacheprovider -m "not slow" \
+PDSERVE_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-240}" $PY -m pytest -q -x -p no:cacheprovider -m "not slow" \
     tests/test_engine_equivalence.py -k "alone or mixed_batch or preemption or prefix_cache" 2>&1 \
     | tee "$OUT/tests.log" || status=1
 # 2. step times, MBU/MFU, throughput, memory plan; the markdown table
