@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_spec_decode import alphabet_model  # noqa: F401  (fixture)
 
 from pdserve.config import EngineConfig
 from pdserve.kernels import resolve_kernels
@@ -174,3 +175,20 @@ def test_engine_sizes_the_cache_from_a_memory_plan(make_llm: Any) -> None:
     per_block = engine.block_size * engine.arch.kv_bytes_per_token(torch.float32)
     assert engine.runner.num_blocks == (int(total * 0.9) - engine.runner.weight_bytes) // per_block - 1
     assert engine.runner.kv_cache.shape[2] == engine.runner.num_blocks + 1
+
+
+def test_speculative_decoding_through_flex_and_graphs(make_llm: Any, tokenizer: Any,
+                                                     alphabet_model: Any) -> None:  # noqa: F811
+    """Multi-token decode rows (drafts verified) through FlexBackend, plain decodes through the decode-graph twin:
+    the same greedy output as the sdpa path without speculation (test_spec_decode's repetitive model and prompts)."""
+    from test_spec_decode import GREEDY, NGRAM, _repetitive, _run, _texts
+
+    base = make_llm(alphabet_model, kernels="torch", max_num_batched_tokens=96)
+    prompts = _texts(tokenizer) + [_repetitive(base, tokenizer)]
+    want = _run(base, prompts, GREEDY)
+    spec = make_llm(alphabet_model, kernels="torch", attention_backend="flex", max_num_batched_tokens=96,
+                    speculative_config=NGRAM)
+    spec.engine.runner.enable_decode_graphs()
+    graphs = spec.engine.runner.decode_graphs
+    assert _run(spec, prompts, GREEDY) == want
+    assert spec.engine.spec.stats.num_accepted_tokens > 0 and graphs is not None and graphs.replays > 0
