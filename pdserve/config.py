@@ -262,7 +262,8 @@ class EngineConfig:
     # live roofline
     device_peaks: str = option(
         "auto", "peaks the live roofline measures MFU/MBU against: `auto` (this machine: measured on a quiet machine "
-        "and cached, re-checked by a quick probe at each start; `pdserve calc --measure` measures again), a preset "
+        "and cached, re-checked by a quick probe at each start; `pdserve calc --measure` measures again; on `cuda` "
+        "the preset of the GPU's name), a preset "
         "(`h100`, ...), `FLOPS,BYTES_PER_S`, or `off`")
     linear_backend: str = option(
         "auto", "`auto`/`onednn`: oneDNN with weights packed once at load (fp32, where available); `torch`: plain "
