@@ -114,8 +114,8 @@ class Cluster:
 def _env() -> dict[str, str]:
     # the raylets pass this on to every replica: the pdserve processes import this checkout and sign hand-offs
     return {**os.environ, "PYTHONPATH": str(REPO), "PDSERVE_KV_TRANSFER_SECRET": SECRET, "NO_PROXY": "*",
-            "no_proxy": "*", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": RAY_TOKEN}
+            "no_proxy": "*", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": RAY_TOKEN}
 
 
 def _in_ns(ns: str, *cmd: str, timeout: float = 120) -> str:
@@ -239,7 +239,7 @@ def test_client_disconnect_aborts_on_the_replica(cluster: Cluster, app: str) -> 
 
 def _load(base: str, n: int, results: list[str]) -> list[threading.Thread]:
     def one(i: int) -> None:
-        body = {"prompt": PROMPTS[i % 3], "max_tokens": 64, "ignore_eos": True, "temperature": 0.0,
+        body = {"prompt": PROMPTS[i % 3], "max_tokens": 300, "ignore_eos": True, "temperature": 0.0,
                 "stream": i % 2 == 0}
         try:
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as resp:
@@ -262,18 +262,38 @@ def _load(base: str, n: int, results: list[str]) -> list[threading.Thread]:
     return threads
 
 
+def _engine_metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _router_metric(base: str, sample: str) -> float:
+    for line in httpx.get(base + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0  # a labelled counter appears with its first increment
+
+
 def test_killed_replica_is_restored_and_requests_complete_or_fail_clearly(cluster: Cluster) -> None:
-    before = replicas(cluster.colo)
-    victim = before[0]
+    victim = replicas(cluster.colo)[0]
+    retries0 = _router_metric(cluster.colo, 'pdserve:router_retries_total{stage="decode"}')
     results: list[str] = []
     threads = _load(cluster.colo, 8, results)
-    time.sleep(1.5)  # the load is running on both replicas
+    deadline = time.monotonic() + 30
+    while _engine_metric(victim["url"], "pdserve:num_requests_running") < 1:  # killed mid-load, not after it
+        assert time.monotonic() < deadline, "no request reached the replica"
+        time.sleep(0.05)
     os.kill(victim["pid"], signal.SIGKILL)
     for t in threads:
         t.join(180)
     # non-streaming answers come back whole (the ingress retried them on the other replica); streams either
     # finished or ended with the router's clear error after their first tokens
     assert len(results) == 8 and all(r == "ok" or "after tokens were streamed" in r for r in results), results
+    hit = sum("after tokens were streamed" in r for r in results)
+    hit += _router_metric(cluster.colo, 'pdserve:router_retries_total{stage="decode"}') - retries0
+    assert hit >= 1, results  # the kill did hit requests in flight
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         now = replicas(cluster.colo)

@@ -37,7 +37,7 @@ class Autoscaling:
     target_kv_usage: float = 0.8  # fraction of KV blocks in use
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
-    look_back_period_s: float = 10.0
+    look_back_period_s: float = 15.0  # Ray wants it above its 10 s metrics interval
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
