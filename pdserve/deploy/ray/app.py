@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from pdserve.deploy.ray.autoscaling import autoscaling_config
-from pdserve.deploy.ray.config import RayServeConfig, ReplicaGroup, load_config
+from pdserve.deploy.ray.config import RayServeConfig, ReplicaGroup, config_from_dict, load_config
 
 logger = logging.getLogger("pdserve.ray")
 DEPLOYMENT_NAMES = {"both": "engine", "prefill": "prefill", "decode": "decode"}
@@ -56,11 +56,12 @@ def build_app(cfg: RayServeConfig) -> Any:
     return ingress.bind(cfg.name, cfg.router, engines=engines)
 
 
-def app_builder(args: dict[str, str]) -> Any:
-    """`serve run pdserve.deploy.ray.app:app_builder config=FILE.yaml`."""
-    if "config" not in args:
-        raise ValueError("app_builder needs config=PATH (the application's YAML)")
-    return build_app(load_config(args["config"]))
+def app_builder(args: dict[str, Any]) -> Any:
+    """`serve run pdserve.deploy.ray.app:app_builder config=FILE.yaml`, or in a Serve config file (KubeRay's
+    serveConfigV2) `args:` holding either `config: PATH` or the application's YAML itself."""
+    if set(args) == {"config"}:
+        return build_app(load_config(args["config"]))
+    return build_app(config_from_dict(args))
 
 
 def deploy(cfg: RayServeConfig, address: str | None = None, timeout: float = 900.0) -> float:
