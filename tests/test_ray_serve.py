@@ -47,7 +47,7 @@ RAY_TOKEN = os.urandom(16).hex()
 @pytest.mark.parametrize("data, message", [
     ({"topology": "mesh"}, "topology must be colocated or disaggregated"),
     ({"prefill": {"num_cpu": 1}}, "config.prefill: unknown key(s) ['num_cpu']"),
-    ({"engine": {"modle": "x"}}, "unknown pdserve option(s) ['modle']"),
+    ({"engine": {"modle": "x"}}, "unknown pdserve serve option(s) ['modle']"),
     ({"engine": {"kv_port": 5}}, "engine.kv_port is set per replica"),
     ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas <= max_replicas"),
     ({"router": {"poll": 1}}, "router: unknown option(s) ['poll']"),

@@ -1,7 +1,7 @@
 """The Ray Serve application's configuration: one YAML file, loaded into dataclasses with clear errors.
 
     topology: colocated            # or disaggregated
-    engine: {model: /models/tiny, dtype: float32}   # pdserve serve options (EngineConfig names)
+    engine: {model: /models/tiny, dtype: float32}   # `pdserve serve` options by name
     engine_replicas: {num_replicas: 2, num_cpus: 1, num_threads: 1}   # colocated
     prefill: {num_replicas: 1, num_cpus: 1}          # disaggregated
     decode: {num_replicas: 1, num_cpus: 1}
@@ -15,6 +15,7 @@ Each replica group may carry `autoscaling` (min/max replicas and the engine-sign
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,7 @@ class IngressConfig:
 @dataclass
 class RayServeConfig:
     topology: str = "colocated"  # colocated | disaggregated
-    engine: dict[str, Any] = field(default_factory=dict)  # pdserve serve options, by EngineConfig name
+    engine: dict[str, Any] = field(default_factory=dict)  # `pdserve serve` options by name (dtype, log_level ...)
     engine_replicas: ReplicaGroup = field(default_factory=ReplicaGroup)
     prefill: ReplicaGroup = field(default_factory=ReplicaGroup)
     decode: ReplicaGroup = field(default_factory=ReplicaGroup)
@@ -95,11 +96,11 @@ class RayServeConfig:
     def __post_init__(self) -> None:
         if self.topology not in ("colocated", "disaggregated"):
             raise RayConfigError(f"topology must be colocated or disaggregated, got {self.topology!r}")
-        known = set(EngineConfig.option_names())
+        known = serve_options()
         unknown = sorted(k for k in self.engine if k not in known)
         if unknown:
-            raise RayConfigError(f"engine: unknown pdserve option(s) {unknown}; see README's options table")
-        for k in ("kv_role", "kv_host", "kv_port", "num_threads"):
+            raise RayConfigError(f"engine: unknown pdserve serve option(s) {unknown}; see `pdserve serve --help`")
+        for k in ("kv_role", "kv_host", "kv_port", "num_threads", "host", "port"):
             if k in self.engine:
                 raise RayConfigError(f"engine.{k} is set per replica by the deployment; remove it")
         from pdserve.disagg.router_serving import RouterConfig
@@ -125,6 +126,15 @@ class RayServeConfig:
             elif v is not None and v is not False:
                 args += [flag, str(v)]
         return args
+
+
+def serve_options() -> set[str]:
+    """The option names `pdserve serve` takes (EngineConfig's and the server's), as the YAML spells them."""
+    from pdserve.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"} | set(EngineConfig.option_names())
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
