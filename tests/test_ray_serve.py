@@ -224,6 +224,10 @@ def test_every_replica_metrics_with_replica_and_role_labels(cluster: Cluster) ->
     running = _samples(colo_text, "pdserve:num_requests_running")
     for r in replicas(cluster.colo):
         assert any(f'replica="{r["replica_id"]}",role="both",node="{r["node_id"]}"' in ln for ln in running)
+    # the dashboard's data: the ingress answers /v1/stats over the replicas, as the router over its instances
+    stats = httpx.get(cluster.pd + "/v1/stats", timeout=10).json()
+    assert {(i["role"], i["url"]) for i in stats["instances"]} == {(r, e["url"]) for r, e in pd.items()}
+    assert httpx.get(cluster.pd + "/dashboard", timeout=10).status_code == 200
 
 
 @pytest.mark.parametrize("app", ["colo", "pd"])
