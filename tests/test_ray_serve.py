@@ -93,6 +93,51 @@ def test_autoscaling_maps_onto_ray_serve_and_follows_engine_signals() -> None:
     assert engine_signal_policy(ctx([], []))[0] == 2  # no report yet: keep the target
 
 
+@pytest.mark.slow
+def test_autoscaling_scales_up_under_load_and_back_down(tiny_dir: Path) -> None:
+    """On a local one-node Ray (before the two-node cluster starts): waiting requests and KV usage reported by the
+    replica drive Ray Serve from 1 to 2 replicas under load and back to 1 when idle."""
+    from pdserve.deploy.ray.app import delete_app, deploy
+
+    cfg = config_from_dict({
+        "name": "auto", "topology": "colocated", "host": "127.0.0.1", "port": 8932, "ingress": {"num_cpus": 0},
+        "engine": {"model": str(tiny_dir), "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 32},
+        "engine_replicas": {"num_cpus": 0.5, "num_threads": 1, "autoscaling": {
+            "min_replicas": 1, "max_replicas": 2, "target_waiting": 1, "target_kv_usage": 0.3, "upscale_delay_s": 1,
+            "downscale_delay_s": 5, "look_back_period_s": 2}}})
+    ray.init(num_cpus=2, include_dashboard=False, namespace="pdserve", log_to_driver=False)
+    base = "http://127.0.0.1:8932"
+    stop = [time.monotonic() + 120]
+
+    def load() -> None:
+        while time.monotonic() < stop[0]:
+            httpx.post(base + "/v1/completions", json={"prompt": "hello " * 40, "max_tokens": 200,
+                                                       "ignore_eos": True}, timeout=120)
+
+    try:
+        deploy(cfg)
+        assert len(replicas(base)) == 1
+        threads = [threading.Thread(target=load) for _ in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 90
+        while len(replicas(base)) < 2:
+            assert time.monotonic() < deadline, "no scale-up under load"
+            time.sleep(1.0)
+        stop[0] = 0.0
+        for t in threads:
+            t.join(150)
+        deadline = time.monotonic() + 90
+        while len(replicas(base)) > 1:
+            assert time.monotonic() < deadline, "no scale-down when idle"
+            time.sleep(1.0)
+        assert_baseline(base)
+    finally:
+        stop[0] = 0.0
+        delete_app("auto")
+        ray.shutdown()
+
+
 # ---- the two-node cluster ----------------------------------------------------------------------------------
 @dataclass
 class Cluster:
