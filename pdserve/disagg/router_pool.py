@@ -73,6 +73,12 @@ class InstanceRegistry:
         for pool in (self.prefill, self.decode):
             known = {i.url: i for i in pool.instances}
             pool.instances[:] = [known.get(u) or Instance(u, pool.role) for u in urls.get(pool.role, [])]
+            for gone in set(known) - set(urls.get(pool.role, [])):  # no stale series for instances that left
+                for gauge in (self.metrics.up, self.metrics.load):
+                    try:
+                        gauge.remove(pool.role, gone)
+                    except KeyError:
+                        pass
 
     @property
     def instances(self) -> list[Instance]:
