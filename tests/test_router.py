@@ -444,3 +444,23 @@ def test_discovered_instances_join_and_leave_the_pools() -> None:
     assert len(c.bodies) == 1 and not a.bodies and not b.bodies
     text = metrics_text(srv)
     assert 'url="http://c:1"' in text and 'url="http://b:1"' not in text
+
+
+def test_a_prefill_instance_discovered_after_start_gets_the_prompts() -> None:
+    pre, dec = Fake("http://p:1", answer=prefill_ok), Fake("http://d:1")
+    srv = RouterServing(RouterConfig([], [dec.url]), transport(pre, dec))  # no prefill instance at start
+
+    async def discover() -> dict[str, list[str]]:
+        return {"prefill": [pre.url], "decode": [dec.url]}
+
+    async def go() -> list[Any]:
+        await srv.start(poll=False)
+        try:
+            srv.registry.discover = discover
+            await srv.registry.poll_once(srv.client)
+            return [ev async for ev in srv.stream("/v1/completions", BODY, {})]
+        finally:
+            await srv.close()
+
+    assert text_of(events_of(asyncio.run(go()))) == "Hello world"
+    assert pre.bodies[0]["max_tokens"] == 1 and dec.bodies[0]["kv_transfer_params"]["remote_block_ids"]

@@ -53,7 +53,8 @@ def build_app(cfg: RayServeConfig) -> Any:
                                )(serve.ingress()(OpenAIIngress))
     # the engines are bound as arguments so that Serve deploys them with the application; the ingress finds
     # their replicas in the ReplicaDirectory (it routes by HTTP, not through the handles)
-    return ingress.bind(cfg.name, cfg.router, engines=engines)
+    roles = ["decode"] if cfg.topology == "colocated" else ["prefill", "decode"]  # the router's pool names
+    return ingress.bind(cfg.name, cfg.router, roles, engines=engines)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

@@ -27,14 +27,14 @@ from pdserve.disagg.trust import secret_from_env
 
 
 class OpenAIIngress:
-    def __init__(self, app_name: str, router: dict[str, Any], startup_timeout_s: float = 600.0,
+    def __init__(self, app_name: str, router: dict[str, Any], roles: list[str], startup_timeout_s: float = 600.0,
                  **deployments: Any) -> None:
         self.directory = get_directory(app_name)
         deadline = time.monotonic() + startup_timeout_s
         urls = pools(ray.get(self.directory.list.remote()))
-        while not urls["decode"]:  # RouterConfig needs a decode instance: wait for the first engine replica
+        while not all(urls[r] for r in roles):  # a replica of each role, so the first requests see the topology
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no engine replica of application {app_name!r} registered within "
+                raise TimeoutError(f"application {app_name!r}: no replica of each of {roles} registered within "
                                    f"{startup_timeout_s:.0f} s")
             time.sleep(0.5)
             urls = pools(ray.get(self.directory.list.remote()))
