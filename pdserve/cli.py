@@ -137,8 +137,14 @@ def _add_tool_parsers(sub: Any) -> None:
     add_calc_parser(sub)
     add_poc_parser(sub)
     add_router_parser(sub)
-    add_ray_serve_parser(sub)
+    add_ray_serve_parser(sub, serve_option_names)
     add_profile_parser(sub, add_engine_args, engine_config_from_args)
+
+
+def serve_option_names() -> set[str]:
+    """The option names (argparse dests) of `pdserve serve`."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-from pdserve.deploy.ray.config import config_from_dict
+from pdserve.cli import serve_option_names
+from pdserve.deploy.ray.config import check_engine_options, config_from_dict
 
 KUBERAY = Path(__file__).resolve().parent.parent / "deploy" / "kuberay"
 MANIFESTS = sorted(KUBERAY.glob("rayservice-*.yaml"))
@@ -40,6 +41,7 @@ def test_serve_config_builds_a_pdserve_application(path: Path) -> None:
     (app,) = serve_cfg["applications"]
     assert app["import_path"] == "pdserve.deploy.ray.app:app_builder"
     cfg = config_from_dict(app["args"])  # what app_builder does with these args
+    check_engine_options(cfg, serve_option_names())
     from ray.serve import Application
 
     from pdserve.deploy.ray.app import app_builder

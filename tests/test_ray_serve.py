@@ -33,7 +33,13 @@ from test_disagg import PROMPTS, TINY, complete
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'pdserve[ray]'; make install does)")
 
 from pdserve.deploy.ray.autoscaling import autoscaling_config, desired_replicas, engine_signal_policy  # noqa: E402
-from pdserve.deploy.ray.config import Autoscaling, RayConfigError, config_from_dict, load_config  # noqa: E402
+from pdserve.deploy.ray.config import (  # noqa: E402
+    Autoscaling,
+    RayConfigError,
+    check_engine_options,
+    config_from_dict,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 RAY_BIN = str(Path(sys.executable).parent / "ray")
@@ -47,7 +53,6 @@ RAY_TOKEN = os.urandom(16).hex()
 @pytest.mark.parametrize("data, message", [
     ({"topology": "mesh"}, "topology must be colocated or disaggregated"),
     ({"prefill": {"num_cpu": 1}}, "config.prefill: unknown key(s) ['num_cpu']"),
-    ({"engine": {"modle": "x"}}, "unknown pdserve serve option(s) ['modle']"),
     ({"engine": {"kv_port": 5}}, "engine.kv_port is set per replica"),
     ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas <= max_replicas"),
     ({"router": {"poll": 1}}, "router: unknown option(s) ['poll']"),
@@ -57,6 +62,24 @@ def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:
     with pytest.raises(RayConfigError) as exc:
         config_from_dict(data)
     assert message in str(exc.value)
+
+
+def test_engine_keys_are_checked_against_pdserve_serve() -> None:
+    from pdserve.cli import serve_option_names
+
+    known = serve_option_names()
+    check_engine_options(config_from_dict({"engine": {"model": "m", "log_level": "warning", "kv_connector": "zmq"}}),
+                         known)
+    with pytest.raises(RayConfigError, match=r"unknown pdserve serve option\(s\) \['modle'\]"):
+        check_engine_options(config_from_dict({"engine": {"modle": "x"}}), known)
+
+
+def test_ray_serve_cli_reports_a_bad_config(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("topology: colocated\nengine: {modle: x}\n")
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "ray-serve", str(p)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "unknown pdserve serve option(s) ['modle']" in r.stderr, r.stderr
 
 
 def test_load_config_reads_yaml_and_reports_bad_files(tmp_path: Path) -> None:

@@ -12,10 +12,17 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.deploy.ray.autoscaling import autoscaling_config
-from pdserve.deploy.ray.config import RayServeConfig, ReplicaGroup, config_from_dict, load_config
+from pdserve.deploy.ray.config import (
+    RayServeConfig,
+    ReplicaGroup,
+    check_engine_options,
+    config_from_dict,
+    load_config,
+)
 
 logger = logging.getLogger("pdserve.ray")
 DEPLOYMENT_NAMES = {"both": "engine", "prefill": "prefill", "decode": "decode"}
@@ -103,18 +110,20 @@ def delete_app(name: str) -> None:
 
 
 # ---- command line ------------------------------------------------------------------------------------------
-def add_ray_serve_parser(sub: Any) -> None:
+def add_ray_serve_parser(sub: Any, serve_options: Callable[[], set[str]]) -> None:
+    """`serve_options()`: the option names `pdserve serve` takes (the CLI's parser), to check `engine:` early."""
     p = sub.add_parser("ray-serve", help="deploy pdserve on a Ray cluster with Ray Serve (pip install pdserve[ray])")
     p.add_argument("config", help="the application's YAML (README: Going multi-node on Ray Serve)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local one)")
     p.add_argument("--detach", action="store_true", help="return once the application is RUNNING (it keeps "
                    "running on the cluster; `serve shutdown` or --delete removes it)")
     p.add_argument("--delete", action="store_true", help="delete the application named in CONFIG and exit")
-    p.set_defaults(func=_cmd_ray_serve)
+    p.set_defaults(func=lambda args: _cmd_ray_serve(args, serve_options()))
 
 
-def _cmd_ray_serve(args: argparse.Namespace) -> int:
+def _cmd_ray_serve(args: argparse.Namespace, serve_options: set[str]) -> int:
     cfg = load_config(args.config)  # RayConfigError is a ValueError: the CLI prints it and exits 2
+    check_engine_options(cfg, serve_options)
     try:
         import ray
     except ImportError:

@@ -15,13 +15,10 @@ Each replica group may carry `autoscaling` (min/max replicas and the engine-sign
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from pdserve.config import EngineConfig
 
 
 class RayConfigError(ValueError):
@@ -96,10 +93,6 @@ class RayServeConfig:
     def __post_init__(self) -> None:
         if self.topology not in ("colocated", "disaggregated"):
             raise RayConfigError(f"topology must be colocated or disaggregated, got {self.topology!r}")
-        known = serve_options()
-        unknown = sorted(k for k in self.engine if k not in known)
-        if unknown:
-            raise RayConfigError(f"engine: unknown pdserve serve option(s) {unknown}; see `pdserve serve --help`")
         for k in ("kv_role", "kv_host", "kv_port", "num_threads", "host", "port"):
             if k in self.engine:
                 raise RayConfigError(f"engine.{k} is set per replica by the deployment; remove it")
@@ -128,13 +121,12 @@ class RayServeConfig:
         return args
 
 
-def serve_options() -> set[str]:
-    """The option names `pdserve serve` takes (EngineConfig's and the server's), as the YAML spells them."""
-    from pdserve.cli import build_parser
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"} | set(EngineConfig.option_names())
+def check_engine_options(cfg: RayServeConfig, known: set[str]) -> None:
+    """Raise unless every `engine` key is a `pdserve serve` option (`known`: the CLI passes its parser's names;
+    without this check a wrong key fails at replica start-up with the server's usage error)."""
+    unknown = sorted(k for k in cfg.engine if k not in known)
+    if unknown:
+        raise RayConfigError(f"engine: unknown pdserve serve option(s) {unknown}; see `pdserve serve --help`")
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
