@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,9 @@ def add_ray_serve_parser(sub: Any, serve_options: Callable[[], set[str]]) -> Non
 def _cmd_ray_serve(args: argparse.Namespace, serve_options: set[str]) -> int:
     cfg = load_config(args.config)  # RayConfigError is a ValueError: the CLI prints it and exits 2
     check_engine_options(cfg, serve_options)
+    if (args.detach or args.delete) and not (args.address or os.environ.get("RAY_ADDRESS")):
+        raise ValueError("--detach and --delete need a running cluster: --address (or RAY_ADDRESS); without one "
+                         "this command starts a local Ray that ends with it")
     try:
         import ray
     except ImportError:
