@@ -267,3 +267,33 @@ def test_disabled_steps_metric() -> None:
     text = generate_latest(m.registry).decode()
     assert 'pdserve:spec_decode_disabled_steps_total{model_name="tiny",reason="batch_size"} 1.0' in text
     assert 'pdserve:spec_decode_disabled_steps_total{model_name="tiny",reason="compute_bound"} 2.0' in text
+
+
+# ---- the real default model ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_model_greedy_equal_every_method() -> None:
+    """SmolLM2-135M: chat-templated "edit this code" and free prompts, greedy output with speculation (ngram and
+    suffix, policy always and auto, a mixed batch) equals plain decoding; the edit prompt's drafts are accepted."""
+    from pdserve.llm import LLM
+
+    code = "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n"
+    edit = f"Rename `xs` to `values`, keep the rest unchanged:\n```python\n{code}```"
+    prompts = [[{"role": "user", "content": edit}],
+               [{"role": "user", "content": "写一首关于秋天的短诗。"}],
+               [{"role": "user", "content": "Why is the sky blue?"}]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    opts: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": "256MiB", "max_num_batched_tokens": 128,
+                            "num_threads": 1}
+    base = LLM(**opts)
+    want = [o.outputs[0].text for o in base.chat(prompts, params)]
+    del base
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+                  "policy": "always"},
+                 {"method": "suffix", "num_speculative_tokens": 8, "policy": "always"},
+                 {"method": "suffix", "num_speculative_tokens": 8}):
+        llm = LLM(**opts, speculative_config=spec)
+        assert [o.outputs[0].text for o in llm.chat(prompts, params)] == want, spec
+        assert llm.engine.block_manager.is_at_baseline()
+        if spec.get("policy") == "always":
+            assert llm.engine.spec.stats.num_accepted_tokens > 0, spec
+        del llm
