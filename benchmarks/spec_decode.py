@@ -21,6 +21,7 @@ import argparse
 import ast
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sysconfig
@@ -172,6 +173,7 @@ def main() -> None:
     most = max(args.concurrency) * args.requests_per_client
     loads = {k: v for k, v in workloads(max(most, 2 * args.requests_per_client)).items() if k in args.workloads}
     results: dict[tuple[str, str, int], Cell] = {}
+    load0 = os.getloadavg()[0]
     for method in methods:
         extra = [] if method == "none" else ["--speculative-config", json.dumps(spec_config(method, args.policy))]
         with tempfile.TemporaryDirectory() as tmp:
@@ -189,7 +191,8 @@ def main() -> None:
                 srv.stop()
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     print(f"\n# spec_decode: policy {args.policy}, output {args.output_len} tokens, temperature 0, "
-          f"{args.threads} threads, dtype {args.dtype}; {cpu.stdout.strip()}; {time.strftime('%Y-%m-%d')}")
+          f"{args.threads} threads, dtype {args.dtype}; {cpu.stdout.strip()}; {time.strftime('%Y-%m-%d')}; "
+          f"methods run in the order {methods}; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print("| workload | c | method | output tok/s | vs none | ITL p50 / p99 ms | TTFT p50 ms | mean accepted length |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in loads:
