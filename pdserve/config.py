@@ -132,23 +132,37 @@ class ModelArchConfig:
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
-SPEC_METHODS = ("ngram",)
-SPEC_METHODS_PLANNED = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp")
+SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS_PLANNED = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
               "model"}
+SPEC_POLICIES = ("auto", "always")
+# suffix decoding (vLLM's key names) and the policy: keys parsed by SpeculativeConfig.parse_extra
+_SPEC_SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                     "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
+_SPEC_KEYS |= _SPEC_SUFFIX_KEYS | {"policy"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's `--speculative-config` terms. `ngram`: prompt lookup (the last n tokens, n
     from prompt_lookup_max down to prompt_lookup_min, matched in the request's prompt + output; what followed is
-    proposed). `disable_by_batch_size`: no speculation in a step with more decoding requests than this."""
+    proposed). `suffix`: suffix decoding (the most frequent continuation of the longest matching suffix in the
+    request's prompt + output and in recent requests' outputs; `suffix_decoding_*` keys as vLLM's).
+    `disable_by_batch_size`: no speculation in a step with more decoding requests than this. `policy`: `auto`
+    speculates a request only when the step cost model and its measured acceptance say it pays, with k chosen per
+    request (engine/spec_decode/policy.py); `always` drafts whatever the proposer finds."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    policy: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
@@ -160,6 +174,36 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {b!r}")
+        self._check_extra()
+
+    def _check_extra(self) -> None:
+        """The suffix decoding keys and the policy."""
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 2:
+            raise ValueError(f"speculative_config: suffix_decoding_max_tree_depth must be an integer >= 2, "
+                             f"got {depth!r}")
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(f"speculative_config: suffix_decoding_max_cached_requests must be an integer >= 0, "
+                             f"got {cached!r}")
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+            raise ValueError(f"speculative_config: suffix_decoding_max_spec_factor must be a number > 0, "
+                             f"got {factor!r}")
+        if isinstance(prob, bool) or not isinstance(prob, int | float) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config: suffix_decoding_min_token_prob must be a number in [0, 1], "
+                             f"got {prob!r}")
+        if self.policy not in SPEC_POLICIES:
+            raise ValueError(f"speculative_config: policy must be one of {list(SPEC_POLICIES)}, got {self.policy!r}")
+
+    @staticmethod
+    def parse_extra(method: str, value: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments of the suffix decoding keys and the policy (suffix keys only with `suffix`)."""
+        given = {key: value[key] for key in _SPEC_SUFFIX_KEYS if key in value}
+        if given and method != "suffix":
+            raise ValueError(f"speculative_config: {sorted(given)} are for the suffix method, not {method}")
+        if "policy" in value:
+            given["policy"] = value["policy"]
+        return given
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -184,6 +228,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown method {method!r}; available: {list(SPEC_METHODS)}")
         if "model" in value:
             raise ValueError("speculative_config: `model` is for the draft_model method, not ngram")
+        if method == "suffix" and "num_speculative_tokens" not in value:  # vLLM: as deep as the tree
+            value = {**value, "num_speculative_tokens": value.get("suffix_decoding_max_tree_depth", 24)}
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: num_speculative_tokens is required")
         lo: Any = value.get("prompt_lookup_min")
@@ -192,7 +238,8 @@ class SpeculativeConfig:
             lo = hi = 5
         lo = hi if lo is None else lo  # one given: both equal, as vLLM
         hi = lo if hi is None else hi
-        return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"))
+        return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"),
+                   **cls.parse_extra(method, value))
 
 
 def option(default: T, help_text: str, shown_default: str | None = None) -> T:
@@ -238,7 +285,9 @@ class EngineConfig:
     speculative_config: str | dict[str, Any] | None = option(
         None, "speculative decoding, as vLLM: a JSON object such as `{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}` (a dict for `LLM`); "
-        "methods: `ngram` (prompt lookup); `disable_by_batch_size`: no drafts in a step with more decodes than this. "
+        "methods: `ngram` (prompt lookup), `suffix` (suffix decoding, `suffix_decoding_*` keys); "
+        "`disable_by_batch_size`: no drafts in a step with more decodes than this; `policy`: `auto` (drafts only "
+        "where the step cost model and the measured acceptance say they pay) or `always`. "
         "Requests with structured output are not speculated", "off")
     # runtime
     num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")

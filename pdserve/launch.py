@@ -32,10 +32,10 @@ class LaunchError(RuntimeError):
     """The process exited during start-up or did not become healthy in time; the message ends with its log."""
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (another process may take it before it is used)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (another process may take it before it is used)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

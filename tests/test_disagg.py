@@ -8,10 +8,7 @@ namespace test (prefill and decode in two namespaces joined by a veth pair) run 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -23,6 +20,9 @@ import httpx
 import pytest
 
 from pdserve.launch import ServerProc, free_port, start_pdserve, start_server
+
+import netns
+from netns import sh
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 5,  # several KV blocks
@@ -264,48 +264,18 @@ def test_killed_decode_mid_stream_ends_with_a_clear_error(two_decoders: Cluster)
 
 
 # ---- across network namespaces -----------------------------------------------------------------------------
-def _sh(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def netns_pair() -> Iterator[tuple[str, str, str, str]]:
-    """Namespaces pdP (10.77.0.1) and pdD (10.77.0.2) joined by a veth pair. The prefill instance runs in pdP,
-    the decode instance and the router in pdD, so both the HTTP prefill call and the KV pull cross the veth."""
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` tool is not installed")
-    suffix = str(os.getpid() % 10000)
-    ns_p, ns_d = f"pdP{suffix}", f"pdD{suffix}"
-    r = _sh("ip", "netns", "add", ns_p)
-    if r.returncode != 0:
-        pytest.skip(f"`ip netns add` is not permitted here: {r.stderr.strip()}")
-    try:
-        steps = [
-            ["ip", "netns", "add", ns_d],
-            ["ip", "link", "add", f"vp{suffix}", "type", "veth", "peer", "name", f"vd{suffix}"],
-            ["ip", "link", "set", f"vp{suffix}", "netns", ns_p],
-            ["ip", "link", "set", f"vd{suffix}", "netns", ns_d],
-            ["ip", "-n", ns_p, "addr", "add", "10.77.0.1/24", "dev", f"vp{suffix}"],
-            ["ip", "-n", ns_d, "addr", "add", "10.77.0.2/24", "dev", f"vd{suffix}"],
-            ["ip", "-n", ns_p, "link", "set", f"vp{suffix}", "up"],
-            ["ip", "-n", ns_d, "link", "set", f"vd{suffix}", "up"],
-            ["ip", "-n", ns_p, "link", "set", "lo", "up"],
-            ["ip", "-n", ns_d, "link", "set", "lo", "up"],
-        ]
-        for step in steps:
-            r = _sh(*step)
-            if r.returncode != 0:
-                pytest.skip(f"cannot set up the veth pair ({' '.join(step)}): {r.stderr.strip()}")
-        yield ns_p, ns_d, "10.77.0.1", "10.77.0.2"
-    finally:
-        _sh("ip", "netns", "del", ns_p)  # deleting a namespace removes its end of the veth pair, and the pair
-        _sh("ip", "netns", "del", ns_d)
+    """Namespaces (10.77.0.1 and 10.77.0.2) joined by a veth pair. The prefill instance runs in the first, the
+    decode instance and the router in the second, so both the HTTP prefill call and the KV pull cross the veth."""
+    with netns.netns_pair("pd", "10.77.0") as pair:
+        yield pair
 
 
 def _start_in_ns(ns: str, tmp: Path, cmd: list[str], url: str, name: str, timeout: float = 90.0) -> ServerProc:
     def healthy() -> bool:  # asked from inside the namespace: only its own interfaces reach the server
         probe = f"import httpx,sys; sys.exit(0 if httpx.get('{url}/health', timeout=1).status_code == 200 else 1)"
-        return _sh("ip", "netns", "exec", ns, sys.executable, "-c", probe).returncode == 0
+        return sh("ip", "netns", "exec", ns, sys.executable, "-c", probe).returncode == 0
 
     # two hosts: hand-offs need the shared secret (without one an instance pulls only from loopback peers)
     env = {"NO_PROXY": "*", "no_proxy": "*", "PDSERVE_KV_TRANSFER_SECRET": "netns-test-secret"}
@@ -342,7 +312,7 @@ def test_handoff_across_network_namespaces(netns_pair: tuple[str, str, str, str]
             f"m = httpx.get('http://{ip_d}:8200/metrics').text\n"
             "print(json.dumps({'out': out, 'bytes': [ln for ln in m.splitlines() "
             "if ln.startswith('pdserve:kv_transfer_bytes_total')]}))\n")
-        r = _sh("ip", "netns", "exec", ns_d, sys.executable, "-c", script)
+        r = sh("ip", "netns", "exec", ns_d, sys.executable, "-c", script)
         assert r.returncode == 0, r.stderr
         res = json.loads(r.stdout.strip().splitlines()[-1])
         for via_router, direct in res["out"]:  # the direct request to the decode instance computes colocated

@@ -413,3 +413,54 @@ def test_router_app_refuses_bad_bodies_with_openai_errors() -> None:
         assert r.status_code == 200 and pre.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
         assert client.post("/v1/nothing", json={}).json()["error"]["code"] == 404
         assert 'pdserve:router_request_errors_total{kind="payload_too_large"} 2.0' in client.get("/metrics").text
+
+
+def test_discovered_instances_join_and_leave_the_pools() -> None:
+    """With `registry.discover` (Ray Serve replicas come and go), each poll makes the pools the discovered URLs:
+    a kept instance keeps its state, a gone one leaves the pool and its gauges, a new one gets work."""
+    a, b, c = Fake("http://a:1"), Fake("http://b:1"), Fake("http://c:1")
+    srv = RouterServing(RouterConfig([], [a.url, b.url]), transport(a, b, c))  # c: not configured, discovered
+    found = {"prefill": [], "decode": ["http://a:1", "http://b:1"]}
+
+    async def discover() -> dict[str, list[str]]:
+        return found
+
+    srv.registry.discover = discover
+
+    async def go() -> list[Any]:
+        await srv.start(poll=False)
+        try:
+            kept = srv.registry.decode.instances[0]
+            kept.inflight = 3  # busy: the new instance is the least loaded
+            found["decode"] = ["http://a:1", "http://c:1"]
+            await srv.registry.poll_once(srv.client)
+            assert [i.url for i in srv.registry.decode.instances] == ["http://a:1", "http://c:1"]
+            assert srv.registry.decode.instances[0] is kept and kept.inflight == 3
+            return [ev async for ev in srv.stream("/v1/completions", BODY, {})]
+        finally:
+            await srv.close()
+
+    assert text_of(events_of(asyncio.run(go()))) == "Hello world"
+    assert len(c.bodies) == 1 and not a.bodies and not b.bodies
+    text = metrics_text(srv)
+    assert 'url="http://c:1"' in text and 'url="http://b:1"' not in text
+
+
+def test_a_prefill_instance_discovered_after_start_gets_the_prompts() -> None:
+    pre, dec = Fake("http://p:1", answer=prefill_ok), Fake("http://d:1")
+    srv = RouterServing(RouterConfig([], [dec.url]), transport(pre, dec))  # no prefill instance at start
+
+    async def discover() -> dict[str, list[str]]:
+        return {"prefill": [pre.url], "decode": [dec.url]}
+
+    async def go() -> list[Any]:
+        await srv.start(poll=False)
+        try:
+            srv.registry.discover = discover
+            await srv.registry.poll_once(srv.client)
+            return [ev async for ev in srv.stream("/v1/completions", BODY, {})]
+        finally:
+            await srv.close()
+
+    assert text_of(events_of(asyncio.run(go()))) == "Hello world"
+    assert pre.bodies[0]["max_tokens"] == 1 and dec.bodies[0]["kv_transfer_params"]["remote_block_ids"]

@@ -23,6 +23,10 @@ from pdserve.model.sampler import Sampler
 from pdserve.model.spec_sampler import expand_metadata
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# engine tests: every proposer, drafting whatever it finds (the auto policy's choices depend on measured step times;
+# test_greedy_equal_in_mixed_batches runs it too, and test_spec_policy.py tests it on a synthetic cost model)
+METHODS = {"ngram": {**NGRAM, "policy": "always"},
+           "suffix": {"method": "suffix", "num_speculative_tokens": 4, "policy": "always"}}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -69,7 +73,6 @@ def test_config_parses_json_and_dict() -> None:
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "medusa2", "num_speculative_tokens": 2}, "unknown method"),
-    ({"method": "suffix", "num_speculative_tokens": 2}, "not implemented yet"),
     ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not implemented yet"),
     ({"model": "x", "num_speculative_tokens": 2}, "not implemented yet"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
@@ -218,6 +221,12 @@ def kernels(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(params=sorted(METHODS))
+def spec(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The speculative config of each proposer."""
+    return METHODS[str(request.param)]
+
+
 def _texts(tokenizer: Any) -> list[list[int]]:
     rng = random.Random(0)
     code = "def add(a, b):\n    return a + b\n\n" * 6
@@ -243,17 +252,20 @@ def _run(llm: Any, prompts: list[list[int]], params: SamplingParams | list[Sampl
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
 
 
-def test_greedy_equal_in_mixed_batches(make_llm: Any, tokenizer: Any, kernels: str) -> None:
+@pytest.mark.parametrize("policy", ["always", "auto"])
+def test_greedy_equal_in_mixed_batches(make_llm: Any, tokenizer: Any, kernels: str, spec: dict[str, Any],
+                                       policy: str) -> None:
     base = make_llm(kernels=kernels, max_num_batched_tokens=96)
     prompts = _texts(tokenizer) + [_repetitive(base, tokenizer)]
     want = _run(base, prompts, GREEDY)
-    spec = make_llm(kernels=kernels, max_num_batched_tokens=96, speculative_config=NGRAM)
-    assert _run(spec, prompts, GREEDY) == want
-    stats = spec.engine.spec.stats
+    llm = make_llm(kernels=kernels, max_num_batched_tokens=96, speculative_config={**spec, "policy": policy})
+    assert _run(llm, prompts, GREEDY) == want
+    stats = llm.engine.spec.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
-def test_greedy_equal_with_stops_max_tokens_n_logprobs(make_llm: Any, tokenizer: Any, kernels: str) -> None:
+def test_greedy_equal_with_stops_max_tokens_n_logprobs(make_llm: Any, tokenizer: Any, kernels: str,
+                                                       spec: dict[str, Any]) -> None:
     base = make_llm(kernels=kernels)
     rep = _repetitive(base, tokenizer)
     full = base.generate([{"prompt_token_ids": rep}], GREEDY)[0].outputs[0]
@@ -267,9 +279,9 @@ def test_greedy_equal_with_stops_max_tokens_n_logprobs(make_llm: Any, tokenizer:
                              repetition_penalty=1.2)]
     prompts = [rep] * len(params)
     want = base.generate([{"prompt_token_ids": p} for p in prompts], params)
-    spec = make_llm(kernels=kernels, speculative_config=NGRAM)
-    got = spec.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert spec.engine.block_manager.is_at_baseline()
+    llm = make_llm(kernels=kernels, speculative_config=spec)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert llm.engine.block_manager.is_at_baseline()
     for w, g in zip(want, got):
         for cw, cg in zip(w.outputs, g.outputs, strict=True):
             assert (cg.token_ids, cg.text, cg.finish_reason, cg.stop_reason) == \
@@ -280,20 +292,21 @@ def test_greedy_equal_with_stops_max_tokens_n_logprobs(make_llm: Any, tokenizer:
                     assert a.token_id == b.token_id and a.rank == b.rank
                     assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
     assert want[1].outputs[0].finish_reason == "stop" and len(want[1].outputs[0].token_ids) < 40
-    assert spec.engine.spec.stats.num_accepted_tokens > 0
+    assert llm.engine.spec.stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_equal_under_preemption(make_llm: Any, tokenizer: Any, kernels: str, prefix_caching: bool) -> None:
+def test_greedy_equal_under_preemption(make_llm: Any, tokenizer: Any, kernels: str, prefix_caching: bool,
+                                      spec: dict[str, Any]) -> None:
     opts = dict(kernels=kernels, num_kv_blocks=24, max_num_batched_tokens=64, enable_prefix_caching=prefix_caching)
     base = make_llm(**opts)
     rep = _repetitive(base, tokenizer)
     prompts = [rep, rep[:30], rep + rep[:10], *_texts(tokenizer)[:3]]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want = _run(base, prompts, params)
-    spec = make_llm(**opts, speculative_config=NGRAM)
-    assert _run(spec, prompts, params) == want
-    assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.spec.stats.num_accepted_tokens > 0
+    llm = make_llm(**opts, speculative_config=spec)
+    assert _run(llm, prompts, params) == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.spec.stats.num_accepted_tokens > 0
 
 
 def test_drafts_accepted_fewer_steps(make_llm: Any, tokenizer: Any) -> None:
@@ -301,7 +314,7 @@ def test_drafts_accepted_fewer_steps(make_llm: Any, tokenizer: Any) -> None:
     rep = _repetitive(base, tokenizer)
     steps: dict[str, int] = {}
     outs = {}
-    for name, llm in (("base", base), ("spec", make_llm(speculative_config=NGRAM))):
+    for name, llm in (("base", base), ("spec", make_llm(speculative_config=METHODS["ngram"]))):
         count = [0]
         outs[name] = llm.generate([{"prompt_token_ids": rep}], GREEDY,
                                   on_step=lambda s, c=count: c.__setitem__(0, c[0] + 1))[0].outputs[0].token_ids
@@ -316,7 +329,7 @@ def test_drafts_accepted_fewer_steps(make_llm: Any, tokenizer: Any) -> None:
 
 
 def test_kv_pool_at_baseline_after_abort(make_llm: Any, tokenizer: Any) -> None:
-    llm = make_llm(speculative_config=NGRAM, num_kv_blocks=64)
+    llm = make_llm(speculative_config=METHODS["ngram"], num_kv_blocks=64)
     eng = llm.engine
     rep = _repetitive(make_llm(), tokenizer)
     reqs = [eng.add_request({"prompt_token_ids": rep}, SamplingParams(temperature=0, max_tokens=200,
@@ -336,10 +349,11 @@ def test_kv_pool_at_baseline_after_abort(make_llm: Any, tokenizer: Any) -> None:
 
 
 def test_batch_size_switch(make_llm: Any, tokenizer: Any) -> None:
-    llm = make_llm(speculative_config={**NGRAM, "disable_by_batch_size": 1})
+    llm = make_llm(speculative_config={**METHODS["ngram"], "disable_by_batch_size": 1})
     rep = _repetitive(make_llm(), tokenizer)
     llm.generate([{"prompt_token_ids": rep}] * 2, GREEDY)
     assert llm.engine.spec.stats.num_drafts == 0  # two decodes each step: off
+    assert llm.engine.spec.stats.disabled_steps["batch_size"] > 0
     llm.generate([{"prompt_token_ids": rep}], GREEDY)
     assert llm.engine.spec.stats.num_drafts > 0
 
@@ -371,7 +385,7 @@ def test_temperature_keeps_the_distribution(make_llm: Any, tokenizer: Any) -> No
     n = 800
     samples = {}
     for name, llm in (("base", base), ("spec", make_llm(max_num_seqs=256, max_num_batched_tokens=2048,
-                                                         num_kv_blocks=2048, speculative_config=NGRAM))):
+                                                         num_kv_blocks=2048, speculative_config=METHODS["ngram"]))):
         first_seed = 0 if name == "base" else n  # independent samples
         params = [SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=first_seed + s)
                   for s in range(n)]
@@ -430,7 +444,7 @@ def test_structured_output_is_not_speculated(make_llm: Any, tokenizer: Any) -> N
     regex = SamplingParams(temperature=0, max_tokens=30, structured_outputs={"regex": r"\d{3}-[a-z]{2,4}"})
     params = [regex, GREEDY]
     want = base.generate([{"prompt_token_ids": rep}] * 2, params)
-    llm = make_llm(speculative_config=NGRAM)
+    llm = make_llm(speculative_config=METHODS["ngram"])
     eng = llm.engine
     reqs = [eng.add_request({"prompt_token_ids": rep}, p, f"s{i}") for i, p in enumerate(params)]
     while eng.has_unfinished_requests():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -65,12 +65,28 @@ class InstanceRegistry:
         self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill], last_resort=False)
         self.decode = Pool("decode", [Instance(u, "decode") for u in decode])
         self.metrics, self.poll_interval = metrics, poll_interval
+        # where instances come and go (Ray Serve replicas): asked before each poll for {role: URLs}
+        self.discover: Callable[[], Awaitable[dict[str, list[str]]]] | None = None
+
+    def sync(self, urls: dict[str, list[str]]) -> None:
+        """Make the pools' instances these URLs; known instances keep their state (load, in-flight count)."""
+        for pool in (self.prefill, self.decode):
+            known = {i.url: i for i in pool.instances}
+            pool.instances[:] = [known.get(u) or Instance(u, pool.role) for u in urls.get(pool.role, [])]
+            for gone in set(known) - set(urls.get(pool.role, [])):  # no stale series for instances that left
+                for gauge in (self.metrics.up, self.metrics.load):
+                    try:
+                        gauge.remove(pool.role, gone)
+                    except KeyError:
+                        pass
 
     @property
     def instances(self) -> list[Instance]:
         return self.prefill.instances + self.decode.instances
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
+        if self.discover is not None:
+            self.sync(await self.discover())
         await asyncio.gather(*(self._poll(client, i) for i in self.instances))
 
     async def _poll(self, client: httpx.AsyncClient, inst: Instance) -> None:

@@ -343,7 +343,8 @@ class RouterServing:
     # ---- stages --------------------------------------------------------------------------------------------
     async def _handoff(self, path: str, body: dict[str, Any], tr: RouteTrace) -> dict[str, Any] | None:
         """The kv_transfer_params for the decode instance, or None: it computes the prompt itself."""
-        if not (self.cfg.prefill and is_disaggregatable(path, body)):
+        # the pool, not the config: discovered instances (registry.discover) may join after start
+        if not (self.registry.prefill.instances and is_disaggregatable(path, body)):
             return None  # sent to a decode instance as it is (colocated)
         params = await self._prefill(path, body, tr)
         if params is None:

@@ -113,7 +113,7 @@ class LLMEngine:
         self.step_cost = self.runner.step_cost_model()
         self.step_budget = StepBudget(self.step_cost, config.max_step_ms)
         spec_config = config.speculative
-        self.spec = SpecDecoder(spec_config) if spec_config is not None else None
+        self.spec = SpecDecoder(spec_config, predict=self.step_budget.predict) if spec_config is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy,
                                    self.step_budget, config.scheduling_policy, config.priority_aging_s, self.spec)

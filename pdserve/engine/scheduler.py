@@ -199,8 +199,9 @@ class Scheduler:
 
         # 1. running requests, in queue order; preempt the last one in that order when blocks run out
         queue = list(self.running)
-        num_decoding = sum(1 for r in queue if is_decode(r, r.num_tokens - r.num_computed_tokens))
-        speculate = self.spec is not None and self.spec.enabled_for_step(num_decoding)
+        decoding = [r for r in queue if is_decode(r, r.num_tokens - r.num_computed_tokens)]
+        num_decoding = len(decoding)
+        speculate = self.spec is not None and self.spec.begin_step(decoding)
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)

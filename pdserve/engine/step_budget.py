@@ -79,23 +79,24 @@ class StepBudget:
     def observe(self, flops: float, nbytes: float, seconds: float) -> None:
         self.model.observe(flops, nbytes, seconds)
 
-    def _predict(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> float | None:
+    def predict(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> float | None:
+        """Predicted model time of a step over `seqs` ((cached, new) each); None until the model is fitted."""
         return self.model.predict(*self.cost.cost(seqs, num_sampled))
 
     def prefill_cap(self, decodes: Sequence[tuple[int, int]], max_tokens: int) -> int | None:
         """Most prefill tokens a step with these decodes ((context, 1) each) should take; None: no cap."""
         if not decodes or not self.enabled or max_tokens <= self.min_chunk:
             return None
-        alone = self._predict(decodes, len(decodes))
+        alone = self.predict(decodes, len(decodes))
         if alone is None:
             return None
         limit = self.max_step_s if self.max_step_s is not None else self.ratio * alone
         lo, hi = self.min_chunk, max_tokens  # the largest n in [lo, hi] whose mixed step fits, else lo
-        if (self._predict([*decodes, (0, hi)], len(decodes) + 1) or 0.0) <= limit:
+        if (self.predict([*decodes, (0, hi)], len(decodes) + 1) or 0.0) <= limit:
             return None
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if (self._predict([*decodes, (0, mid)], len(decodes) + 1) or 0.0) <= limit:
+            if (self.predict([*decodes, (0, mid)], len(decodes) + 1) or 0.0) <= limit:
                 lo = mid
             else:
                 hi = mid

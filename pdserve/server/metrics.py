@@ -96,16 +96,7 @@ class Metrics:
         self.prefix_hits = Counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lbl,
                                    registry=r)
         self.preemptions = Counter("pdserve:num_preemptions", "Preemptions (recompute).", lbl, registry=r)
-        # speculative decoding, vLLM's names (fed from the engine's SpecDecodeStats; zero while it is off)
-        self.spec_drafts = Counter("pdserve:spec_decode_num_drafts", "Decode rows that carried draft tokens.", lbl,
-                                   registry=r)
-        self.spec_draft_tokens = Counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed and "
-                                         "verified.", lbl, registry=r)
-        self.spec_accepted_tokens = Counter("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lbl,
-                                            registry=r)
-        self.spec_accepted_per_pos = Counter("pdserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
-                                             "accepted, by position in the draft (0: first).",
-                                             ["model_name", "position"], registry=r)
+        self._spec_counters(lbl, r)
         self._last_spec = SpecDecodeStats()
         self.success = Counter("pdserve:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
@@ -148,6 +139,21 @@ class Metrics:
         self.live.record_step(step, num_running, num_waiting, kv_usage, prefix_queries, prefix_hits,
                               num_preemptions)
 
+    def _spec_counters(self, lbl: list[str], r: CollectorRegistry) -> None:
+        # speculative decoding, vLLM's names (fed from the engine's SpecDecodeStats; zero while it is off)
+        self.spec_drafts = Counter("pdserve:spec_decode_num_drafts", "Decode rows that carried draft tokens.", lbl,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed and "
+                                         "verified.", lbl, registry=r)
+        self.spec_accepted_tokens = Counter("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", lbl,
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("pdserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                             "accepted, by position in the draft (0: first).",
+                                             ["model_name", "position"], registry=r)
+        self.spec_disabled_steps = Counter("pdserve:spec_decode_disabled_steps", "Steps with decoding requests but "
+                                           "no drafts, by the policy's reason (batch_size, compute_bound, "
+                                           "low_acceptance).", ["model_name", "reason"], registry=r)
+
     def observe_spec(self, stats: SpecDecodeStats) -> None:
         """Bring the spec_decode counters up to the engine's totals."""
         c, last = self._children, self._last_spec
@@ -157,8 +163,10 @@ class Metrics:
         for pos, n in enumerate(stats.accepted_per_pos):
             before = last.accepted_per_pos[pos] if pos < len(last.accepted_per_pos) else 0
             self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(n - before)
+        for reason, n in stats.disabled_steps.items():
+            self.spec_disabled_steps.labels(self.model_name, reason).inc(n - last.disabled_steps.get(reason, 0))
         self._last_spec = SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                                          list(stats.accepted_per_pos))
+                                          list(stats.accepted_per_pos), dict(stats.disabled_steps))
 
     def set_peaks(self, peak_flops: float, bandwidth: float, device: DeviceSpec | None = None) -> None:
         """The peaks MFU/MBU are measured against; with `device`, also its provenance as info labels."""

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pdserve.config import SpeculativeConfig
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.policy import Predict, SpecPolicy
 from pdserve.engine.spec_decode.proposer import RESERVED, Proposer
+from pdserve.engine.spec_decode.suffix import SuffixProposer
 
 
 @dataclass
@@ -30,6 +32,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
+    disabled_steps: dict[str, int] = field(default_factory=dict)  # reason -> steps with decodes but no drafts
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
@@ -50,20 +53,34 @@ def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of `config.method` (config.py's SPEC_METHODS lists the methods that exist)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
+                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
     raise ValueError(f"speculative_config: method {config.method!r} has no proposer")
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None,
+                 predict: Predict | None = None) -> None:
+        """`predict`: the step time model (StepBudget.predict) that the `auto` policy weighs drafts with."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = proposer if proposer is not None else make_proposer(config)
-        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.policy = SpecPolicy(self.k, config.policy == "auto", predict)
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k, disabled_steps=self.policy.disabled_steps)
 
     def enabled_for_step(self, num_decoding: int) -> bool:
         """The batch-size switch: no drafts in a step with more decoding requests than disable_by_batch_size."""
         limit = self.config.disable_by_batch_size
         return limit is None or num_decoding <= limit
+
+    def begin_step(self, decodes: list[Request]) -> bool:
+        """Plan this step's drafts (policy.py) for its decoding requests; False: none this step."""
+        decodes = [r for r in decodes if self.eligible(r)]
+        if decodes and not self.enabled_for_step(len(decodes)):
+            self.policy.off("batch_size")
+            return False
+        return self.policy.plan(decodes)
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -72,7 +89,7 @@ class SpecDecoder:
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) drafts for a decoding request (also bounded by its max_tokens); a batched
         proposer answers with RESERVED slots that `fill` replaces once the step's decodes are known."""
-        k = min(self.k, max_tokens, req.max_tokens - req.num_output_tokens - 1)
+        k = min(self.policy.k_for.get(req.request_id, 0), max_tokens, req.max_tokens - req.num_output_tokens - 1)
         if k <= 0 or not self.eligible(req):
             return []
         return self.proposer.propose(req, k)
@@ -85,12 +102,14 @@ class SpecDecoder:
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         self.stats.observe(num_drafted, num_accepted)
+        self.policy.observe(req, num_drafted, num_accepted)
         self.proposer.on_verified(req, num_drafted, num_accepted)
 
     def on_preempted(self, req: Request) -> None:
         self.proposer.on_preempted(req)
 
     def on_finished(self, req: Request) -> None:
+        self.policy.forget(req)
         self.proposer.on_finished(req)
 
 

@@ -1,0 +1,210 @@
+"""Speculative decoding against no speculation, per proposer, workload and concurrency, against a real server.
+
+    .venv/bin/python benchmarks/spec_decode.py [--concurrency 1 4 16] [--output-len 96] [--methods none ngram suffix]
+
+Workloads, built offline from files on this machine (no downloads), chat-templated (/v1/chat/completions):
+- `edit`: "rewrite this source file with a change" over ~40-line excerpts of the Python standard library's modules
+  (the answer mostly repeats the prompt: where speculation should pay);
+- `docs`: "summarize with quotes" and "continue this document" over docstrings of the same modules;
+- `random`: prompts of random words (nothing to find: the auto policy should turn speculation off).
+For each method (`none`, `ngram`, `suffix`, and `draft_model` when config.py lists it: otherwise skipped with a
+message) one server is started (`pdserve serve --speculative-config ...`, the auto policy unless --policy) and every
+workload runs at each concurrency: `c` streaming clients, each sending its share of the requests in turn. Reported:
+output tok/s, ITL p50/p99 (between streamed chunks; a speculating step delivers several tokens in one chunk), TTFT
+p50, the mean acceptance length (from the server's spec_decode counters), and the ratio of output tok/s to `none`
+in the same run. The table is printed as markdown for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from pdserve.bench.server_metrics import parse_metrics, server_deltas
+from pdserve.config import SPEC_METHODS
+from pdserve.launch import start_server
+
+MODULES = ["textwrap", "shlex", "fnmatch", "glob", "bisect", "heapq", "colorsys", "calendar", "difflib", "string",
+           "statistics", "fractions", "base64", "queue", "sched", "graphlib", "secrets", "keyword", "copy", "enum"]
+EDITS = ["Rename every local variable `i` to `index` and otherwise keep the code unchanged.",
+         "Add a one-line comment above each function and otherwise keep the code unchanged.",
+         "Replace every single-quoted string with a double-quoted one and otherwise keep the code unchanged."]
+
+
+def stdlib_sources() -> list[tuple[str, str]]:
+    """(module, source) of some pure-Python standard library modules."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [(m, (root / f"{m}.py").read_text()) for m in MODULES if (root / f"{m}.py").exists()]
+
+
+def code_excerpt(source: str, rng: random.Random, lines: int = 40) -> str:
+    """A run of `lines` lines starting at a top-level def or class (whole functions, not a cut mid-way)."""
+    rows = source.splitlines()
+    starts = [i for i, r in enumerate(rows) if r.startswith(("def ", "class "))] or [0]
+    i = rng.choice(starts)
+    return "\n".join(rows[i:i + lines])
+
+
+def docstrings(source: str) -> list[str]:
+    tree = ast.parse(source)
+    out = [ast.get_docstring(n) for n in ast.walk(tree)
+           if isinstance(n, ast.Module | ast.FunctionDef | ast.ClassDef)]
+    return [d for d in out if d and len(d) > 300]
+
+
+def workloads(n: int, seed: int = 0) -> dict[str, list[list[dict[str, str]]]]:
+    rng = random.Random(seed)
+    sources = stdlib_sources()
+    docs = [d for _, s in sources for d in docstrings(s)]
+    edit, doc, rand = [], [], []
+    words = sorted({w for _, s in sources for w in s.split() if w.isalpha()})
+    for i in range(n):
+        name, src = sources[i % len(sources)]
+        edit.append([{"role": "user", "content": f"{EDITS[i % len(EDITS)]}\n\n```python\n"
+                                                 f"{code_excerpt(src, rng)}\n```"}])
+        text = docs[i % len(docs)][:1500]
+        ask = ("Summarize this text, quoting its key sentences word for word." if i % 2 == 0 else
+               "Continue this document in the same style.")
+        doc.append([{"role": "user", "content": f"{ask}\n\n{text}"}])
+        rand.append([{"role": "user", "content": " ".join(rng.choice(words) for _ in range(120))}])
+    return {"edit": edit, "docs": doc, "random": rand}
+
+
+@dataclass
+class Cell:
+    tokens: int = 0
+    seconds: float = 0.0
+    itl: list[float] | None = None
+    ttft: list[float] | None = None
+    mean_accept: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+async def one(http: httpx.AsyncClient, url: str, messages: list[dict[str, str]], n: int,
+              cell: Cell) -> None:
+    body = {"messages": messages, "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    async with http.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                cell.tokens += chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                arrivals.append(time.perf_counter())
+    assert cell.itl is not None and cell.ttft is not None
+    if arrivals:
+        cell.ttft.append(arrivals[0] - t0)
+        cell.itl.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+
+async def run_cell(base: str, prompts: list[list[dict[str, str]]], concurrency: int, n: int) -> Cell:
+    cell = Cell(itl=[], ttft=[])
+    url = base + "/v1/chat/completions"
+    queue = list(prompts)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while queue:
+            await one(http, url, queue.pop(0), n, cell)
+
+    async with httpx.AsyncClient(timeout=900) as http:
+        before = parse_metrics((await http.get(base + "/metrics")).text)
+        t0 = time.perf_counter()
+        await asyncio.gather(*[client(http) for _ in range(concurrency)])
+        cell.seconds = time.perf_counter() - t0
+        after = parse_metrics((await http.get(base + "/metrics")).text)
+    st = server_deltas(before, after)
+    cell.mean_accept = st.spec_mean_acceptance_length if st is not None else None
+    return cell
+
+
+def spec_config(method: str, policy: str) -> dict[str, object] | None:
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 5, "prompt_lookup_min": 2,
+                "policy": policy}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": 8, "policy": policy}
+    return {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 4, "policy": policy}
+
+
+def pct(xs: list[float] | None, q: float) -> float:
+    return float(np.percentile(xs, q)) * 1000 if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests-per-client", type=int, default=2, help="requests = concurrency x this (c=1: x2)")
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix", "draft_model"])
+    ap.add_argument("--workloads", nargs="+", default=["edit", "docs", "random"])
+    ap.add_argument("--policy", default="auto", choices=["auto", "always"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    methods = []
+    for m in args.methods:
+        if m != "none" and m not in SPEC_METHODS:
+            print(f"# skipped {m}: not among this build's speculative methods {list(SPEC_METHODS)}")
+        else:
+            methods.append(m)
+    most = max(args.concurrency) * args.requests_per_client
+    loads = {k: v for k, v in workloads(max(most, 2 * args.requests_per_client)).items() if k in args.workloads}
+    results: dict[tuple[str, str, int], Cell] = {}
+    load0 = os.getloadavg()[0]
+    for method in methods:
+        extra = [] if method == "none" else ["--speculative-config", json.dumps(spec_config(method, args.policy))]
+        with tempfile.TemporaryDirectory() as tmp:
+            srv = start_server(Path(tmp), "--dtype", args.dtype, "--kv-cache-memory", "2GiB", "--max-num-seqs",
+                               str(max(args.concurrency)), "--num-threads", str(args.threads), *extra)
+            try:
+                asyncio.run(run_cell(srv.base_url, loads[next(iter(loads))][:2], 2, 8))  # warm-up
+                for name, prompts in loads.items():
+                    for c in args.concurrency:
+                        count = c * args.requests_per_client if c > 1 else 2 * args.requests_per_client
+                        cell = asyncio.run(run_cell(srv.base_url, prompts[:count], c, args.output_len))
+                        results[(method, name, c)] = cell
+                        print(f"# {method} {name} c={c}: {cell.tok_s:.1f} tok/s", flush=True)
+            finally:
+                srv.stop()
+    cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
+    print(f"\n# spec_decode: policy {args.policy}, output {args.output_len} tokens, temperature 0, "
+          f"{args.threads} threads, dtype {args.dtype}; {cpu.stdout.strip()}; {time.strftime('%Y-%m-%d')}; "
+          f"methods run in the order {methods}; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    print("| workload | c | method | output tok/s | vs none | ITL p50 / p99 ms | TTFT p50 ms | mean accepted length |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in loads:
+        for c in args.concurrency:
+            base = results.get(("none", name, c))
+            for method in methods:
+                cell = results[(method, name, c)]
+                ratio = f"{cell.tok_s / base.tok_s:.2f}x" if base and base.tok_s else "-"
+                acc = f"{cell.mean_accept:.2f}" if cell.mean_accept else "-"
+                print(f"| {name} | {c} | {method} | {cell.tok_s:.1f} | {ratio} | {pct(cell.itl, 50):.1f} / "
+                      f"{pct(cell.itl, 99):.1f} | {pct(cell.ttft, 50):.0f} | {acc} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Deploying pdserve on cluster managers (ray/: Ray Serve)."""
