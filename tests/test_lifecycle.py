@@ -280,25 +280,32 @@ def test_unload_load_cycles_do_not_grow(lab: tuple[ServerProc, Path], tiny_dir: 
     pid = srv.proc.pid
     base = _rss_threads(pid)
     samples: list[tuple[float, int]] = []
+    added: list[float] = []  # what each load (plus one request) added to RSS
     for i in range(20):
+        before = _rss_threads(pid)[0]
         r = httpx.post(srv.base_url + "/admin/models", params={"wait": "true"}, headers=ADMIN, timeout=120,
                        json={"name": "cycle", "path": str(tiny_dir), "version": str(i)})
         assert r.status_code == 200, r.text
         c = httpx.post(srv.base_url + "/v1/completions", json={"model": "cycle", "prompt": "hi", "max_tokens": 4},
                        timeout=30)
         assert c.headers[HEADER] == f"cycle@{i}"
+        added.append(_rss_threads(pid)[0] - before)
         assert wait_baseline(srv, "cycle")["num_used_blocks"] == 0
         assert httpx.delete(srv.base_url + "/admin/models/cycle", headers=ADMIN, timeout=60).status_code == 200
         samples.append(_rss_threads(pid))
     r = httpx.post(srv.base_url + "/v1/completions", json={"model": "cycle", "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     rss = [s[0] for s in samples]
-    print(f"RSS before the first load {base[0]:.1f} MiB, after each unload {[round(x, 1) for x in rss]}; threads "
-          f"{base[1]} -> {[s[1] for s in samples]}")
-    # glibc's heap grows by ~1 MiB a cycle over the first ~15 cycles (arena fragmentation; it levels off, measured
-    # up to 25 cycles), so: the last 10 cycles stay flat within a few MiB and the end is near the start
-    assert max(rss[10:]) - rss[9] < 12, rss
-    assert rss[-1] - base[0] < 48, (base, rss)  # measured +12 and +36 MiB (a tiny model: ~15 MiB of weights)
+    print(f"RSS before the first load {base[0]:.1f} MiB, a load adds {[round(x, 1) for x in added]}, after each "
+          f"unload {[round(x, 1) for x in rss]}; threads {base[1]} -> {[s[1] for s in samples]}")
+    # No growth over the last 10 cycles beyond the allocator's drift. Measured with the fixed mmap threshold
+    # (model_registry.tune_allocator): +0.5..1 MiB a cycle on this tiny model (per-thread arenas and Python's free
+    # lists; an in-process load/unload loop without HTTP stays flat), +8.5 MiB over cycles 10..20. A load adds
+    # more than the bound, so a model (weights, KV pool) kept after its unload in these cycles fails the test.
+    bound = 12.0
+    assert min(added) > bound, added
+    assert max(rss[10:]) - rss[9] < bound, rss
+    assert rss[-1] - base[0] < 3 * bound, (base, rss)  # the first cycles warm the allocator up: measured +29 MiB
     assert samples[-1][1] <= samples[1][1], samples  # engine and loader threads stopped
 
 
@@ -332,7 +339,7 @@ def test_real_model_two_versions_and_memory_back(tmp_path: Path) -> None:
             assert raw.headers[HEADER] == f"{name}@{name[-1]}" and raw.parse().choices[0].message.content
         before = _rss_threads(srv.proc.pid)
         after, grew = [], []
-        for i in range(3):
+        for i in range(4):
             r = httpx.post(srv.base_url + "/admin/models", params={"wait": "true"}, headers=ADMIN, timeout=300,
                            json={"name": "smol-c", "path": "smollm2-135m", "version": str(i)})
             assert r.status_code == 200, r.text
@@ -341,8 +348,12 @@ def test_real_model_two_versions_and_memory_back(tmp_path: Path) -> None:
             assert httpx.delete(srv.base_url + "/admin/models/smol-c", headers=ADMIN, timeout=120).is_success
             after.append(_rss_threads(srv.proc.pid))
             print(f"cycle {i}: RSS before {before[0]:.0f} MiB, loaded {loaded:.0f}, after unload {after[-1][0]:.0f}")
-        # at least 3/4 of what each load added comes back (measured: +14, +40, +50 MiB after loads of ~+300 MiB)
-        assert all(rss - before[0] < 0.25 * g for (rss, _), g in zip(after, grew, strict=True)), (before, after, grew)
+        # What a load adds (measured +270..390 MiB) comes back: within 10% of it after every unload (measured +2 to
+        # +25 MiB; BENCHMARKS.md "Model lifecycle"), and the cycles do not grow: spread within 32 MiB (measured 23),
+        # far below one leaked model.
+        rss = [a[0] for a in after]
+        assert all(r - before[0] < 0.1 * g for r, g in zip(rss, grew, strict=True)), (before, after, grew)
+        assert max(rss) - min(rss) < 32, rss
         assert after[-1][1] <= before[1] + 2  # threads: at most the loader pool's
         for m in ("smol-a", "smol-b"):
             assert wait_baseline(srv, m)["num_used_blocks"] == 0

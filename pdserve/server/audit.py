@@ -48,7 +48,7 @@ class AuditLog:
     def append(self, entry: AuditEntry) -> dict[str, Any]:
         now = time.time()
         rec = {"time": datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds"), "ts": now,
-               **asdict(entry), "duration_s": round(entry.duration_s, 4)}
+               **asdict(entry), "duration_s": round(entry.duration_s, 6)}
         line = json.dumps(rec, ensure_ascii=False)
         with self._lock:
             if self.path is not None:
