@@ -309,6 +309,37 @@ def test_unload_load_cycles_do_not_grow(lab: tuple[ServerProc, Path], tiny_dir: 
     assert samples[-1][1] <= samples[1][1], samples  # engine and loader threads stopped
 
 
+def test_poc_switch_rollback_and_reclaim_against_the_real_admin_api(lab: tuple[ServerProc, Path],
+                                                                     tmp_path: Path) -> None:
+    """`pdserve poc`'s admin checks against this server's admin API (tests/test_poc.py runs them against a fake)."""
+    from pdserve.poc import PocConfig, run_poc
+
+    srv, audit = lab
+    rss_exported = 'process_resident_memory_bytes' in get(srv, "/metrics").text
+    cfg = PocConfig(base_url=srv.base_url, admin_api_key=KEY, model="chat", switch_to="tiny-v2", profile="quick",
+                    checks=("switch_rollback", "reclaim"), tenants=("团队-甲", "team-b"), out_dir=str(tmp_path),
+                    request_timeout=60.0)
+    rep = asyncio.run(run_poc(cfg, echo=lambda s: None))
+    by = {c.name: c for c in rep.checks}
+    sw, rc = by["switch_rollback"], by["reclaim"]
+    assert sw.status == "pass", sw.summary
+    reqs = sw.evidence["requests"]
+    assert len(reqs) == 6 and all(r["ok"] for r in reqs), reqs  # the quick profile's 6 streams, none lost
+    assert set(sw.evidence["served_by"]) <= {"tiny-v1@1", "tiny-v2@2"} and sw.evidence["alias_after"] == "tiny-v1"
+    assert sw.evidence["switch"]["model"] == "tiny-v2" and sw.evidence["rollback"]["model"] == "tiny-v1"
+    assert rc.status == "pass", rc.summary
+    assert rc.evidence["status_after_unload"] == 404 and rc.evidence["request"]["version"] == "poc-reclaim@poc"
+    assert rss_exported and all(v is not None for v in rc.evidence["rss_mib"].values()), rc.evidence
+    # the audit entries the report quotes are the server's own: switch, rollback, load, unload, in that order
+    actions = [(e["action"], e["model"]) for e in rep.evidence.configuration["audit_entries"]]
+    assert actions == [("switch", "chat"), ("rollback", "chat"), ("load", "poc-reclaim"), ("unload", "poc-reclaim")]
+    assert audit.read_text(encoding="utf-8").count('"model": "poc-reclaim"') == 2
+    assert "exercised and worked" in rep.evidence.review["rollback"]
+    assert models(srv)["chat"]["alias_of"] == "tiny-v1" and "poc-reclaim" not in models(srv)
+    for m in ("tiny-v1", "tiny-v2"):
+        assert wait_baseline(srv, m)["num_used_blocks"] == 0
+
+
 def test_single_model_server_has_no_admin_api(tmp_path: Path, tiny_dir: Path) -> None:
     srv = start_server(tmp_path, "--model", str(tiny_dir), *TINY_ARGS)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
 from pdserve.engine.engine import StepStats
@@ -228,4 +228,6 @@ def merged_registry(registries: Callable[[], list[CollectorRegistry]]) -> Collec
     """A registry to expose (generate_latest) that reads `registries()` at each scrape."""
     merged = CollectorRegistry(auto_describe=False)
     merged.register(MergedCollector(registries))  # type: ignore[arg-type]
+    # the process's own figures (process_resident_memory_bytes, CPU, fds): memory after an unload is evidence
+    merged.register(ProcessCollector(registry=None))
     return merged

@@ -1,6 +1,7 @@
 """What a server serves and how it is configured: `GET /v1/models` (every model with its state, version, config
 hash and aliases; every alias as its own entry), `GET /v1/config` (effective engine options per model and their
-hash) and `GET /version` (pdserve, its git commit when known, torch, Python, the kernels each model runs)."""
+hash; `server`: server-wide options such as the per-model admission limit) and `GET /version` (pdserve, its git
+commit when known, torch, Python, the kernels each model runs)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ async def models(raw: Request) -> dict[str, Any]:
 @models_router.get("/v1/config")
 async def config(raw: Request) -> dict[str, Any]:
     registry: ModelRegistry = raw.app.state.registry
-    return {"models": {m.name: {"options": m.options, "config_hash": m.config_hash, "version": m.version,
+    # server-wide options that shape every model's behaviour (the admission limit applies to each model's queue)
+    return {"server": {"max_waiting_requests": registry.max_waiting_requests},
+            "models": {m.name: {"options": m.options, "config_hash": m.config_hash, "version": m.version,
                                 "state": m.state} for m in registry.models()}}
 
 
