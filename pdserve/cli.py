@@ -14,8 +14,9 @@ from typing import Any
 from pdserve.config import EngineConfig, shown_default
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, so every engine option is on every command line; its help is the field's."""
+def add_engine_args(parser: argparse.ArgumentParser, repeat_model: bool = False) -> None:
+    """One flag per EngineConfig field, so every engine option is on every command line; its help is the field's.
+    `repeat_model` (serve): `--model` may be given more than once, each `NAME=PATH` or a path."""
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -23,7 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         shown = shown_default(f)
         text = f.metadata["help"] + (f" (default: {shown})" if shown != "–" else "")
         text = text.replace("%", "%%")  # argparse %-formats help strings
-        if hints[f.name] is bool:
+        if f.name == "model" and repeat_model:
+            parser.add_argument(flag, action="append", default=None, help=text + "; repeat it to serve several "
+                                "models, each `NAME=PATH` or a path (the first is the default model)")
+        elif hints[f.name] is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
             conv: Any = int if "int" in str(hints[f.name]) and f.name != "kv_cache_memory" else str
@@ -92,30 +96,54 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.roofline import resolve_device_peaks
-    from pdserve.server.app import ServerConfig, create_app, run_server
-    from pdserve.server.async_engine import EngineThread
+def _serve_models(args: argparse.Namespace) -> tuple[list[Any], dict[str, str]]:
+    """The models `serve` starts with (ModelSpecs, first = default) and their aliases."""
+    from pdserve.server.model_spec import ModelSpec, check_names, load_models_config, parse_model_arg
 
-    cfg = engine_config_from_args(args)
-    engine_thread = EngineThread()  # builds the engine and later runs its loop: one OpenMP team (async_engine.py)
-    # peaks are resolved on the engine thread too: `auto` may measure, and must do so with the engine's threads
-    engine = engine_thread.call(lambda: LLMEngine(cfg, device_peaks=resolve_device_peaks(
-        cfg.device_peaks, cfg.num_threads, cfg.device)))
-    name = args.served_model_name or engine.model_name
-    app = create_app(engine, ServerConfig(served_model_name=name, api_key=args.api_key,
-                                          max_waiting_requests=args.max_waiting_requests,
-                                          max_body_bytes=args.max_body_bytes,
-                                          body_read_timeout=args.body_read_timeout, max_n=args.max_n,
-                                          max_sequences_per_request=args.max_sequences_per_request,
-                                          max_prompt_chars=args.max_prompt_chars,
-                                          prefix_cache_isolation=args.prefix_cache_isolation,
-                                          tool_call_parser=args.tool_call_parser,
-                                          explain_itl_threshold=args.explain_itl_threshold,
-                                          debug_requests_history=args.debug_requests_history,
-                                          profiler_dir=args.profiler_dir,
-                                          otlp_traces_endpoint=args.otlp_traces_endpoint), engine_thread)
+    specs: list[ModelSpec] = []
+    aliases: dict[str, str] = {}
+    if args.models_config:
+        mc = load_models_config(args.models_config)
+        specs, aliases = mc.models, mc.aliases
+    given = args.model or []
+    if len(given) == 1 and not specs and "=" not in given[0]:  # one model, named as before
+        specs = [ModelSpec(args.served_model_name or given[0], given[0])]
+    else:
+        specs += [parse_model_arg(m) for m in given]
+    if not specs:
+        specs = [ModelSpec(args.served_model_name or "smollm2-135m")]
+    check_names(specs, aliases)
+    return specs, aliases
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.server.app import ServerConfig, create_registry_app, new_registry, run_server
+    from pdserve.server.model_registry import tune_allocator
+
+    tune_allocator()  # before the first load: freed models go back to the OS (model_registry.py)
+    specs, aliases = _serve_models(args)
+    base = dataclasses.replace(engine_config_from_args(args), model=None)
+    server_cfg = ServerConfig(served_model_name=specs[0].name, api_key=args.api_key,
+                              max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
+                              body_read_timeout=args.body_read_timeout, max_n=args.max_n,
+                              max_sequences_per_request=args.max_sequences_per_request,
+                              max_prompt_chars=args.max_prompt_chars,
+                              prefix_cache_isolation=args.prefix_cache_isolation,
+                              tool_call_parser=args.tool_call_parser,
+                              explain_itl_threshold=args.explain_itl_threshold,
+                              debug_requests_history=args.debug_requests_history,
+                              profiler_dir=args.profiler_dir, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                              admin_api_key=args.admin_api_key, audit_log=args.audit_log,
+                              tenant_label_limit=args.tenant_label_limit)
+    registry = new_registry(base, server_cfg)
+    for spec in specs:  # each on its own engine thread; peaks resolved there (`auto` may measure)
+        served, old = registry.begin_load(spec)
+        registry.finish_load(served, old, "load", None)
+        if served.state != "loaded":
+            raise ValueError(f"model {spec.name!r} failed to load: {served.error}")
+    for alias, target in aliases.items():
+        registry.set_alias(alias, target, None, None)
+    app = create_registry_app(registry, server_cfg)
     # SIGTERM/SIGINT: /health turns 503 "draining", open requests finish for up to the grace period, then the
     # streams still open end with an error event and the app's shutdown aborts what is left and frees its blocks.
     run_server(app, args.host, args.port, args.log_level, args.shutdown_grace)
@@ -165,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_args(srv)
+    add_engine_args(srv, repeat_model=True)
     srv.add_argument("--role", dest="kv_role", choices=["both", "prefill", "decode"], default="both",
                      help="same as --kv-role: PD disaggregation role (see `pdserve router`)")
     srv.add_argument("--host", default="127.0.0.1")
@@ -173,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, "
                      "/detokenize, /debug and the API docs (/health and /metrics stay open)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model name)")
+    srv.add_argument("--models-config", default=None, help="YAML or JSON file of models to serve: `models: [{name, "
+                     "path, version, options: {engine options}}]` and `aliases: {alias: name}` (with --model: "
+                     "those are added after these)")
+    srv.add_argument("--admin-api-key", default=None, help="enable the admin API (/admin: load, unload, sleep, "
+                     "wake, aliases, audit) behind 'Authorization: Bearer KEY' (off when unset: /admin is 404)")
+    srv.add_argument("--audit-log", default=None, help="append-only JSONL of model lifecycle changes (default: "
+                     "<cache dir>/audit.jsonl with --admin-api-key, else kept in memory; `off`: no file)")
+    srv.add_argument("--tenant-label-limit", type=int, default=16, help="distinct tenants (X-Tenant header, else "
+                     "the body's user) labelled in the per-tenant metrics; later ones are counted as `other`")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
                      help="answer 429 when this many requests wait for their first step")
     srv.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="reject larger request bodies (413)")

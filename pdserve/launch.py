@@ -127,8 +127,8 @@ def start_pdserve(log_dir: Path, name: str, cli_args: Sequence[str], base_url: s
                   env={**PDSERVE_ENV, **(env or {})}, timeout=timeout, healthy=healthy)
 
 
-def start_server(log_dir: Path, *args: str, timeout: float = 180.0) -> ServerProc:
-    """`pdserve serve *args` on a free port of 127.0.0.1, healthy."""
+def start_server(log_dir: Path, *args: str, timeout: float = 180.0, env: dict[str, str] | None = None) -> ServerProc:
+    """`pdserve serve *args` on a free port of 127.0.0.1, healthy (`env`: extra environment variables)."""
     port = free_port()
     return start_pdserve(log_dir, f"server-{port}", ["serve", "--port", str(port), *args],
-                         f"http://127.0.0.1:{port}", timeout)
+                         f"http://127.0.0.1:{port}", timeout, env=env)

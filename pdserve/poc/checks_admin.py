@@ -110,8 +110,12 @@ async def check_switch_rollback(t: PocTarget, cfg: PocConfig, log: RunLog, res: 
     res.evidence = {**ev, "served_by": versions}
     res.status = FAIL if problems else PASS
     res.summary = "; ".join(problems) if problems else (
-        f"{len(reqs)} requests, 0 failed; served by {versions}; switch {ev['switch'].get('switch_s', '?')} s, "
-        f"rollback {ev['rollback'].get('switch_s', '?')} s; alias back on {original}")
+        f"{len(reqs)} requests, 0 failed; served by {versions}; switch {_ms(ev['switch'].get('switch_s'))}, "
+        f"rollback {_ms(ev['rollback'].get('switch_s'))}; alias back on {original}")
+
+
+def _ms(seconds: Any) -> str:
+    return f"{seconds * 1e3:.3f} ms" if isinstance(seconds, (int, float)) else "? ms"
 
 
 async def _rss(t: PocTarget) -> float | None:

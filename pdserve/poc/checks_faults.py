@@ -96,11 +96,12 @@ def _is_openai_error(text: str) -> bool:
 
 
 async def burst_size(t: PocTarget, cfg: PocConfig) -> tuple[int, str]:
-    """Past the admission limit when the server says it (GET /v1/config: max_waiting_requests), else the
-    profile's default."""
-    conf = await t.get_json("/v1/config")
-    limits = [m.get("options", {}).get("max_waiting_requests") for m in (conf or {}).get("models", {}).values()
-              if isinstance(m, dict)]
+    """Past the admission limit when the server says it (GET /v1/config: `server.max_waiting_requests`, or a
+    model's options), else the profile's default."""
+    conf = await t.get_json("/v1/config") or {}
+    limits = [(conf.get("server") or {}).get("max_waiting_requests")]
+    limits += [m.get("options", {}).get("max_waiting_requests") for m in conf.get("models", {}).values()
+               if isinstance(m, dict)]
     limit = next((int(v) for v in limits if isinstance(v, int)), None)
     p = cfg.sizes
     if limit is not None:

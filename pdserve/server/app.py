@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API (FastAPI) over the AsyncEngine: completions, chat, models, tokenize, health, metrics.
 
 The app is assembled here: routes (routes.py) are thin and call serving objects (serving*.py), which hold the
-request logic; errors leave as OpenAI error bodies (errors.py); AuthAndBodyLimitMiddleware guards the API.
+request logic; errors leave as OpenAI error bodies (errors.py); AuthAndBodyLimitMiddleware guards the API. The
+served models live in a ModelRegistry (model_registry.py; app.state.registry), changed by the admin API (admin.py).
 `run_server` serves it under uvicorn with a draining shutdown.
 """
 
@@ -14,26 +15,30 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.cache import cache_root
+from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.explain import StallThreshold
-from pdserve.kernels import kernels_isa
+from pdserve.server.admin import admin_router
 from pdserve.server.async_engine import AsyncEngine, EngineThread
+from pdserve.server.audit import AuditLog
 from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.server.errors import install_exception_handlers
-from pdserve.server.metrics import Metrics
+from pdserve.server.metrics import merged_registry
+from pdserve.server.model_registry import ModelRegistry
+from pdserve.server.model_routes import models_router
+from pdserve.server.model_spec import ModelSpec
 from pdserve.server.routes import router
 from pdserve.server.routes_dashboard import page_router, stats_router
 from pdserve.server.routes_debug import debug_router
 from pdserve.server.serving import ServingOptions
-from pdserve.server.serving_chat import OpenAIServingChat
-from pdserve.server.serving_completion import OpenAIServingCompletion
-from pdserve.server.serving_embedding import OpenAIServingEmbedding
-from pdserve.server.serving_tokenization import OpenAIServingTokenization
+from pdserve.server.tenants import TenantMetrics
 
 logger = logging.getLogger("pdserve.server")
 
@@ -54,6 +59,14 @@ class ServerConfig:
     debug_requests_history: int = 1000  # finished requests kept for GET /debug/requests/{id}
     profiler_dir: str | None = None  # /start_profile traces go here (None: a new temporary directory)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry: export one trace per request (pdserve[otel])
+    admin_api_key: str | None = None  # None: no admin API (/admin answers 404)
+    audit_log: str | None = None  # JSONL path; None: <cache dir>/audit.jsonl with the admin API, else memory; "off"
+    tenant_label_limit: int = 16  # distinct tenants labelled in the per-tenant metrics; later ones: "other"
+
+    def audit_log_path(self) -> Path | None:
+        if self.audit_log == "off" or self.audit_log is None and not self.admin_api_key:
+            return None
+        return Path(self.audit_log) if self.audit_log else cache_root() / "audit.jsonl"
 
     def serving_options(self) -> ServingOptions:
         seqs = self.max_sequences_per_request or self.max_waiting_requests or 1024
@@ -61,51 +74,61 @@ class ServerConfig:
                               self.tool_call_parser)
 
 
-def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
-    metrics = Metrics(cfg.served_model_name)
-    metrics.set_kernels(engine.kernels, *kernels_isa(engine.kernels))
-    if (dev := engine.roofline.device) is not None:
-        metrics.set_peaks(engine.roofline.peak_flops, dev.mem_bandwidth, dev)
-    aengine = AsyncEngine(engine, metrics, cfg.max_waiting_requests, engine_thread)
-    configure_introspection(aengine, cfg)
-    if engine.kv_transfer is not None:  # PD disaggregation role: KV hand-off metrics
-        from pdserve.disagg.metrics import KVTransferMetrics
+def new_registry(base: EngineConfig, cfg: ServerConfig) -> ModelRegistry:
+    """An empty model registry with the server's options, audit log and per-tenant metrics."""
+    return ModelRegistry(base, cfg.serving_options(), cfg.max_waiting_requests, AuditLog(cfg.audit_log_path()),
+                         TenantMetrics(cfg.tenant_label_limit),
+                         lambda aengine, name: configure_introspection(aengine, cfg, name))
 
-        KVTransferMetrics(metrics.registry, cfg.served_model_name, engine.kv_transfer, metrics.live)
+
+def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
+    """The app serving one engine built by the caller, under `cfg.served_model_name`."""
+    registry = new_registry(engine.config, cfg)
+    registry.add_engine(ModelSpec(cfg.served_model_name, engine.config.model), engine, engine_thread)
+    return create_registry_app(registry, cfg)
+
+
+def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
+    """The app over a registry holding at least one loaded model (the first is the default)."""
+    default = registry.default()
+    metrics = default.metrics  # errors outside any model (auth, body limits, validation): the first model's
+    assert metrics is not None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        aengine.start()
+        registry.start()
         yield
-        aengine.shutdown()
+        registry.shutdown()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
-    name, opts = cfg.served_model_name, cfg.serving_options()
-    app.state.engine = aengine
+    app.state.registry = registry  # per-model state: registry.get(name) / registry.default()
+    app.state.engine = default.aengine  # the first model's, for code that serves one model
     app.state.metrics = metrics
-    app.state.serving_completion = OpenAIServingCompletion(aengine, name, metrics, opts)
-    app.state.serving_chat = OpenAIServingChat(aengine, name, metrics, opts)
-    app.state.serving_tokenization = OpenAIServingTokenization(aengine, name, metrics, opts)
-    app.state.serving_embedding = OpenAIServingEmbedding(aengine, name, metrics, opts)
+    app.state.prometheus = merged_registry(lambda: [
+        *(m.metrics.registry for m in registry.loaded() if m.metrics is not None), registry.tenant_metrics.registry])
+    app.state.admin_api_key = cfg.admin_api_key
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        metrics=metrics, body_read_timeout=cfg.body_read_timeout)
     install_exception_handlers(app, metrics)
     app.include_router(router)
+    app.include_router(models_router)
     app.include_router(debug_router)
     app.include_router(stats_router)
     app.include_router(page_router)
+    if cfg.admin_api_key:  # off: every /admin path is a 404
+        app.include_router(admin_router)
     return app
 
 
-def configure_introspection(aengine: AsyncEngine, cfg: ServerConfig) -> None:
-    """Explanations, profiler and tracing options onto the AsyncEngine."""
+def configure_introspection(aengine: AsyncEngine, cfg: ServerConfig, model_name: str) -> None:
+    """Explanations, profiler and tracing options onto a model's AsyncEngine."""
     aengine.explainer.threshold = StallThreshold.parse(cfg.explain_itl_threshold)
     aengine.explanations.size = cfg.debug_requests_history
     aengine.profiler_dir = cfg.profiler_dir
     if cfg.otlp_traces_endpoint:
         from pdserve.server.tracing import RequestTracer
 
-        aengine.tracer = RequestTracer(cfg.otlp_traces_endpoint, cfg.served_model_name)
+        aengine.tracer = RequestTracer(cfg.otlp_traces_endpoint, model_name)
 
 
 class DrainingServer(uvicorn.Server):
@@ -116,22 +139,22 @@ class DrainingServer(uvicorn.Server):
 
     FLUSH_S = 2  # after the grace: time for handlers to write their error events
 
-    def __init__(self, config: uvicorn.Config, aengine: AsyncEngine, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, registry: ModelRegistry, grace: float) -> None:
         super().__init__(config)
-        self.aengine, self.grace = aengine, grace
+        self.registry, self.grace = registry, grace  # every served model's requests
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.aengine.draining = True
+        self.registry.set_draining()
         deadline = time.monotonic() + self.grace
-        if self.aengine.num_unfinished:
-            logger.info("draining: %d open request(s), up to %.0f s", self.aengine.num_unfinished, self.grace)
+        if self.registry.num_unfinished:
+            logger.info("draining: %d open request(s), up to %.0f s", self.registry.num_unfinished, self.grace)
         # open HTTP requests (uvicorn's tasks), including ones received but not yet admitted to the engine
-        while (self.aengine.num_unfinished or self.server_state.tasks) and time.monotonic() < deadline \
+        while (self.registry.num_unfinished or self.server_state.tasks) and time.monotonic() < deadline \
                 and not self.force_exit:
             await asyncio.sleep(0.1)
-        if self.aengine.num_unfinished:
-            logger.warning("shutdown grace ran out: ending %d open request(s)", self.aengine.num_unfinished)
-            self.aengine.fail_all("the server is shutting down (grace period ran out)")
+        if self.registry.num_unfinished:
+            logger.warning("shutdown grace ran out: ending %d open request(s)", self.registry.num_unfinished)
+            self.registry.fail_all("the server is shutting down (grace period ran out)")
         self.config.timeout_graceful_shutdown = self.FLUSH_S
         await super().shutdown(sockets)
 
@@ -139,4 +162,4 @@ class DrainingServer(uvicorn.Server):
 def run_server(app: FastAPI, host: str, port: int, log_level: str, grace: float) -> None:
     """Serve until SIGTERM/SIGINT, then drain (DrainingServer)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
-    DrainingServer(config, app.state.engine, grace).run()
+    DrainingServer(config, app.state.registry, grace).run()

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.engine import LLMEngine, StepStats
+from pdserve.engine.engine import LLMEngine, StepResult, StepStats
 from pdserve.engine.explain import ExplanationHistory, RequestExplainer
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import StepKind
@@ -117,11 +117,43 @@ class EngineThread:
     def call(self, fn: Callable[[], Any]) -> Any:
         return self.submit(fn).result()
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the thread once the tasks queued before this ran (an unloaded model's thread does not linger)."""
+        self._tasks.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+
+class StepTurns:
+    """Several models in one server take turns at stepping: one engine step runs at a time, granted in arrival
+    order (a ticket lock), so k busy models get about 1/k of the steps each and every step has all the CPU threads
+    (engines stepping at once would oversubscribe the cores: OpenMP teams spin against each other). An idle model
+    takes no turns. Each step is bounded by its engine's token budget (max_num_batched_tokens, max_step_ms)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
-                 max_waiting_requests: int | None = None, engine_thread: EngineThread | None = None) -> None:
+                 max_waiting_requests: int | None = None, engine_thread: EngineThread | None = None,
+                 step_turns: StepTurns | None = None) -> None:
         self.engine = engine
+        self.step_turns = step_turns  # several models: steps take turns across the server
         self.metrics = metrics
         self.max_waiting_requests = max_waiting_requests
         self._cmds: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -254,7 +286,7 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                result = eng.step() if self._profiler is None else self._profiler.step(eng.step)
+                result = self._step(eng)
                 if self._profiler is not None and self._profiler.done:
                     self._finish_profile()
                 self._observe(result.stats)
@@ -314,6 +346,13 @@ class AsyncEngine:
                 self.metrics.observe_finished(req)
         if stream is not None:
             stream.deliver(out)
+
+    def _step(self, eng: LLMEngine) -> StepResult:
+        """One engine step: under the server's step turns when several models share it, profiled when asked."""
+        if self.step_turns is None:
+            return eng.step() if self._profiler is None else self._profiler.step(eng.step)
+        with self.step_turns:
+            return eng.step() if self._profiler is None else self._profiler.step(eng.step)
 
     def _observe(self, stats: StepStats) -> None:
         """Record a step (an idle one records nothing but refreshes the gauges, which aborts change)."""

@@ -8,7 +8,10 @@ chunk in the same step, a preemption) that a request's mean hides.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics_core import Metric
 
 from pdserve.engine.engine import StepStats
 from pdserve.engine.request import Request
@@ -21,6 +24,7 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 
 _ITL = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+LATENCY_BUCKETS, ITL_BUCKETS = _LATENCY, _ITL  # shared with the per-tenant metrics
 _UTIL = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 PEAKS_INFO_LABELS = ("device", "source", "measured_at", "method", "threads", "load_avg", "cpu_share", "busy",
@@ -207,3 +211,31 @@ class Metrics:
     def error(self, kind: str) -> None:
         self.errors.labels(self.model_name, kind).inc()
         self.live.record_error(kind)
+
+
+class MergedCollector:
+    """The families of several registries (one per served model, plus the per-tenant one) as one exposition: a
+    family that several registries have (every model's `pdserve:time_to_first_token_seconds`) is written once, with
+    every registry's samples (they differ by the model_name label)."""
+
+    def __init__(self, registries: Callable[[], list[CollectorRegistry]]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for reg in self.registries():
+            for fam in reg.collect():
+                if fam.name in families:
+                    families[fam.name].samples.extend(fam.samples)
+                else:
+                    families[fam.name] = fam
+        yield from families.values()
+
+
+def merged_registry(registries: Callable[[], list[CollectorRegistry]]) -> CollectorRegistry:
+    """A registry to expose (generate_latest) that reads `registries()` at each scrape."""
+    merged = CollectorRegistry(auto_describe=False)
+    merged.register(MergedCollector(registries))  # type: ignore[arg-type]
+    # the process's own figures (process_resident_memory_bytes, CPU, fds): memory after an unload is evidence
+    merged.register(ProcessCollector(registry=None))
+    return merged

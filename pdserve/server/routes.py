@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
-from pdserve.server.async_engine import AsyncEngine
-from pdserve.server.metrics import Metrics
+from pdserve.server.errors import APIError
+from pdserve.server.model_registry import ModelRegistry, ServedModel
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
@@ -19,6 +21,7 @@ from pdserve.server.serving_tokenization import OpenAIServingTokenization
 from pdserve.server.tracing import trace_headers
 
 router = APIRouter()
+VERSION_HEADER = "x-pdserve-model-version"  # NAME@VERSION of the model that served a request
 
 
 def _context(raw: Request, user: str | None) -> RequestContext:
@@ -26,67 +29,86 @@ def _context(raw: Request, user: str | None) -> RequestContext:
                           trace_headers=trace_headers(raw.headers))
 
 
-def _respond(result: ServingResult) -> Response:
+def _respond(result: ServingResult, served: ServedModel | None = None) -> Response:
+    # served-by evidence: which model and version answered (an alias or canary may have picked it)
+    headers = {VERSION_HEADER: served.version_tag} if served is not None else None
     if isinstance(result, dict):
-        return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream")
+        return JSONResponse(result, headers=headers)
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+
+
+@contextmanager
+def _routed(raw: Request, body: Any) -> Iterator[ServedModel]:
+    """The model the body's `model` routes to (registry.lease: held until the request is admitted or answered).
+    A request refused with an error counts for its tenant."""
+    registry: ModelRegistry = raw.app.state.registry
+    model = "unknown"
+    try:
+        with registry.lease(body.model) as served:
+            model = served.name
+            body.model = served.name  # routed: an alias resolved to its target
+            yield served
+    except APIError as e:
+        registry.tenant_metrics.observe_refused(model, raw.headers.get("x-tenant") or getattr(body, "user", None),
+                                                e.status)
+        raise
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, raw: Request) -> Response:
-    serving: OpenAIServingCompletion = raw.app.state.serving_completion
-    return _respond(await serving.create_completion(body, _context(raw, body.user)))
+    with _routed(raw, body) as served:
+        serving: OpenAIServingCompletion = served.serving_completion
+        return _respond(await serving.create_completion(body, _context(raw, body.user)), served)
 
 
 @router.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-    serving: OpenAIServingChat = raw.app.state.serving_chat
-    return _respond(await serving.create_chat_completion(body, _context(raw, body.user)))
+    with _routed(raw, body) as served:
+        serving: OpenAIServingChat = served.serving_chat
+        return _respond(await serving.create_chat_completion(body, _context(raw, body.user)), served)
 
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
-    serving: OpenAIServingEmbedding = raw.app.state.serving_embedding
-    return _respond(await serving.create_embedding(body, _context(raw, body.user)))
-
-
-@router.get("/v1/models")
-async def models(raw: Request) -> dict[str, Any]:
-    serving: OpenAIServingTokenization = raw.app.state.serving_tokenization
-    return serving.models()
+    with _routed(raw, body) as served:
+        serving: OpenAIServingEmbedding = served.serving_embedding
+        return _respond(await serving.create_embedding(body, _context(raw, body.user)), served)
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
-    serving: OpenAIServingTokenization = raw.app.state.serving_tokenization
-    return await serving.tokenize(body)
+    with _routed(raw, body) as served:
+        serving: OpenAIServingTokenization = served.serving_tokenization
+        return await serving.tokenize(body)
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
-    serving: OpenAIServingTokenization = raw.app.state.serving_tokenization
-    return await serving.detokenize(body)
+    with _routed(raw, body) as served:
+        serving: OpenAIServingTokenization = served.serving_tokenization
+        return await serving.detokenize(body)
 
 
 @router.get("/health")
 async def health(raw: Request) -> Response:
-    aengine: AsyncEngine = raw.app.state.engine
-    if aengine.dead is not None:
-        return JSONResponse({"status": "dead", "error": repr(aengine.dead)}, status_code=503)
-    if aengine.draining:  # SIGTERM: load balancers stop sending, open requests finish
+    registry: ModelRegistry = raw.app.state.registry
+    if (dead := registry.dead) is not None:
+        return JSONResponse({"status": "dead", "error": repr(dead)}, status_code=503)
+    if registry.draining:  # SIGTERM: load balancers stop sending, open requests finish
         return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 @router.get("/metrics")
 async def prometheus(raw: Request) -> Response:
-    metrics: Metrics = raw.app.state.metrics
-    return PlainTextResponse(generate_latest(metrics.registry).decode(),
+    return PlainTextResponse(generate_latest(raw.app.state.prometheus).decode(),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/debug/kv")
-async def debug_kv(raw: Request) -> dict[str, Any]:
-    """The engine thread's last published KV state, plus the API requests still open."""
-    aengine: AsyncEngine = raw.app.state.engine
+async def debug_kv(raw: Request, model: str | None = None) -> dict[str, Any]:
+    """A model's (default: the default model's) last published KV state, plus its API requests still open."""
+    registry: ModelRegistry = raw.app.state.registry
+    aengine = registry.get(model).aengine
+    assert aengine is not None
     return {**aengine.kv_snapshot.as_dict(), "open_requests": aengine.num_unfinished}

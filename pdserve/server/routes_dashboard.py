@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from pdserve.server.async_engine import AsyncEngine
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
+from pdserve.server.model_registry import ModelRegistry
 from pdserve.server.stats import DEFAULT_WINDOW_S, MAX_WINDOW_S
 
 ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "index.html": "text/html"}
@@ -53,15 +54,32 @@ def stats_envelope(role: str, window: float) -> dict[str, Any]:
 
 @stats_router.get("/v1/stats")
 async def stats(raw: Request, window: float = WindowQuery) -> dict[str, Any]:
-    """Per model (one today): rates and percentiles over the last `window` seconds, the live roofline per step
-    kind, KV and prefix-cache figures, and the bottleneck verdict with the numbers behind it."""
-    metrics: Metrics = raw.app.state.metrics
-    aengine: AsyncEngine = raw.app.state.engine
-    block = metrics.live.cached_snapshot(window)
+    """Per loaded model: rates and percentiles over the last `window` seconds, the live roofline per step kind, KV
+    and prefix-cache figures, and the bottleneck verdict with the numbers behind it. Models that are not loaded
+    (sleeping, loading, failed) have no engine to read: `models_not_loaded` names them with their state."""
+    registry: ModelRegistry = raw.app.state.registry
+    models: dict[str, Any] = {}
+    role = "both"
+    for served in registry.models():
+        aengine, metrics = served.aengine, served.metrics
+        if aengine is None or metrics is None:  # changed state since listed: skip, the next poll shows it
+            continue
+        models[served.name] = model_block(served.version, metrics, aengine, window)
+        role = aengine.engine.config.kv_role
+    not_loaded = {m.name: {"state": m.state, "version": m.version} for m in registry.models()
+                  if m.name not in models}
+    return {**stats_envelope("server" if role == "both" else role, window), "models": models,
+            "models_not_loaded": not_loaded}
+
+
+def model_block(version: str | None, metrics: Metrics, aengine: AsyncEngine, window: float) -> dict[str, Any]:
+    """One loaded model's /v1/stats block: LiveStats' snapshot plus the engine thread's last published KV state."""
+    block = dict(metrics.live.cached_snapshot(window))  # shallow copy: the cached snapshot is shared
     kv = aengine.kv_snapshot
-    block["kv_cache"].update(num_blocks=kv.num_blocks, used_blocks=kv.num_used_blocks,
-                             cached_blocks=kv.num_cached_blocks)
-    block["kv_transfer"].update(pinned_blocks=kv.num_pinned_blocks, requests_loading=kv.num_requests_loading_kv)
+    block["kv_cache"] = {**block["kv_cache"], "num_blocks": kv.num_blocks, "used_blocks": kv.num_used_blocks,
+                         "cached_blocks": kv.num_cached_blocks}
+    block["kv_transfer"] = {**block["kv_transfer"], "pinned_blocks": kv.num_pinned_blocks,
+                            "requests_loading": kv.num_requests_loading_kv}
     block["open_requests"] = aengine.num_unfinished
-    role = aengine.engine.config.kv_role
-    return {**stats_envelope("server" if role == "both" else role, window), "models": {metrics.model_name: block}}
+    block["version"] = version
+    return block

@@ -1,28 +1,36 @@
 """Introspection routes: the profiler by phase (vLLM's /start_profile, /stop_profile) and per-request explanations
-(GET /debug/requests/{id}). Thin: the logic is in AsyncEngine, PhaseProfiler and RequestExplainer."""
+(GET /debug/requests/{id}). Thin: the logic is in AsyncEngine, PhaseProfiler and RequestExplainer. With several
+models the profiler acts on one (the body's or query's `model`, default the default model) and a request id is
+looked up in every loaded model's history."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from pdserve.profiler.phase import MAX_PROFILE_STEPS
 from pdserve.server.async_engine import AsyncEngine, ProfilerState
 from pdserve.server.errors import APIError
+from pdserve.server.model_registry import ModelRegistry
 
 debug_router = APIRouter()
 
 MAX_WAIT_S = 600.0
 
 
+ModelQuery = Query(None, description="the model (or alias) to profile; default: the default model")
+
+
 class StartProfileRequest(BaseModel):
+    model: str | None = Field(None, description="the model (or alias) to profile; default: the default model")
     num_steps: int | None = Field(None, ge=1, le=MAX_PROFILE_STEPS,
                                   description="profile this many engine steps (default: until /stop_profile)")
 
 
 class StopProfileRequest(BaseModel):
+    model: str | None = Field(None, description="the model (or alias) being profiled; default: the default model")
     wait_s: float = Field(0.0, ge=0.0, le=MAX_WAIT_S,
                           description="wait up to this long for num_steps steps before stopping")
 
@@ -31,10 +39,18 @@ def _conflict(e: ProfilerState) -> APIError:
     return APIError(409, str(e), code="profiler_state", kind="bad_request")
 
 
+def _engine(raw: Request, model: str | None) -> AsyncEngine:
+    """The loaded model's AsyncEngine (404 / 503 from the registry for an unknown or not loaded model)."""
+    aengine = raw.app.state.registry.get(model).aengine
+    assert aengine is not None  # get() returns loaded models only
+    return aengine
+
+
 @debug_router.post("/start_profile")
-async def start_profile(raw: Request, body: StartProfileRequest | None = None) -> dict[str, Any]:
-    aengine: AsyncEngine = raw.app.state.engine
-    body = body or StartProfileRequest(num_steps=None)
+async def start_profile(raw: Request, body: StartProfileRequest | None = None,
+                        model: str | None = ModelQuery) -> dict[str, Any]:
+    body = body or StartProfileRequest(model=None, num_steps=None)
+    aengine = _engine(raw, body.model or model)
     try:
         aengine.start_profile(body.num_steps)
     except ProfilerState as e:
@@ -43,11 +59,13 @@ async def start_profile(raw: Request, body: StartProfileRequest | None = None) -
 
 
 @debug_router.post("/stop_profile")
-async def stop_profile(raw: Request, body: StopProfileRequest | None = None) -> dict[str, Any]:
+async def stop_profile(raw: Request, body: StopProfileRequest | None = None,
+                       model: str | None = ModelQuery) -> dict[str, Any]:
     """Stop (after waiting up to wait_s for the asked steps) and return the report, its table and trace path."""
-    aengine: AsyncEngine = raw.app.state.engine
+    body = body or StopProfileRequest(model=None, wait_s=0.0)
+    aengine = _engine(raw, body.model or model)
     try:
-        result = await aengine.stop_profile((body or StopProfileRequest(wait_s=0.0)).wait_s)
+        result = await aengine.stop_profile(body.wait_s)
     except ProfilerState as e:
         raise _conflict(e) from None
     return result.as_dict()
@@ -55,11 +73,17 @@ async def stop_profile(raw: Request, body: StopProfileRequest | None = None) -> 
 
 @debug_router.get("/debug/requests/{request_id}")
 async def debug_request(request_id: str, raw: Request) -> dict[str, Any]:
-    """A recent finished request's timeline and stall causes; an API request id lists each of its sequences."""
-    aengine: AsyncEngine = raw.app.state.engine
-    found = aengine.explanations.get(request_id)
+    """A recent finished request's timeline and stall causes; an API request id lists each of its sequences.
+    Every loaded model's history is searched (a sleeping or unloaded model's history went with its engine)."""
+    registry: ModelRegistry = raw.app.state.registry
+    found: list[dict[str, Any]] = []
+    sizes = []
+    for served in registry.loaded():
+        if (aengine := served.aengine) is not None:
+            found += aengine.explanations.get(request_id)
+            sizes.append(aengine.explanations.size)
     if not found:
-        raise APIError(404, f"no recent request {request_id!r} (only the last {aengine.explanations.size} "
-                       "finished requests are kept)", param="request_id", code="request_not_found",
+        raise APIError(404, f"no recent request {request_id!r} (only the last {max(sizes, default=0)} "
+                       "finished requests per model are kept)", param="request_id", code="request_not_found",
                        kind="not_found")
     return {"object": "list", "data": found}

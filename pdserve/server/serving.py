@@ -34,6 +34,7 @@ from pdserve.server.protocol import (
     ContentPartError,
     plain_messages,
 )
+from pdserve.server.tenants import TenantMetrics
 from pdserve.server.tool_parsers import get_tool_parser
 from pdserve.server.tools import ChatTools, ToolPlan
 
@@ -109,6 +110,11 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
         self.options = options or ServingOptions()
+        # set by the model registry: the version label and config hash every request log line carries, and the
+        # per-tenant metrics each finished request feeds
+        self.version: str | None = None
+        self.config_hash: str | None = None
+        self.tenant_metrics: TenantMetrics | None = None
         self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine.max_model_len
         tok = self.engine.tokenizer
         self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser),
@@ -402,14 +408,12 @@ class OpenAIServing:
             resp["pdserve_timings"] = self.timings(reqs)
         return resp
 
-    def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve", "max_model_len": self.engine.max_model_len}]}
-
-    # ---- request log and trace -----------------------------------------------------------------------------
+    # ---- request log, tenant metrics and trace ------------------------------------------------------------
     def on_finished(self, req: EngineRequest, ctx: RequestContext) -> None:
-        """A child finished (engine thread): its log line, and its trace when tracing is on."""
+        """A child finished (engine thread): its log line, its tenant's metrics, and its trace when tracing is on."""
         self.log_finished(req, ctx.tenant)
+        if self.tenant_metrics is not None:
+            self.tenant_metrics.observe_finished(self.model_name, ctx.tenant, req)
         if (tracer := self.aengine.tracer) is not None:
             tracer.record(req, ctx.trace_headers, {
                 "gen_ai.request.id": req.request_id, "gen_ai.response.model": self.model_name,
@@ -424,7 +428,8 @@ class OpenAIServing:
             self.metrics.live.record_tenant(req, tenant)
         t = req.times
         rec: dict[str, Any] = {
-            "request_id": req.request_id, "tenant": tenant, "prompt_tokens": req.num_prompt_tokens,
+            "request_id": req.request_id, "model": self.model_name, "version": self.version,
+            "config_hash": self.config_hash, "tenant": tenant, "prompt_tokens": req.num_prompt_tokens,
             "output_tokens": req.num_output_tokens, "cached_tokens": max(req.num_cached_tokens, 0),
             "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
             "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
