@@ -129,23 +129,28 @@ class ModelArchConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
 
 
-SPEC_METHODS = ("ngram",)
-SPEC_METHODS_PLANNED = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mtp")
+SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS_PLANNED = ("suffix", "eagle", "eagle3", "medusa", "mtp")
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-              "model"}
+              "model", "quantization"}
+_DRAFT_KEYS = {"model", "quantization"}  # draft_model only
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, in vLLM's `--speculative-config` terms. `ngram`: prompt lookup (the last n tokens, n
     from prompt_lookup_max down to prompt_lookup_min, matched in the request's prompt + output; what followed is
-    proposed). `disable_by_batch_size`: no speculation in a step with more decoding requests than this."""
+    proposed). `draft_model`: `model` (a path or name, with the target's vocabulary) drafts greedily, weights
+    quantized by `quantization` (int8/int4) if given. `disable_by_batch_size`: no speculation in a step with more
+    decoding requests than this."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's path or name
+    quantization: str | None = None  # draft_model: weight-only quantization of a float draft checkpoint
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
@@ -157,6 +162,11 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {b!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config: draft_model needs `model`, the draft model's path or name")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"speculative_config: quantization must be int8, int4 or unset, got "
+                             f"{self.quantization!r}")
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -179,8 +189,9 @@ class SpeculativeConfig:
                              f"{list(SPEC_METHODS)}")
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; available: {list(SPEC_METHODS)}")
-        if "model" in value:
-            raise ValueError("speculative_config: `model` is for the draft_model method, not ngram")
+        if method != "draft_model" and _DRAFT_KEYS & set(value):
+            raise ValueError(f"speculative_config: `model` and `quantization` are for the draft_model method, not "
+                             f"{method}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: num_speculative_tokens is required")
         lo: Any = value.get("prompt_lookup_min")
@@ -189,7 +200,8 @@ class SpeculativeConfig:
             lo = hi = 5
         lo = hi if lo is None else lo  # one given: both equal, as vLLM
         hi = lo if hi is None else hi
-        return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"))
+        return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"),
+                   value.get("model"), value.get("quantization"))
 
 
 def option(default: T, help_text: str, shown_default: str | None = None) -> T:
@@ -235,7 +247,9 @@ class EngineConfig:
     speculative_config: str | dict[str, Any] | None = option(
         None, "speculative decoding, as vLLM: a JSON object such as `{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}` (a dict for `LLM`); "
-        "methods: `ngram` (prompt lookup); `disable_by_batch_size`: no drafts in a step with more decodes than this. "
+        "methods: `ngram` (prompt lookup), `draft_model` (`\"model\": PATH`, a smaller model with the same vocabulary; "
+        "optional `\"quantization\"`: `int8`/`int4` for its weights); `disable_by_batch_size`: no drafts in a step "
+        "with more decodes than this. "
         "Requests with structured output are not speculated", "off")
     # runtime
     num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")
