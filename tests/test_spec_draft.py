@@ -274,3 +274,44 @@ def test_server_reports_drafted_and_accepted(server: ServerProc) -> None:
                if "spec_decode_num_draft_tokens_total{" in ln and not ln.startswith("#")]
     assert drafted and float(drafted[0].split()[-1]) >= timings["spec_draft_tokens"]
     assert "draft model ready" in server.log()
+
+
+# ---- the real default model ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp32_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The default model's weights as a float32 Hugging Face directory (`pdserve convert`)."""
+    from pdserve.model.convert import convert_gguf_to_hf
+    from pdserve.model.loader import resolve_model_path
+
+    out = str(tmp_path_factory.mktemp("smollm2-fp32"))
+    convert_gguf_to_hf(resolve_model_path(None), out, dtype=torch.float32)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_real_model_q4_gguf_drafts_for_its_fp32_and_int8_weights(fp32_dir: str, quantization: str | None) -> None:
+    """The shipped Q4_1 GGUF drafts for the same model's fp32 weights (and those quantized to int8): the greedy output
+    is the non-speculative one, and most drafts are accepted."""
+    from pdserve.llm import LLM
+    from pdserve.model.loader import resolve_model_path
+
+    opts: dict[str, Any] = dict(model=fp32_dir, dtype="float32", kv_cache_memory="128MiB", quantization=quantization,
+                                device_peaks="off")
+    chats = ["Write the Python function `add(a, b)` with a docstring, then repeat it with type hints.",
+             "用三句话介绍一下长城。"]
+    base = LLM(**opts)
+    tok = base.engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+               for c in chats]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    spec = LLM(**opts, speculative_config=_spec(resolve_model_path(None), 4))
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    stats = spec.engine.spec.stats
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    print(f"target fp32{'+' + quantization if quantization else ''}, Q4_1 draft: acceptance {rate:.3f}, "
+          f"mean acceptance length {stats.mean_acceptance_length:.2f}")
+    assert rate > 0.5
+    assert _at_baseline(spec) and spec.engine.block_manager.is_at_baseline()
