@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,6 +275,14 @@ def test_server_reports_drafted_and_accepted(server: ServerProc) -> None:
                if "spec_decode_num_draft_tokens_total{" in ln and not ln.startswith("#")]
     assert drafted and float(drafted[0].split()[-1]) >= timings["spec_draft_tokens"]
     assert "draft model ready" in server.log()
+    for _ in range(50):  # the request log line (pdserve.requests) is written as the request finishes
+        records = [json.loads(ln[ln.index('{"request_id"'):]) for ln in server.log().splitlines()
+                   if '{"request_id"' in ln]
+        if records:
+            break
+        time.sleep(0.1)
+    assert records and records[-1]["spec_draft_tokens"] == timings["spec_draft_tokens"]
+    assert records[-1]["spec_accepted_tokens"] == timings["spec_accepted_tokens"]
 
 
 # ---- the real default model ----------------------------------------------------------------------------------------
