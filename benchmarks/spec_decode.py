@@ -13,6 +13,11 @@ workload runs at each concurrency: `c` streaming clients, each sending its share
 output tok/s, ITL p50/p99 (between streamed chunks; a speculating step delivers several tokens in one chunk), TTFT
 p50, the mean acceptance length (from the server's spec_decode counters), and the ratio of output tok/s to `none`
 in the same run. The table is printed as markdown for BENCHMARKS.md.
+
+`--target gguf` (default) serves the shipped Q4_1 GGUF; `--target fp32` serves its weights converted once to a
+float32 Hugging Face directory, for every method, so that `draft_model` (the Q4_1 GGUF drafting) is a smaller draft
+for a larger target, as the method is meant to be used. With `--target gguf`, `draft_model` drafts with the target
+itself (acceptance near 1 but no cheaper draft): a bound on what acceptance can give, not a speedup.
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import torch
 
 from pdserve.bench.server_metrics import parse_metrics, server_deltas
 from pdserve.config import SPEC_METHODS
 from pdserve.launch import start_server
+from pdserve.model.convert import convert_gguf_to_hf
+from pdserve.model.loader import resolve_model_path
 
 MODULES = ["textwrap", "shlex", "fnmatch", "glob", "bisect", "heapq", "colorsys", "calendar", "difflib", "string",
            "statistics", "fractions", "base64", "queue", "sched", "graphlib", "secrets", "keyword", "copy", "enum"]
@@ -146,7 +154,7 @@ def spec_config(method: str, policy: str) -> dict[str, object] | None:
                 "policy": policy}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": 8, "policy": policy}
-    return {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 4, "policy": policy}
+    return {"method": "draft_model", "model": resolve_model_path(None), "num_speculative_tokens": 4, "policy": policy}
 
 
 def pct(xs: list[float] | None, q: float) -> float:
@@ -163,7 +171,18 @@ def main() -> None:
     ap.add_argument("--policy", default="auto", choices=["auto", "always"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--target", default="gguf", choices=["gguf", "fp32"],
+                    help="the served model: the shipped Q4_1 GGUF, or its weights in float32")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as model_tmp:
+        model_args: list[str] = []
+        if args.target == "fp32":
+            convert_gguf_to_hf(resolve_model_path(None), model_tmp, dtype=torch.float32)
+            model_args = ["--model", model_tmp]
+        run(args, model_args)
+
+
+def run(args: argparse.Namespace, model_args: list[str]) -> None:
     methods = []
     for m in args.methods:
         if m != "none" and m not in SPEC_METHODS:
@@ -177,8 +196,9 @@ def main() -> None:
     for method in methods:
         extra = [] if method == "none" else ["--speculative-config", json.dumps(spec_config(method, args.policy))]
         with tempfile.TemporaryDirectory() as tmp:
-            srv = start_server(Path(tmp), "--dtype", args.dtype, "--kv-cache-memory", "2GiB", "--max-num-seqs",
-                               str(max(args.concurrency)), "--num-threads", str(args.threads), *extra)
+            srv = start_server(Path(tmp), *model_args, "--dtype", args.dtype, "--kv-cache-memory", "2GiB",
+                               "--max-num-seqs", str(max(args.concurrency)), "--num-threads", str(args.threads),
+                               *extra)
             try:
                 asyncio.run(run_cell(srv.base_url, loads[next(iter(loads))][:2], 2, 8))  # warm-up
                 for name, prompts in loads.items():
@@ -191,7 +211,8 @@ def main() -> None:
                 srv.stop()
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     print(f"\n# spec_decode: policy {args.policy}, output {args.output_len} tokens, temperature 0, "
-          f"{args.threads} threads, dtype {args.dtype}; {cpu.stdout.strip()}; {time.strftime('%Y-%m-%d')}; "
+          f"{args.threads} threads, dtype {args.dtype}, target {args.target}; {cpu.stdout.strip()}; "
+          f"{time.strftime('%Y-%m-%d')}; "
           f"methods run in the order {methods}; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print("| workload | c | method | output tok/s | vs none | ITL p50 / p99 ms | TTFT p50 ms | mean accepted length |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

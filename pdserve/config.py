@@ -132,10 +132,11 @@ class ModelArchConfig:
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
-SPEC_METHODS = ("ngram", "suffix")
-SPEC_METHODS_PLANNED = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
+SPEC_METHODS_PLANNED = ("eagle", "eagle3", "medusa", "mtp")
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-              "model"}
+              "model", "quantization"}
+_DRAFT_KEYS = {"model", "quantization"}  # draft_model only
 SPEC_POLICIES = ("auto", "always")
 # suffix decoding (vLLM's key names) and the policy: keys parsed by SpeculativeConfig.parse_extra
 _SPEC_SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -148,10 +149,11 @@ class SpeculativeConfig:
     """Speculative decoding, in vLLM's `--speculative-config` terms. `ngram`: prompt lookup (the last n tokens, n
     from prompt_lookup_max down to prompt_lookup_min, matched in the request's prompt + output; what followed is
     proposed). `suffix`: suffix decoding (the most frequent continuation of the longest matching suffix in the
-    request's prompt + output and in recent requests' outputs; `suffix_decoding_*` keys as vLLM's).
-    `disable_by_batch_size`: no speculation in a step with more decoding requests than this. `policy`: `auto`
-    speculates a request only when the step cost model and its measured acceptance say it pays, with k chosen per
-    request (engine/spec_decode/policy.py); `always` drafts whatever the proposer finds."""
+    request's prompt + output and in recent requests' outputs; `suffix_decoding_*` keys as vLLM's). `draft_model`:
+    `model` (a path or name, with the target's vocabulary) drafts greedily, weights quantized by `quantization`
+    (int8/int4) if given. `disable_by_batch_size`: no speculation in a step with more decoding requests than this.
+    `policy`: `auto` speculates a request only when the step cost model and its measured acceptance say it pays,
+    with k chosen per request (engine/spec_decode/policy.py); `always` drafts whatever the proposer finds."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -163,6 +165,8 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     policy: str = "auto"
+    model: str | None = None  # draft_model: the draft's path or name
+    quantization: str | None = None  # draft_model: weight-only quantization of a float draft checkpoint
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
@@ -174,6 +178,11 @@ class SpeculativeConfig:
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {b!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config: draft_model needs `model`, the draft model's path or name")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"speculative_config: quantization must be int8, int4 or unset, got "
+                             f"{self.quantization!r}")
         self._check_extra()
 
     def _check_extra(self) -> None:
@@ -226,8 +235,9 @@ class SpeculativeConfig:
                              f"{list(SPEC_METHODS)}")
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config: unknown method {method!r}; available: {list(SPEC_METHODS)}")
-        if "model" in value:
-            raise ValueError("speculative_config: `model` is for the draft_model method, not ngram")
+        if method != "draft_model" and _DRAFT_KEYS & set(value):
+            raise ValueError(f"speculative_config: `model` and `quantization` are for the draft_model method, not "
+                             f"{method}")
         if method == "suffix" and "num_speculative_tokens" not in value:  # vLLM: as deep as the tree
             value = {**value, "num_speculative_tokens": value.get("suffix_decoding_max_tree_depth", 24)}
         if "num_speculative_tokens" not in value:
@@ -239,7 +249,7 @@ class SpeculativeConfig:
         lo = hi if lo is None else lo  # one given: both equal, as vLLM
         hi = lo if hi is None else hi
         return cls(method, value["num_speculative_tokens"], hi, lo, value.get("disable_by_batch_size"),
-                   **cls.parse_extra(method, value))
+                   model=value.get("model"), quantization=value.get("quantization"), **cls.parse_extra(method, value))
 
 
 def option(default: T, help_text: str, shown_default: str | None = None) -> T:
@@ -285,9 +295,10 @@ class EngineConfig:
     speculative_config: str | dict[str, Any] | None = option(
         None, "speculative decoding, as vLLM: a JSON object such as `{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}` (a dict for `LLM`); "
-        "methods: `ngram` (prompt lookup), `suffix` (suffix decoding, `suffix_decoding_*` keys); "
-        "`disable_by_batch_size`: no drafts in a step with more decodes than this; `policy`: `auto` (drafts only "
-        "where the step cost model and the measured acceptance say they pay) or `always`. "
+        "methods: `ngram` (prompt lookup), `suffix` (suffix decoding, `suffix_decoding_*` keys), `draft_model` "
+        "(`\"model\": PATH`, a smaller model with the same vocabulary; optional `\"quantization\"`: `int8`/`int4` for "
+        "its weights); `disable_by_batch_size`: no drafts in a step with more decodes than this; `policy`: `auto` "
+        "(drafts only where the step cost model and the measured acceptance say they pay) or `always`. "
         "Requests with structured output are not speculated", "off")
     # runtime
     num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")

@@ -73,8 +73,9 @@ def test_config_parses_json_and_dict() -> None:
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "medusa2", "num_speculative_tokens": 2}, "unknown method"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "not implemented yet"),
-    ({"model": "x", "num_speculative_tokens": 2}, "not implemented yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "not implemented yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs `model`"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "for the draft_model method"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),

@@ -25,8 +25,16 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.engine.request import Request
+
+
+class KVSequence(Protocol):
+    """What allocation reads of a sequence: a Request, or a draft model's view of one (spec_decode/draft_model.py)."""
+
+    request_id: str
+    num_computed_tokens: int  # tokens whose K/V are in this pool
 
 
 @dataclass
@@ -141,7 +149,7 @@ class BlockManager:
         self.req_num_hashed[rid] = max(done, n_full)
 
     # ---- allocation ----------------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, request: KVSequence, num_new_tokens: int,
                        computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
         """Make the request's block table cover num_computed_tokens (+ computed_blocks) + num_new_tokens tokens.
         All or nothing: returns False and changes nothing when too few blocks can be had."""
@@ -163,7 +171,7 @@ class BlockManager:
             table.append(self._pop_free())
         return True
 
-    def trim(self, request: Request) -> None:
+    def trim(self, request: KVSequence) -> None:
         """Free the blocks past those holding the request's computed tokens (speculative decoding: blocks that only
         rejected drafts used). They never carry a hash (only blocks full of computed tokens are hashed): queued
         first, for reuse before any cached block."""

@@ -22,7 +22,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
-from pdserve.engine.spec_decode import SpecDecoder
+from pdserve.engine.spec_decode import DraftTarget, SpecDecoder, make_proposer
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.step_log import StepLog
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
@@ -113,7 +113,10 @@ class LLMEngine:
         self.step_cost = self.runner.step_cost_model()
         self.step_budget = StepBudget(self.step_cost, config.max_step_ms)
         spec_config = config.speculative
-        self.spec = SpecDecoder(spec_config, predict=self.step_budget.predict) if spec_config is not None else None
+        self.spec = None
+        if spec_config is not None:  # a draft model loads here, with the target's vocabulary and block geometry
+            target = DraftTarget(config, self.arch, self.tokenizer, self.kernels, self.num_blocks, self.max_model_len)
+            self.spec = SpecDecoder(spec_config, make_proposer(spec_config, target), predict=self.step_budget.predict)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy,
                                    self.step_budget, config.scheduling_policy, config.priority_aging_s, self.spec)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pdserve.config import SpeculativeConfig
 from pdserve.engine.request import Request
+from pdserve.engine.spec_decode.draft_model import DraftModelProposer, DraftTarget
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.policy import Predict, SpecPolicy
 from pdserve.engine.spec_decode.proposer import RESERVED, Proposer
@@ -49,13 +50,18 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of `config.method` (config.py's SPEC_METHODS lists the methods that exist)."""
+def make_proposer(config: SpeculativeConfig, target: DraftTarget | None = None) -> Proposer:
+    """The proposer of `config.method` (config.py's SPEC_METHODS lists the methods that exist); `target`: what a
+    draft model must match (the engine's model), for draft_model."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     if config.method == "suffix":
         return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
                               config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    if config.method == "draft_model":
+        if target is None:
+            raise ValueError("speculative_config: draft_model needs the engine's target model to load against")
+        return DraftModelProposer.load(config, target)
     raise ValueError(f"speculative_config: method {config.method!r} has no proposer")
 
 
@@ -113,4 +119,4 @@ class SpecDecoder:
         self.proposer.on_finished(req)
 
 
-__all__ = ["Proposer", "SpecDecodeStats", "SpecDecoder", "make_proposer"]
+__all__ = ["DraftTarget", "Proposer", "SpecDecodeStats", "SpecDecoder", "make_proposer"]
