@@ -117,10 +117,10 @@ def _serve_models(args: argparse.Namespace) -> tuple[list[Any], dict[str, str]]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.server.allocator import tune_allocator
     from pdserve.server.app import ServerConfig, create_registry_app, new_registry, run_server
-    from pdserve.server.model_registry import tune_allocator
 
-    tune_allocator()  # before the first load: freed models go back to the OS (model_registry.py)
+    tune_allocator()  # before the first load: freed models go back to the OS (allocator.py)
     specs, aliases = _serve_models(args)
     base = dataclasses.replace(engine_config_from_args(args), model=None)
     server_cfg = ServerConfig(served_model_name=specs[0].name, api_key=args.api_key,

@@ -17,6 +17,7 @@ from pdserve.engine.engine import StepStats
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode import SpecDecodeStats
 from pdserve.roofline import DeviceSpec
+from pdserve.server.allocator import heap_in_use_bytes
 from pdserve.server.stats import LiveStats
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -238,4 +239,8 @@ def merged_registry(registries: Callable[[], list[CollectorRegistry]]) -> Collec
     merged.register(MergedCollector(registries))  # type: ignore[arg-type]
     # the process's own figures (process_resident_memory_bytes, CPU, fds): memory after an unload is evidence
     merged.register(ProcessCollector(registry=None))
+    if heap_in_use_bytes() is not None:  # glibc: what is allocated, apart from free memory the arenas keep
+        Gauge("pdserve:process_heap_in_use_bytes", "bytes the C allocator has handed out and not freed (glibc "
+              "mallinfo2, every arena and mmapped block); unlike RSS, free memory kept by the allocator is not "
+              "counted", registry=merged).set_function(lambda: heap_in_use_bytes() or 0)
     return merged

@@ -18,11 +18,7 @@ mmap threshold (tune_allocator), so the process's RSS comes back near its level 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import functools
-import gc
 import logging
-import os
 import random
 import threading
 import time
@@ -34,6 +30,7 @@ from typing import Any
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kernels import kernels_description, kernels_isa
+from pdserve.server.allocator import release_memory
 from pdserve.server.async_engine import AsyncEngine, EngineThread, StepTurns
 from pdserve.server.audit import AuditEntry, AuditLog
 from pdserve.server.errors import APIError
@@ -50,37 +47,6 @@ logger = logging.getLogger("pdserve.server")
 
 STATES = ("loading", "loaded", "sleeping", "failed", "unloaded")
 DRAIN_TIMEOUT_S = 600.0  # unload/sleep: how long in-flight requests may run before they are aborted
-
-
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
-MMAP_THRESHOLD_BYTES = 2**20  # blocks from 1 MiB up are mmapped, so freeing them returns them to the OS at once
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return None
-
-
-def tune_allocator() -> None:
-    """Fix glibc's mmap threshold at 1 MiB (for a process that loads and unloads models). By default the threshold
-    is dynamic: the first free of an mmapped block raises it to that block's size (up to 32 MiB), so later weights,
-    load buffers and activations of up to 32 MiB come from the heap arenas, where a freed model leaves fragments
-    that malloc_trim cannot return. Measured on the 135M model (BENCHMARKS.md, "Model lifecycle"): RSS after each
-    unload varies by ±45 MiB with the default and within ~20 MiB with the fixed threshold, and a load adds ~480
-    instead of ~800 MiB. A threshold the user set (MALLOC_MMAP_THRESHOLD_) is left alone."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or (libc := _libc()) is None:
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-
-
-def release_memory() -> None:
-    """Collect garbage, then hand freed heap pages of every arena back to the OS (glibc keeps them otherwise)."""
-    gc.collect()
-    if (libc := _libc()) is not None:
-        libc.malloc_trim(0)
 
 
 @dataclass
