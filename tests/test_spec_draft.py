@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import test_spec_decode
 import torch
 from test_spec_decode import GREEDY, _chi2_ok, _repetitive, _run, _texts
 
@@ -30,22 +31,16 @@ from pdserve.config import EngineConfig, SpeculativeConfig
 from pdserve.engine.block_manager import BlockManager
 from pdserve.launch import ServerProc, start_server
 
+# the same target model, LLM factory and kernel paths as test_spec_decode (its fixtures, not copies)
+alphabet_model = test_spec_decode.alphabet_model
+make_llm = test_spec_decode.make_llm
+kernels = test_spec_decode.kernels
+
 
 def _save(model: Any, tokenizer: Any, path: Path) -> str:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def alphabet_model() -> Any:
-    """test_spec_decode's target: the tiny random Llama whose outputs mostly stay in a 16-token alphabet."""
-    from conftest import make_tiny_hf_model
-
-    model = make_tiny_hf_model()
-    with torch.no_grad():
-        model.model.embed_tokens.weight[1000:1016] *= 4.0
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +55,6 @@ def drafts(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any, alphabet_mo
                 p.add_(torch.randn(p.shape, generator=gen) * 0.12)
     return {"same": _save(alphabet_model, tokenizer, root / "same"),
             "perturbed": _save(perturbed, tokenizer, root / "perturbed")}
-
-
-@pytest.fixture
-def make_llm(make_llm: Any, alphabet_model: Any) -> Any:
-    def factory(**options: Any) -> Any:
-        return make_llm(alphabet_model, **options)
-
-    return factory
-
-
-@pytest.fixture(params=["native", "torch"])
-def kernels(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def _spec(path: str, k: int = 4, **extra: Any) -> dict[str, Any]:
