@@ -82,11 +82,10 @@ class SpecDecoder:
 
     def begin_step(self, decodes: list[Request]) -> bool:
         """Plan this step's drafts (policy.py) for its decoding requests; False: none this step."""
-        decodes = [r for r in decodes if self.eligible(r)]
-        if decodes and not self.enabled_for_step(len(decodes)):
+        if decodes and not self.enabled_for_step(len(decodes)):  # every decode counts, speculating or not
             self.policy.off("batch_size")
             return False
-        return self.policy.plan(decodes)
+        return self.policy.plan([r for r in decodes if self.eligible(r)])
 
     @staticmethod
     def eligible(req: Request) -> bool:
