@@ -6,7 +6,10 @@ Workloads, built offline from files on this machine (no downloads), chat-templat
 - `edit`: "rewrite this source file with a change" over ~40-line excerpts of the Python standard library's modules
   (the answer mostly repeats the prompt: where speculation should pay);
 - `docs`: "summarize with quotes" and "continue this document" over docstrings of the same modules;
-- `random`: prompts of random words (nothing to find: the auto policy should turn speculation off).
+- `random`: prompts of random words, greedy (little to find in the prompt, but a small model soon repeats
+  itself, which drafts do find);
+- `random-t1`: the same prompts sampled at temperature 1 (seeded): drafts are rarely right, so the auto policy
+  should turn speculation off and cost nothing.
 For each method (`none`, `ngram`, `suffix`, and `draft_model` when config.py lists it: otherwise skipped with a
 message) one server is started (`pdserve serve --speculative-config ...`, the auto policy unless --policy) and every
 workload runs at each concurrency: `c` streaming clients, each sending its share of the requests in turn. Reported:
@@ -88,7 +91,10 @@ def workloads(n: int, seed: int = 0) -> dict[str, list[list[dict[str, str]]]]:
                "Continue this document in the same style.")
         doc.append([{"role": "user", "content": f"{ask}\n\n{text}"}])
         rand.append([{"role": "user", "content": " ".join(rng.choice(words) for _ in range(120))}])
-    return {"edit": edit, "docs": doc, "random": rand}
+    return {"edit": edit, "docs": doc, "random": rand, "random-t1": rand}
+
+
+TEMPERATURE = {"random-t1": 1.0}  # workloads not listed: greedy
 
 
 @dataclass
@@ -105,8 +111,8 @@ class Cell:
 
 
 async def one(http: httpx.AsyncClient, url: str, messages: list[dict[str, str]], n: int,
-              cell: Cell) -> None:
-    body = {"messages": messages, "max_tokens": n, "temperature": 0, "stream": True,
+              cell: Cell, temperature: float = 0.0, seed: int = 0) -> None:
+    body = {"messages": messages, "max_tokens": n, "temperature": temperature, "seed": seed, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     arrivals: list[float] = []
@@ -126,14 +132,16 @@ async def one(http: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
         cell.itl.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
 
 
-async def run_cell(base: str, prompts: list[list[dict[str, str]]], concurrency: int, n: int) -> Cell:
+async def run_cell(base: str, prompts: list[list[dict[str, str]]], concurrency: int, n: int,
+                   temperature: float = 0.0) -> Cell:
     cell = Cell(itl=[], ttft=[])
     url = base + "/v1/chat/completions"
-    queue = list(prompts)
+    queue = list(enumerate(prompts))
 
     async def client(http: httpx.AsyncClient) -> None:
         while queue:
-            await one(http, url, queue.pop(0), n, cell)
+            i, messages = queue.pop(0)
+            await one(http, url, messages, n, cell, temperature, seed=i)
 
     async with httpx.AsyncClient(timeout=900) as http:
         before = parse_metrics((await http.get(base + "/metrics")).text)
@@ -167,7 +175,7 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2, help="requests = concurrency x this (c=1: x2)")
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix", "draft_model"])
-    ap.add_argument("--workloads", nargs="+", default=["edit", "docs", "random"])
+    ap.add_argument("--workloads", nargs="+", default=["edit", "docs", "random", "random-t1"])
     ap.add_argument("--policy", default="auto", choices=["auto", "always"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
@@ -204,13 +212,15 @@ def run(args: argparse.Namespace, model_args: list[str]) -> None:
                 for name, prompts in loads.items():
                     for c in args.concurrency:
                         count = c * args.requests_per_client if c > 1 else 2 * args.requests_per_client
-                        cell = asyncio.run(run_cell(srv.base_url, prompts[:count], c, args.output_len))
+                        cell = asyncio.run(run_cell(srv.base_url, prompts[:count], c, args.output_len,
+                                                    TEMPERATURE.get(name, 0.0)))
                         results[(method, name, c)] = cell
                         print(f"# {method} {name} c={c}: {cell.tok_s:.1f} tok/s", flush=True)
             finally:
                 srv.stop()
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
-    print(f"\n# spec_decode: policy {args.policy}, output {args.output_len} tokens, temperature 0, "
+    print(f"\n# spec_decode: policy {args.policy}, output {args.output_len} tokens, temperature 0 "
+          f"(random-t1: 1, seeded), "
           f"{args.threads} threads, dtype {args.dtype}, target {args.target}; {cpu.stdout.strip()}; "
           f"{time.strftime('%Y-%m-%d')}; "
           f"methods run in the order {methods}; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")

@@ -329,6 +329,35 @@ def test_drafts_accepted_fewer_steps(make_llm: Any, tokenizer: Any) -> None:
     assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)  # position i needs 0..i-1
 
 
+def test_drafts_take_only_the_budget_prefill_chunks_leave(make_llm: Any, tokenizer: Any) -> None:
+    """A prompt arriving while a request speculates gets its full chunk (budget minus the decode's token) in every
+    step; the decode drafts again once the prompt is computed, and both outputs equal the non-speculative ones."""
+    budget = 32
+    base = make_llm(max_num_batched_tokens=budget)
+    rep = _repetitive(base, tokenizer)
+    long_prompt = [1000 + (i * 7) % 16 for i in range(150)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate([{"prompt_token_ids": p} for p in (rep, long_prompt)],
+                                                          params)]
+    eng = make_llm(max_num_batched_tokens=budget, speculative_config={**METHODS["ngram"], "policy": "always"}).engine
+    a = eng.add_request({"prompt_token_ids": rep}, params, "a")
+    while a.num_output_tokens < 4:
+        eng.step()
+    b = eng.add_request({"prompt_token_ids": long_prompt}, params, "b")
+    drafts_after = 0
+    while eng.has_unfinished_requests():
+        remaining = len(long_prompt) - b.num_computed_tokens
+        stats = eng.step().stats
+        if remaining > 0:  # a decodes (one token) beside b's chunk; its drafts get only what the chunk left
+            assert stats.num_prefill_tokens == min(budget - 1, remaining)
+            assert stats.num_draft_tokens <= budget - 1 - stats.num_prefill_tokens
+        else:
+            drafts_after += stats.num_draft_tokens
+    assert drafts_after > 0
+    assert [list(a.output_token_ids), list(b.output_token_ids)] == [list(w) for w in want]
+    assert eng.block_manager.is_at_baseline()
+
+
 def test_kv_pool_at_baseline_after_abort(make_llm: Any, tokenizer: Any) -> None:
     llm = make_llm(speculative_config=METHODS["ngram"], num_kv_blocks=64)
     eng = llm.engine

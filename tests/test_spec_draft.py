@@ -194,6 +194,39 @@ def test_draft_pool_follows_its_requests(make_llm: Any, tokenizer: Any, drafts: 
     assert _at_baseline(llm) and eng.block_manager.is_at_baseline()
 
 
+def test_catch_up_is_chunked_under_the_token_budget(make_llm: Any, tokenizer: Any, drafts: dict[str, str]) -> None:
+    """A prompt longer than the step's token budget: the draft catches up on it in chunks of what the budget leaves,
+    drafting only once caught up; no step makes the draft compute more than the budget; output unchanged."""
+    budget = 32
+    base = make_llm(max_num_batched_tokens=budget)
+    rep = _repetitive(base, tokenizer)
+    prompt = (rep * 3)[:150]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _run(base, [prompt], params)
+    spec = make_llm(max_num_batched_tokens=budget, speculative_config=_spec(drafts["same"], policy="always"))
+    runner = spec.engine.spec.proposer.runner
+    per_step: list[int] = []
+    execute = runner.execute
+
+    def counting(sched: Any) -> Any:
+        per_step[-1] += sum(r.num_scheduled_tokens for r in sched.scheduled_reqs)
+        return execute(sched)
+    runner.execute = counting
+    drafted_steps = []
+    eng = spec.engine
+    eng.add_request({"prompt_token_ids": prompt}, params, "r")
+    while eng.has_unfinished_requests():
+        per_step.append(0)
+        drafted_steps.append(eng.step().stats.num_draft_tokens > 0)
+    assert max(per_step) <= budget, per_step
+    first = drafted_steps.index(True)
+    catch_up_steps = [n for n, d in zip(per_step[:first], drafted_steps[:first]) if n]
+    assert len(catch_up_steps) >= len(prompt) // budget, per_step  # chunks, not one long step
+    assert spec.engine.spec.stats.num_accepted_tokens == spec.engine.spec.stats.num_draft_tokens > 0
+    assert _at_baseline(spec) and eng.block_manager.is_at_baseline()
+    assert _run(spec, [prompt], params) == want  # again, the target's prefix cache hit: the draft still catches up
+
+
 def test_full_draft_pool_falls_back_without_changing_output(make_llm: Any, tokenizer: Any,
                                                             drafts: dict[str, str]) -> None:
     """A draft pool too small for every request: those it cannot hold get filler drafts, verified as any draft."""

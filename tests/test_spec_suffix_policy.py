@@ -217,6 +217,20 @@ def test_policy_chooses_k_per_request() -> None:
     assert rate({good: kg, poor: kp}) == pytest.approx(best)
 
 
+def test_policy_weighs_the_prompts_drafts_delay() -> None:
+    """A draft's time also delays the requests still prefilling: fewer drafts while prompts wait, none when many do
+    (counted as prefill_pending), all of them again once every request decodes."""
+    policy = SpecPolicy(4, True, synthetic(10e-3, 0.5e-3))
+    [req] = _reqs(1)
+    _train(policy, req, 0.9)
+    ks = []
+    for waiting in (0, 3, 9, 40, 0):
+        assert policy.plan([req], num_prefilling=waiting) == (waiting < 40)
+        ks.append(policy.k_for.get(req.request_id, 0))
+    assert ks[0] == ks[1] == ks[4] == 4 and 0 < ks[2] < 4 and ks[3] == 0, ks
+    assert policy.disabled_steps == {"prefill_pending": 1}
+
+
 def test_policy_always_and_unfitted_model_draft_k() -> None:
     reqs = _reqs(3)
     always = SpecPolicy(3, False, synthetic(1e-3, 1.0))

@@ -199,33 +199,25 @@ class Scheduler:
 
         # 1. running requests, in queue order; preempt the last one in that order when blocks run out
         queue = list(self.running)
-        decoding = [r for r in queue if is_decode(r, r.num_tokens - r.num_computed_tokens)]
-        num_decoding = len(decoding)
-        speculate = self.spec is not None and self.spec.begin_step(decoding)
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             decode = is_decode(req, num_new)
-            num_decoding -= decode  # decodes still to come: drafts leave each of them its token
             if cap is not None and not decode:
                 if cap <= 0:
                     continue
                 num_new = min(num_new, cap)
                 cap -= num_new
-            drafts = self._drafts(req, budget - 1 - num_decoding) if speculate and decode else []
-            while not self.block_manager.allocate_slots(req, num_new + len(drafts)):
-                if drafts:  # never preempt anyone for drafts: decode without them
-                    drafts = []
-                    continue
+            while not self.block_manager.allocate_slots(req, num_new):
                 victim = queue[-1] if queue else req  # `running` is in queue order: the worst key is last
                 self._preempt(victim, now, out)
                 if victim is req:
                     break
                 queue.remove(victim)
             else:
-                req.spec_token_ids = drafts
+                req.spec_token_ids = []
                 (decodes if decode else prefills).append((req, num_new))
-                budget -= num_new + len(drafts)
+                budget -= num_new
 
         # 2. waiting requests in queue order, unless this step had to preempt (memory is tight)
         kv = self.kv_transfer
@@ -267,7 +259,26 @@ class Scheduler:
             if cap is not None:
                 cap -= num_new
 
+        # 3. drafts for the decodes, from the budget that prefills left (a draft never delays a prompt's chunk)
+        if self.spec is not None and decodes:
+            self._schedule_drafts(decodes, budget, len(prefills) + len(self.waiting))
         return self._fill_output(out, decodes, prefills)
+
+    def _schedule_drafts(self, decodes: list[tuple[Request, int]], budget: int, num_prefilling: int) -> None:
+        """Speculative decoding: the policy plans each decode's drafts (weighing the requests whose prefill they
+        would delay); each gets the slots its drafts need, or none (never a preemption for a draft)."""
+        assert self.spec is not None
+        if not self.spec.begin_step([r for r, _ in decodes], num_prefilling):
+            return
+        for req, num_new in decodes:
+            if budget <= 0:
+                break
+            drafts, cost = self.spec.propose(req, budget)
+            if drafts and not self.block_manager.allocate_slots(req, num_new + len(drafts)):
+                # no target slots for them: a plain decode (what a draft model computed of the context stays valid)
+                drafts = []
+            req.spec_token_ids = drafts
+            budget -= cost
 
     def _fill_output(self, out: SchedulerOutput, decodes: list[tuple[Request, int]],
                      prefills: list[tuple[Request, int]]) -> SchedulerOutput:
@@ -285,10 +296,6 @@ class Scheduler:
         out.sampling_metadata = make_sampling_metadata(
             [r for (r, _), s in zip(order, out.scheduled_reqs) if s.sample])
         return out
-
-    def _drafts(self, req: Request, max_tokens: int) -> list[int]:
-        """Speculative decoding: a decode's draft tokens, at most max_tokens (what the budget leaves)."""
-        return self.spec.propose(req, max_tokens) if self.spec is not None else []
 
     def _prefill_cap(self, budget: int) -> int | None:
         """The step budget's prefill cap for this step's decodes (the running requests one token behind)."""

@@ -80,28 +80,36 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         return limit is None or num_decoding <= limit
 
-    def begin_step(self, decodes: list[Request]) -> bool:
-        """Plan this step's drafts (policy.py) for its decoding requests; False: none this step."""
+    def begin_step(self, decodes: list[Request], num_prefilling: int = 0) -> bool:
+        """Plan this step's drafts (policy.py) for its decoding requests; False: none this step.
+        num_prefilling: requests with prompt left to compute (in this step or waiting), whom drafts would delay."""
         if decodes and not self.enabled_for_step(len(decodes)):  # every decode counts, speculating or not
             self.policy.off("batch_size")
             return False
-        return self.policy.plan([r for r in decodes if self.eligible(r)])
+        return self.policy.plan([r for r in decodes if self.eligible(r)], num_prefilling)
 
     @staticmethod
     def eligible(req: Request) -> bool:
         return req.matcher is None and not req.pooling
 
-    def propose(self, req: Request, max_tokens: int) -> list[int]:
-        """Up to min(k, max_tokens) drafts for a decoding request (also bounded by its max_tokens); a batched
-        proposer answers with RESERVED slots that `fill` replaces once the step's decodes are known."""
-        k = min(self.policy.k_for.get(req.request_id, 0), max_tokens, req.max_tokens - req.num_output_tokens - 1)
-        if k <= 0 or not self.eligible(req):
-            return []
-        return self.proposer.propose(req, k)
+    def propose(self, req: Request, max_tokens: int) -> tuple[list[int], int]:
+        """Drafts for a decoding request (at most the policy's k and what its max_tokens leaves; a batched
+        proposer answers with RESERVED slots that `fill` replaces once the step's decodes are known), and the
+        token budget they take, at most max_tokens: the drafts plus the context a draft model must first catch up
+        on. A request too far behind for the budget catches up in chunks and drafts in a later step."""
+        k = min(self.policy.k_for.get(req.request_id, 0), req.max_tokens - req.num_output_tokens - 1)
+        if k <= 0 or max_tokens <= 0 or not self.eligible(req):
+            return [], 0
+        behind = self.proposer.num_behind(req)
+        k = min(k, max_tokens - behind)
+        if k <= 0:
+            return [], self.proposer.catch_up(req, max_tokens)
+        drafts = self.proposer.propose(req, k)
+        return drafts, len(drafts) + behind if drafts else 0
 
     def fill(self, reqs: list[Request]) -> None:
         """After scheduling: a batched proposer drafts for the step's speculating decodes at once."""
-        if self.proposer.batched and reqs:
+        if self.proposer.batched:
             self.proposer.fill(reqs)
             assert all(RESERVED not in r.spec_token_ids for r in reqs), "a batched proposer left a slot unfilled"
 

@@ -5,11 +5,15 @@ own paged KV cache, whose blocks are booked by a BlockManager of its own (no pre
 `DraftSeq` whose `num_computed_tokens` counts the request's tokens (prompt + output) whose K/V the draft holds.
 
 One `fill` over the step's speculating decodes runs one batched draft forward per draft position:
-- position 0 computes every token the draft has not seen, up to the newest (the prompt on the first step: a prefill
-  of the draft; after a verification, the tokens the target emitted that the draft had not computed), and takes
-  the argmax after the newest token: draft 1;
+- position 0 computes every token the draft has not seen, up to the newest (after a verification, the tokens the
+  target emitted that the draft had not computed), and takes the argmax after the newest token: draft 1;
 - position j > 0 computes draft j at its position and takes the argmax: draft j + 1.
 With L tokens before the step and k drafts, the draft then holds K/V of L + k - 1 tokens (draft k is never fed).
+
+The draft's work is charged to the step's token budget (`num_behind` + k tokens). A request far behind (its
+prompt, on its first speculating step) catches up in chunks of what the budget leaves (`catch_up`: rows computed
+without sampling in the position-0 forward) and drafts from the step after it is caught up, so a long prompt
+never makes one step long.
 
 Verification keeps a of the k drafts: the draft's K/V stay valid for L + min(a, k - 1) tokens (the accepted drafts
 are the tokens the target appended); the rest is rolled back and blocks past it are freed. Preempted, finished or
@@ -80,30 +84,6 @@ def check_same_vocabulary(draft: LoadedModel, draft_tokenizer: Any, target: Draf
                          f"draft model must share the target's tokenizer")
 
 
-def greedy_metadata(num_rows: int) -> SamplingMetadata:
-    """Sampling metadata for argmax rows: no penalties, bias, bans, logprobs or drafts."""
-    md = SamplingMetadata()
-    for _ in range(num_rows):
-        md.temperature.append(0.0)
-        md.greedy.append(True)
-        md.top_k.append(0)
-        md.top_p.append(1.0)
-        md.min_p.append(0.0)
-        md.repetition_penalty.append(1.0)
-        md.presence_penalty.append(0.0)
-        md.frequency_penalty.append(0.0)
-        md.generators.append(None)
-        md.num_logprobs.append(None)
-        md.banned_token_ids.append([])
-        md.prompt_token_ids.append([])
-        md.output_token_ids.append([])
-        md.logit_bias.append(None)
-        md.token_bitmask.append(None)
-        md.draft_token_ids.append([])
-        md.banned_positions.append(0)
-    return md
-
-
 class DraftModelProposer(Proposer):
     method = "draft_model"
     batched = True
@@ -112,6 +92,7 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, DraftSeq] = {}
+        self.pending_catch_up: list[tuple[Request, int]] = []  # booked by catch_up() for the next fill()
         self.num_fallbacks = 0  # requests whose slots were filled without the draft model (pool full, failure)
 
     @classmethod
@@ -140,7 +121,23 @@ class DraftModelProposer(Proposer):
     def propose(self, req: Request, k: int) -> list[int]:
         return [RESERVED] * k
 
+    def num_behind(self, req: Request) -> int:
+        """Tokens before the newest that the draft has not computed (the prompt, for a request new to it)."""
+        seq = self.seqs.get(req.request_id)
+        return req.num_tokens - 1 - (seq.num_computed_tokens if seq is not None else 0)
+
+    def catch_up(self, req: Request, max_tokens: int) -> int:
+        """Book up to max_tokens of the request's unseen context for this step's fill (no drafts for it this
+        step); returns the tokens booked (0: the draft pool has no room)."""
+        seq = self.seqs.setdefault(req.request_id, DraftSeq(req.request_id))
+        n = min(max_tokens, self.num_behind(req))
+        if n <= 0 or not self.block_manager.allocate_slots(seq, n):
+            return 0
+        self.pending_catch_up.append((req, n))
+        return n
+
     def fill(self, reqs: list[Request]) -> None:
+        catch_up, self.pending_catch_up = self.pending_catch_up, []
         active: list[tuple[Request, DraftSeq]] = []
         for req in reqs:
             seq = self.seqs.setdefault(req.request_id, DraftSeq(req.request_id))
@@ -152,12 +149,14 @@ class DraftModelProposer(Proposer):
             else:
                 self._fall_back(req)
         try:
-            self._draft(active)
+            self._draft(active, catch_up)
         except Exception:  # the draft is only a guess: a failure costs its speedup, never the target's output
             logger.exception("draft model forward failed; %d requests decode with filler drafts", len(active))
             for req, _ in active:
                 self._reset(req.request_id)
                 self._fall_back(req)
+            for req, _ in catch_up:
+                self._reset(req.request_id)
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         seq = self.seqs.get(req.request_id)
@@ -175,26 +174,34 @@ class DraftModelProposer(Proposer):
         self._reset(req.request_id)
 
     # ---- internals ---------------------------------------------------------------------------------------------
-    def _draft(self, active: list[tuple[Request, DraftSeq]]) -> None:
-        """One forward per draft position over the rows that still need a draft at that position."""
-        for j in range(max((seq.num_drafted for _, seq in active), default=0)):
-            rows = [(req, seq) for req, seq in active if seq.num_drafted > j]
-            batch = []
-            for req, seq in rows:
+    def _draft(self, active: list[tuple[Request, DraftSeq]], catch_up: list[tuple[Request, int]]) -> None:
+        """One forward per draft position over the rows that still need a draft at that position; the catch-up
+        chunks ride in the first one, unsampled."""
+        for j in range(max(max((seq.num_drafted for _, seq in active), default=0), 1 if catch_up else 0)):
+            rows: list[tuple[Request, DraftSeq, ScheduledRequest]] = []
+            for req, seq in active:
+                if seq.num_drafted > j:
+                    c = seq.num_computed_tokens
+                    tokens = req.all_token_ids[c:] if j == 0 else [req.spec_token_ids[j - 1]]
+                    rows.append((req, seq, ScheduledRequest(req.request_id, tokens, c,
+                                                            self.block_manager.get_block_ids(req.request_id), True)))
+            for req, n in catch_up if j == 0 else ():
+                seq = self.seqs[req.request_id]
                 c = seq.num_computed_tokens
-                tokens = req.all_token_ids[c:] if j == 0 else [req.spec_token_ids[j - 1]]
-                batch.append(ScheduledRequest(req.request_id, tokens, c,
-                                              self.block_manager.get_block_ids(req.request_id), True))
-            order = sorted(range(len(batch)), key=lambda i: batch[i].num_scheduled_tokens > 1)  # decodes first
-            sched = SchedulerOutput(scheduled_reqs=[batch[i] for i in order],
-                                    num_decode_tokens=sum(1 for b in batch if b.num_scheduled_tokens == 1),
-                                    sampling_metadata=greedy_metadata(len(batch)))
+                rows.append((req, seq, ScheduledRequest(req.request_id, req.all_token_ids[c:c + n], c,
+                                                        self.block_manager.get_block_ids(req.request_id), False)))
+            rows.sort(key=lambda row: row[2].num_scheduled_tokens > 1 or not row[2].sample)  # decodes first
+            batch = [b for _, _, b in rows]
+            num_sampled = sum(b.sample for b in batch)
+            sched = SchedulerOutput(scheduled_reqs=batch,
+                                    num_decode_tokens=sum(b.sample and b.num_scheduled_tokens == 1 for b in batch),
+                                    sampling_metadata=SamplingMetadata.greedy_rows(num_sampled))
             sched.num_prefill_tokens = sum(b.num_scheduled_tokens for b in batch) - sched.num_decode_tokens
-            tokens_out = self.runner.execute(sched).token_ids
-            for i, tok in zip(order, tokens_out):
-                req, seq = rows[i]
-                seq.num_computed_tokens += batch[i].num_scheduled_tokens
-                req.spec_token_ids[j] = tok
+            tokens_out = iter(self.runner.execute(sched).token_ids)
+            for req, seq, b in rows:
+                seq.num_computed_tokens += b.num_scheduled_tokens
+                if b.sample:
+                    req.spec_token_ids[j] = next(tokens_out)
 
     def _fall_back(self, req: Request) -> None:
         """Fill the request's slots without the draft (its newest token repeated): verified like any draft."""

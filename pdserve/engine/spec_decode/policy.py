@@ -10,7 +10,10 @@ expected to yield, from two measurements:
 - the acceptance rate a: the probability that a draft token is accepted given the ones before it were, an EWMA per
   request whose prior is the proposer's EWMA over all requests. The j-th draft is emitted with probability a^j.
 
-The step's rate is (expected tokens) / (predicted time). Starting from plain decode (B tokens in t0), drafts are added
+The step's rate is (expected tokens) / (predicted time). A draft's time is also a delay for every request whose
+prompt is still being computed (a chunk in this step or waiting): with B decodes and P such requests, each draft's
+time counts (B + P) / B times, so drafts yield while prompts queue (time to first token does not grow), and count
+once when every request is decoding. The scheduler gives drafts only the token budget that prefill chunks left. Starting from plain decode (B tokens in t0), drafts are added
 best first (a^j / marginal time, per request in order j = 1, 2, ...) while each one's tokens per second beat the
 step's current rate: adding a term whose ratio exceeds the running ratio raises it, and the terms only get worse, so
 the greedy stops at the best set. The result is k per request; a request whose proposer finds fewer drafts gets fewer.
@@ -19,7 +22,8 @@ Off (k = 0 for the whole step), with the reason counted in `SpecDecodeStats.disa
 - `batch_size`: more decoding requests than `disable_by_batch_size`;
 - `compute_bound`: the marginal cost of one query token per decode is at least half the predicted step time
   (COMPUTE_BOUND_SHARE): the step is past the roofline's ridge and a draft costs about what a token is worth;
-- `low_acceptance`: no draft's expected yield beats the step's rate.
+- `low_acceptance`: no draft's expected yield beats the step's rate;
+- `prefill_pending`: drafts would beat the step's rate, but not once weighted for the prompts they delay.
 Until the time model is fitted (its first steps), every request gets k. A request switched off for
 PROBE_EVERY consecutive steps gets one draft (when the step is not compute-bound), so a request whose text becomes
 predictable is noticed again.
@@ -101,8 +105,9 @@ class SpecPolicy:
             logger.debug("speculative decoding %s", "on" if state == "on" else f"off: {state}")
             self.state = state
 
-    def plan(self, decodes: list[Request]) -> bool:
-        """Draft counts for this step's decoding requests (self.k_for); False: no drafts this step."""
+    def plan(self, decodes: list[Request], num_prefilling: int = 0) -> bool:
+        """Draft counts for this step's decoding requests (self.k_for); False: no drafts this step.
+        num_prefilling: requests with prompt tokens left (this step's chunks and the waiting queue)."""
         if not decodes:
             self.k_for = {}
             return False
@@ -119,14 +124,18 @@ class SpecPolicy:
         if sum(costs.values()) >= COMPUTE_BOUND_SHARE * t0:
             self.off("compute_bound")
             return False
-        self.k_for = self._greedy(decodes, t0, costs)
+        weight = (len(decodes) + num_prefilling) / len(decodes)
+        self.k_for = self._greedy(decodes, t0, costs, weight)
+        off_reason = "low_acceptance"
+        if not any(self.k_for.values()) and weight > 1 and any(self._greedy(decodes, t0, costs).values()):
+            off_reason = "prefill_pending"  # drafts would pay for the decodes, not for the prompts they delay
         for r in decodes:
             rid = r.request_id
             self.idle[rid] = 0 if self.k_for[rid] else self.idle.get(rid, 0) + 1
             if self.idle[rid] >= PROBE_EVERY:  # look again: one draft
                 self.k_for[rid], self.idle[rid] = 1, 0
         if not any(self.k_for.values()):
-            self.off("low_acceptance")
+            self.off(off_reason)
             return False
         self._set_state("on")
         return True
@@ -138,26 +147,30 @@ class SpecPolicy:
         less = self.predict([(cached, j)], j) or 0.0
         return max(more - less, 1e-12)
 
-    def _greedy(self, decodes: list[Request], t0: float, first_cost: dict[str, float]) -> dict[str, int]:
+    def _greedy(self, decodes: list[Request], t0: float, first_cost: dict[str, float],
+                delay_weight: float = 1.0) -> dict[str, int]:
+        """Drafts best first while each beats the step's rate; a draft's time weighs delay_weight times (it also
+        delays the requests still prefilling), the step's own time once: this maximises expected tokens over
+        t0 + delay_weight * (drafts' time)."""
         k_for = {r.request_id: 0 for r in decodes}
         tokens, t = float(len(decodes)), t0
         heap: list[tuple[float, int, float, float]] = []  # (-gain/cost, request index, gain, cost)
         rates = [self.rate(r) for r in decodes]
         for i, r in enumerate(decodes):
             a, c = rates[i], first_cost[r.request_id]
-            heapq.heappush(heap, (-a / c, i, a, c))
+            heapq.heappush(heap, (-a / (c * delay_weight), i, a, c))
         while heap:
             neg_ratio, i, gain, cost = heapq.heappop(heap)
             if -neg_ratio <= tokens / t:
                 break  # the best remaining draft does not beat the step's rate: none does
             req = decodes[i]
             k_for[req.request_id] += 1
-            tokens, t = tokens + gain, t + cost
+            tokens, t = tokens + gain, t + cost * delay_weight
             j = k_for[req.request_id]
             if j < self.k:
                 nxt_gain = gain * rates[i]
                 nxt_cost = self._marginal(req.num_computed_tokens, j + 1)
-                heapq.heappush(heap, (-nxt_gain / nxt_cost, i, nxt_gain, nxt_cost))
+                heapq.heappush(heap, (-nxt_gain / (nxt_cost * delay_weight), i, nxt_gain, nxt_cost))
         return k_for
 
 
