@@ -1,5 +1,5 @@
-"""PD disaggregation with speculative decoding: the decode instance of a prefill/decode pair speculates (ngram and
-suffix) and greedy output through the router equals a single non-speculative server's, token for token, streamed
+"""PD disaggregation with speculative decoding: the decode instance of a prefill/decode pair speculates (ngram,
+suffix, and a draft model, which never saw the pulled prompt and catches up on it) and greedy output through the router equals a single non-speculative server's, token for token, streamed
 and not, with both pools back at baseline."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from test_disagg import PROMPTS, TINY, Cluster, complete, metric, start_router, 
 
 SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
                    "policy": "always"},
-         "suffix": {"method": "suffix", "num_speculative_tokens": 4, "policy": "always"}}
+         "suffix": {"method": "suffix", "num_speculative_tokens": 4, "policy": "always"},
+         "draft_model": {"method": "draft_model", "num_speculative_tokens": 4, "policy": "always"}}  # model: the target
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,8 @@ def spec_cluster(tmp_path_factory: pytest.TempPathFactory, alphabet_dir: Path) -
     clusters: dict[str, Cluster] = {}
     try:
         for name, spec in SPECS.items():
+            if name == "draft_model":
+                spec = {**spec, "model": str(alphabet_dir)}
             dec = start_server(tmp, *m, "--role", "decode", "--speculative-config", json.dumps(spec))
             clusters[name] = Cluster(colo, pre, [dec], start_router(tmp, [pre.base_url], [dec.base_url]))
         yield clusters
@@ -74,6 +77,9 @@ def test_speculating_decode_instance_equals_single_server(spec_cluster: dict[str
     assert metric(dec, "pdserve:kv_transfer_failures_total") == 0
     assert metric(dec, "pdserve:spec_decode_num_draft_tokens_total") > 0
     assert metric(dec, "pdserve:spec_decode_num_accepted_tokens_total") > 0
+    if method == "draft_model":  # the draft is the target: it caught up on the pulled prompt exactly
+        assert metric(dec, "pdserve:spec_decode_num_accepted_tokens_total") == \
+            metric(dec, "pdserve:spec_decode_num_draft_tokens_total")
     for srv in (c.prefill, dec):
         kv = wait_baseline(srv)
         assert kv["num_used_blocks"] == 0 and kv.get("num_pinned_blocks", 0) == 0, kv
