@@ -1,6 +1,7 @@
 """PD disaggregation with speculative decoding: the decode instance of a prefill/decode pair speculates (ngram,
-suffix, and a draft model, which never saw the pulled prompt and catches up on it) and greedy output through the router equals a single non-speculative server's, token for token, streamed
-and not, with both pools back at baseline."""
+suffix, and a draft model, which never saw the pulled prompt and catches up on it) and greedy output through the
+router equals a single non-speculative server's, token for token, streamed and not, with both pools back at
+baseline."""
 
 from __future__ import annotations
 

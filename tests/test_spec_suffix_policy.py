@@ -15,7 +15,8 @@ from pdserve import SamplingParams
 from pdserve.config import EngineConfig, SpeculativeConfig
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode import SpecDecoder
-from pdserve.engine.spec_decode.policy import PROBE_EVERY, AcceptanceRate, SpecPolicy
+from pdserve.engine.spec_decode.overhead import DraftOverhead
+from pdserve.engine.spec_decode.policy import PROBE_ALONE, PROBE_EVERY, AcceptanceRate, SpecPolicy
 from pdserve.engine.spec_decode.suffix import SuffixProposer, SuffixTrie
 
 
@@ -182,9 +183,56 @@ def test_policy_off_at_low_acceptance() -> None:
     _train(policy, req, 0.0)
     assert not policy.plan([req])
     assert policy.disabled_steps == {"low_acceptance": 1} and policy.state == "low_acceptance"
-    for _ in range(PROBE_EVERY - 2):
+    for _ in range(PROBE_ALONE - 2):
         assert not policy.plan([req])
-    assert policy.plan([req]) and policy.k_for[req.request_id] == 1  # a probe after PROBE_EVERY steps off
+    assert policy.plan([req]) and policy.k_for[req.request_id] == 1  # alone in its step: a probe after PROBE_ALONE
+
+
+def test_probes_ride_in_steps_that_draft_anyway() -> None:
+    policy = SpecPolicy(4, True, synthetic(10e-3, 0.5e-3))
+    good, poor = _reqs(2)
+    _train(policy, good, 0.95)
+    _train(policy, poor, 0.0)
+    probes = 0
+    for _ in range(2 * PROBE_EVERY):
+        assert policy.plan([good, poor]) and policy.k_for[good.request_id] > 0
+        probes += policy.k_for[poor.request_id]
+    assert probes == 2  # one draft every PROBE_EVERY steps
+
+
+def test_draft_overhead_fit() -> None:
+    """Residuals b + e0 + e1 n (with the odd slow step) give back b, e0 and e1; one draft count seen: all of it
+    per step; more drafts costing less: all of it per step too."""
+    rng = random.Random(0)
+    oh = DraftOverhead()
+    for i in range(200):
+        n = i % 5
+        slow = 0.05 if i % 37 == 0 else 0.0
+        oh.observe(n, 0.001 + (0.003 + 0.002 * n if n else 0.0) + rng.gauss(0, 2e-4) + slow)
+    assert oh.fitted
+    assert (oh.bias, oh.fixed, oh.per_draft) == pytest.approx((0.001, 0.003, 0.002), abs=3e-4)
+    one = DraftOverhead()
+    for i in range(40):
+        one.observe(i % 2, 0.001 + 0.004 * (i % 2))
+    assert (one.fixed, one.per_draft) == pytest.approx((0.004, 0.0), abs=1e-9)
+    odd = DraftOverhead()
+    for i in range(60):
+        n = i % 3
+        odd.observe(n, {0: 0.0, 1: 0.006, 2: 0.004}[n])
+    assert odd.per_draft == 0.0 and odd.fixed == pytest.approx(0.005)
+
+
+def test_policy_weighs_the_measured_overhead_of_drafting() -> None:
+    """Drafts the roofline calls cheap (0.5 ms) at acceptance 0.25: worth it until the steps that carry drafts are
+    measured 6 ms slower; then off, reason low_acceptance."""
+    policy = SpecPolicy(4, True, synthetic(10e-3, 0.5e-3))
+    [req] = _reqs(1)
+    _train(policy, req, 0.25)
+    assert policy.plan([req])
+    for i in range(32):
+        policy.observe_step(i % 2, 0.006 * (i % 2))
+    assert policy.overhead.fixed == pytest.approx(0.006)
+    assert not policy.plan([req]) and policy.disabled_steps == {"low_acceptance": 1}
 
 
 def test_policy_off_when_compute_bound() -> None:

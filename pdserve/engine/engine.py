@@ -350,9 +350,12 @@ class LLMEngine:
             stats.num_accepted_tokens = self.spec.stats.num_accepted_tokens - accepted0
         stats.flops, stats.bytes = self.step_cost.cost(seqs, sum(d.num_sample_rows for d in sched.scheduled_reqs))
         self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
+        predicted = self.step_budget.predict_cost(stats.flops, stats.bytes)  # before this step is fitted in
         self.step_budget.observe(stats.flops, stats.bytes, t_run)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
         stats.model_time, stats.duration = t_run, time.perf_counter() - t0
+        if self.spec is not None and predicted is not None and not sched.num_prefill_tokens:
+            self.spec.observe_step(stats.num_draft_tokens, stats.duration, predicted)
         return StepResult(outs, stats)
 
     def _fill_token_bitmasks(self, sched: SchedulerOutput, sampled_reqs: list[Request]) -> None:

@@ -79,6 +79,10 @@ class StepBudget:
     def observe(self, flops: float, nbytes: float, seconds: float) -> None:
         self.model.observe(flops, nbytes, seconds)
 
+    def predict_cost(self, flops: float, nbytes: float) -> float | None:
+        """Predicted model time of a step of this cost; None until the model is fitted."""
+        return self.model.predict(flops, nbytes)
+
     def predict(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> float | None:
         """Predicted model time of a step over `seqs` ((cached, new) each); None until the model is fitted."""
         return self.model.predict(*self.cost.cost(seqs, num_sampled))

@@ -118,6 +118,11 @@ class SpecDecoder:
         self.policy.observe(req, num_drafted, num_accepted)
         self.proposer.on_verified(req, num_drafted, num_accepted)
 
+    def observe_step(self, num_draft_tokens: int, seconds: float, predicted: float) -> None:
+        """A decode-only step took `seconds` where the time model predicted `predicted` for its rows: what drafting
+        costs beyond the model is learned from these (overhead.py)."""
+        self.policy.observe_step(num_draft_tokens, seconds - predicted)
+
     def on_preempted(self, req: Request) -> None:
         self.proposer.on_preempted(req)
 

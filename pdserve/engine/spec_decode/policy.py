@@ -7,16 +7,22 @@ expected to yield, from two measurements:
 - the step time model (engine/step_budget.py: t = c0 + c1 · bytes + c2 · FLOPs, fitted online to the steps run):
   t0 = the predicted time of this step's decodes alone, and per request the marginal time of its j-th draft
   (the extra query token: its layer FLOPs, its attention over the context, its sampled row);
+- what drafting really costs beyond that prediction (overhead.py, learned from the steps run): a step that carries
+  any draft pays e0 once (several query rows, the verification sampler, the proposer's work) and e1 per draft,
+  and every step pays a bias b over the model; until measured, these are 0;
 - the acceptance rate a: the probability that a draft token is accepted given the ones before it were, an EWMA per
   request whose prior is the proposer's EWMA over all requests. The j-th draft is emitted with probability a^j.
 
-The step's rate is (expected tokens) / (predicted time). A draft's time is also a delay for every request whose
-prompt is still being computed (a chunk in this step or waiting): with B decodes and P such requests, each draft's
-time counts (B + P) / B times, so drafts yield while prompts queue (time to first token does not grow), and count
-once when every request is decoding. The scheduler gives drafts only the token budget that prefill chunks left. Starting from plain decode (B tokens in t0), drafts are added
-best first (a^j / marginal time, per request in order j = 1, 2, ...) while each one's tokens per second beat the
-step's current rate: adding a term whose ratio exceeds the running ratio raises it, and the terms only get worse, so
-the greedy stops at the best set. The result is k per request; a request whose proposer finds fewer drafts gets fewer.
+The step's rate is (expected tokens) / (predicted time). Starting from plain decode (B tokens in t0 + b), drafts are
+added best first (a^j / marginal time, per request in order j = 1, 2, ...) while each one's tokens per second beat
+the step's current rate: adding a term whose ratio exceeds the running ratio raises it, and the terms only get
+worse, so the greedy stops at the best set. With the step's fixed cost e0 paid up front, that set is then kept only
+if it beats plain decode. The result is k per request; a request whose proposer finds fewer drafts gets fewer.
+
+A draft's time is also a delay for every request whose prompt is still being computed (a chunk in this step or
+waiting): with B decodes and P such requests, each draft's time counts (B + P) / B times, so drafts yield while
+prompts queue (time to first token does not grow), and count once when every request is decoding. The scheduler
+gives drafts only the token budget that prefill chunks left.
 
 Off (k = 0 for the whole step), with the reason counted in `SpecDecodeStats.disabled_steps`:
 - `batch_size`: more decoding requests than `disable_by_batch_size`;
@@ -25,8 +31,9 @@ Off (k = 0 for the whole step), with the reason counted in `SpecDecodeStats.disa
 - `low_acceptance`: no draft's expected yield beats the step's rate;
 - `prefill_pending`: drafts would beat the step's rate, but not once weighted for the prompts they delay.
 Until the time model is fitted (its first steps), every request gets k. A request switched off for
-PROBE_EVERY consecutive steps gets one draft (when the step is not compute-bound), so a request whose text becomes
-predictable is noticed again.
+PROBE_EVERY consecutive steps gets one draft in a step that drafts anyway (when the step is not compute-bound), or
+after PROBE_ALONE steps in a step that would not (a probe then pays the step's fixed cost alone), so a request whose
+text becomes predictable is noticed again.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.request import Request
+from pdserve.engine.spec_decode.overhead import DraftOverhead
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +51,7 @@ Predict = Callable[[Sequence[tuple[int, int]], int], float | None]  # (seqs (cac
 
 COMPUTE_BOUND_SHARE = 0.5
 PROBE_EVERY = 16
+PROBE_ALONE = 64
 PRIOR_RATE = 0.5  # the proposer's acceptance before any verification
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind a prior
 REQUEST_DECAY = 0.8  # EWMA weight of the past, per verification (a request's text changes character quickly)
@@ -78,6 +87,7 @@ class SpecPolicy:
         self.k_for: dict[str, int] = {}  # this step's plan
         self.disabled_steps: dict[str, int] = {}
         self.state = "on"
+        self.overhead = DraftOverhead()
 
     def rate(self, req: Request) -> float:
         r = self.rates.get(req.request_id)
@@ -121,18 +131,20 @@ class SpecPolicy:
             self._set_state("on")
             return True
         costs = {r.request_id: self._marginal(r.num_computed_tokens, 1) for r in decodes}
-        if sum(costs.values()) >= COMPUTE_BOUND_SHARE * t0:
+        if sum(costs.values()) - len(decodes) * self.overhead.per_draft >= COMPUTE_BOUND_SHARE * t0:  # roofline
             self.off("compute_bound")
             return False
         weight = (len(decodes) + num_prefilling) / len(decodes)
-        self.k_for = self._greedy(decodes, t0, costs, weight)
+        t_plain = max(t0 + self.overhead.bias, 1e-6)
+        self.k_for = self._greedy(decodes, t_plain, costs, weight)
         off_reason = "low_acceptance"
-        if not any(self.k_for.values()) and weight > 1 and any(self._greedy(decodes, t0, costs).values()):
+        if not any(self.k_for.values()) and weight > 1 and any(self._greedy(decodes, t_plain, costs).values()):
             off_reason = "prefill_pending"  # drafts would pay for the decodes, not for the prompts they delay
+        drafting = any(self.k_for.values())
         for r in decodes:
             rid = r.request_id
             self.idle[rid] = 0 if self.k_for[rid] else self.idle.get(rid, 0) + 1
-            if self.idle[rid] >= PROBE_EVERY:  # look again: one draft
+            if self.idle[rid] >= (PROBE_EVERY if drafting else PROBE_ALONE):  # look again: one draft
                 self.k_for[rid], self.idle[rid] = 1, 0
         if not any(self.k_for.values()):
             self.off(off_reason)
@@ -141,19 +153,24 @@ class SpecPolicy:
         return True
 
     def _marginal(self, cached: int, j: int) -> float:
-        """Predicted seconds added by a row's j-th draft token (cached: its context)."""
+        """Seconds added by a row's j-th draft token (cached: its context): the time model's prediction plus the
+        measured per-draft overhead."""
         assert self.predict is not None
         more = self.predict([(cached, 1 + j)], 1 + j) or 0.0
         less = self.predict([(cached, j)], j) or 0.0
-        return max(more - less, 1e-12)
+        return max(more - less + self.overhead.per_draft, 1e-12)
+
+    def observe_step(self, num_drafts: int, residual: float) -> None:
+        """A decode-only step ran: its drafts and measured duration minus predicted time (overhead.py)."""
+        self.overhead.observe(num_drafts, residual)
 
     def _greedy(self, decodes: list[Request], t0: float, first_cost: dict[str, float],
                 delay_weight: float = 1.0) -> dict[str, int]:
         """Drafts best first while each beats the step's rate; a draft's time weighs delay_weight times (it also
         delays the requests still prefilling), the step's own time once: this maximises expected tokens over
-        t0 + delay_weight * (drafts' time)."""
+        t0 + delay_weight * (e0 + drafts' time), and keeps the result only if it beats plain decode."""
         k_for = {r.request_id: 0 for r in decodes}
-        tokens, t = float(len(decodes)), t0
+        tokens, t = float(len(decodes)), t0 + self.overhead.fixed * delay_weight
         heap: list[tuple[float, int, float, float]] = []  # (-gain/cost, request index, gain, cost)
         rates = [self.rate(r) for r in decodes]
         for i, r in enumerate(decodes):
@@ -171,7 +188,9 @@ class SpecPolicy:
                 nxt_gain = gain * rates[i]
                 nxt_cost = self._marginal(req.num_computed_tokens, j + 1)
                 heapq.heappush(heap, (-nxt_gain / (nxt_cost * delay_weight), i, nxt_gain, nxt_cost))
+        if tokens / t <= len(decodes) / t0:  # the drafts do not repay the step's fixed cost
+            return {rid: 0 for rid in k_for}
         return k_for
 
 
-__all__ = ["AcceptanceRate", "COMPUTE_BOUND_SHARE", "PROBE_EVERY", "SpecPolicy"]
+__all__ = ["AcceptanceRate", "COMPUTE_BOUND_SHARE", "PROBE_ALONE", "PROBE_EVERY", "SpecPolicy"]
