@@ -11,11 +11,14 @@ Workloads, built offline from files on this machine (no downloads), chat-templat
 - `random-t1`: the same prompts sampled at temperature 1 (seeded): drafts are rarely right, so the auto policy
   should turn speculation off and cost nothing.
 For each method (`none`, `ngram`, `suffix`, and `draft_model` when config.py lists it: otherwise skipped with a
-message) one server is started (`pdserve serve --speculative-config ...`, the auto policy unless --policy) and every
-workload runs at each concurrency: `c` streaming clients, each sending its share of the requests in turn. Reported:
-output tok/s, ITL p50/p99 (between streamed chunks; a speculating step delivers several tokens in one chunk), TTFT
-p50, the mean acceptance length (from the server's spec_decode counters), and the ratio of output tok/s to `none`
-in the same run. The table is printed as markdown for BENCHMARKS.md.
+message) one server is started (`pdserve serve --speculative-config ...`, the auto policy unless --policy), all at
+once and fresh in each of `--rounds` rounds (the speed of one server process varies by up to ~15 % from one start
+to the next on a shared machine); in each round every workload runs at each concurrency (`c` streaming clients,
+each sending its share of the requests in turn), the methods interleaved. Reported: output tok/s (median of rounds), the
+ratio to `none` (median over rounds of the ratio within a round, with its range: the machine's drift hits both
+sides of a ratio), ITL p50/p99 (between streamed chunks; a speculating step delivers several tokens in one chunk),
+TTFT p50, the mean acceptance length and the draft tokens and steps the policy turned off (from the server's
+spec_decode counters). The table is printed as markdown for BENCHMARKS.md.
 
 `--target gguf` (default) serves the shipped Q4_1 GGUF; `--target fp32` serves its weights converted once to a
 float32 Hugging Face directory, for every method, so that `draft_model` (the Q4_1 GGUF drafting) is a smaller draft
@@ -104,6 +107,8 @@ class Cell:
     itl: list[float] | None = None
     ttft: list[float] | None = None
     mean_accept: float | None = None
+    draft_tokens: float = 0.0
+    steps_off: float = 0.0
 
     @property
     def tok_s(self) -> float:
@@ -151,6 +156,11 @@ async def run_cell(base: str, prompts: list[list[dict[str, str]]], concurrency: 
         after = parse_metrics((await http.get(base + "/metrics")).text)
     st = server_deltas(before, after)
     cell.mean_accept = st.spec_mean_acceptance_length if st is not None else None
+    for name in ("draft_tokens", "steps_off"):
+        metric = {"draft_tokens": "spec_decode_num_draft_tokens_total",
+                  "steps_off": "spec_decode_disabled_steps_total"}[name]
+        key = f"{after.prefix}:{metric}"
+        setattr(cell, name, after.values.get(key, 0.0) - before.values.get(key, 0.0))
     return cell
 
 
@@ -177,6 +187,7 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix", "draft_model"])
     ap.add_argument("--workloads", nargs="+", default=["edit", "docs", "random", "random-t1"])
     ap.add_argument("--policy", default="auto", choices=["auto", "always"])
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each cell, methods interleaved")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--target", default="gguf", choices=["gguf", "fp32"],
@@ -191,6 +202,9 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, model_args: list[str]) -> None:
+    """Each round starts every method's server and runs every cell once per method, the methods interleaved; a
+    method's ratio is the median over rounds of its rate over `none`'s in the same round (the machine's drift hits
+    both sides of a ratio)."""
     methods = []
     for m in args.methods:
         if m != "none" and m not in SPEC_METHODS:
@@ -199,42 +213,55 @@ def run(args: argparse.Namespace, model_args: list[str]) -> None:
             methods.append(m)
     most = max(args.concurrency) * args.requests_per_client
     loads = {k: v for k, v in workloads(max(most, 2 * args.requests_per_client)).items() if k in args.workloads}
-    results: dict[tuple[str, str, int], Cell] = {}
+    results: dict[tuple[str, str, int], list[Cell]] = {}
     load0 = os.getloadavg()[0]
-    for method in methods:
-        extra = [] if method == "none" else ["--speculative-config", json.dumps(spec_config(method, args.policy))]
+    for r in range(args.rounds):  # fresh servers each round: a process's own speed varies from start to start
         with tempfile.TemporaryDirectory() as tmp:
-            srv = start_server(Path(tmp), *model_args, "--dtype", args.dtype, "--kv-cache-memory", "2GiB",
-                               "--max-num-seqs", str(max(args.concurrency)), "--num-threads", str(args.threads),
-                               *extra)
+            servers = {}
             try:
-                asyncio.run(run_cell(srv.base_url, loads[next(iter(loads))][:2], 2, 8))  # warm-up
+                for method in methods:
+                    extra = [] if method == "none" else ["--speculative-config",
+                                                         json.dumps(spec_config(method, args.policy))]
+                    servers[method] = start_server(Path(tmp), *model_args, "--dtype", args.dtype,
+                                                   "--kv-cache-memory", "2GiB", "--max-num-seqs",
+                                                   str(max(args.concurrency)), "--num-threads", str(args.threads),
+                                                   *extra)
+                    asyncio.run(run_cell(servers[method].base_url, loads[next(iter(loads))][:2], 2, 8))  # warm-up
                 for name, prompts in loads.items():
                     for c in args.concurrency:
                         count = c * args.requests_per_client if c > 1 else 2 * args.requests_per_client
-                        cell = asyncio.run(run_cell(srv.base_url, prompts[:count], c, args.output_len,
-                                                    TEMPERATURE.get(name, 0.0)))
-                        results[(method, name, c)] = cell
-                        print(f"# {method} {name} c={c}: {cell.tok_s:.1f} tok/s", flush=True)
+                        for method in methods:
+                            cell = asyncio.run(run_cell(servers[method].base_url, prompts[:count], c,
+                                                        args.output_len, TEMPERATURE.get(name, 0.0)))
+                            results.setdefault((method, name, c), []).append(cell)
+                            print(f"# round {r}: {method} {name} c={c}: {cell.tok_s:.1f} tok/s", flush=True)
             finally:
-                srv.stop()
+                for srv in servers.values():
+                    srv.stop()
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name' | cut -d: -f2"], capture_output=True, text=True)
     print(f"\n# spec_decode: policy {args.policy}, output {args.output_len} tokens, temperature 0 "
-          f"(random-t1: 1, seeded), "
-          f"{args.threads} threads, dtype {args.dtype}, target {args.target}; {cpu.stdout.strip()}; "
-          f"{time.strftime('%Y-%m-%d')}; "
-          f"methods run in the order {methods}; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
-    print("| workload | c | method | output tok/s | vs none | ITL p50 / p99 ms | TTFT p50 ms | mean accepted length |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"(random-t1: 1, seeded), {args.threads} threads, dtype {args.dtype}, target {args.target}; "
+          f"{cpu.stdout.strip()}; {time.strftime('%Y-%m-%d')}; {args.rounds} rounds, methods interleaved "
+          f"{methods}; load average {load0:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    print("| workload | c | method | output tok/s (median) | vs none (median of rounds) | ITL p50 / p99 ms | "
+          "TTFT p50 ms | mean accepted length | draft tokens / steps off |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in loads:
         for c in args.concurrency:
             base = results.get(("none", name, c))
             for method in methods:
-                cell = results[(method, name, c)]
-                ratio = f"{cell.tok_s / base.tok_s:.2f}x" if base and base.tok_s else "-"
-                acc = f"{cell.mean_accept:.2f}" if cell.mean_accept else "-"
-                print(f"| {name} | {c} | {method} | {cell.tok_s:.1f} | {ratio} | {pct(cell.itl, 50):.1f} / "
-                      f"{pct(cell.itl, 99):.1f} | {pct(cell.ttft, 50):.0f} | {acc} |")
+                cells = results[(method, name, c)]
+                rate = float(np.median([x.tok_s for x in cells]))
+                ratios = [x.tok_s / b.tok_s for x, b in zip(cells, base or []) if b.tok_s]
+                ratio = f"{float(np.median(ratios)):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+                itl = [v for x in cells for v in x.itl or []]
+                ttft = [v for x in cells for v in x.ttft or []]
+                acc = [x.mean_accept for x in cells if x.mean_accept]
+                acc_s = f"{float(np.mean(acc)):.2f}" if acc else "-"
+                spec = "-" if method == "none" else (f"{sum(x.draft_tokens for x in cells):.0f} / "
+                                                     f"{sum(x.steps_off for x in cells):.0f}")
+                print(f"| {name} | {c} | {method} | {rate:.1f} | {ratio} | {pct(itl, 50):.1f} / {pct(itl, 99):.1f} | "
+                      f"{pct(ttft, 50):.0f} | {acc_s} | {spec} |")
 
 
 if __name__ == "__main__":
