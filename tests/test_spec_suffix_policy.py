@@ -15,6 +15,7 @@ from pdserve import SamplingParams
 from pdserve.config import EngineConfig, SpeculativeConfig
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode import SpecDecoder
+from pdserve.engine.spec_decode.guard import EPOCH_STEPS, MAX_INTERVAL, SpecGuard, _Bucket
 from pdserve.engine.spec_decode.overhead import DraftOverhead
 from pdserve.engine.spec_decode.policy import PROBE_ALONE, PROBE_EVERY, AcceptanceRate, SpecPolicy
 from pdserve.engine.spec_decode.suffix import SuffixProposer, SuffixTrie
@@ -277,6 +278,54 @@ def test_policy_weighs_the_prompts_drafts_delay() -> None:
         ks.append(policy.k_for.get(req.request_id, 0))
     assert ks[0] == ks[1] == ks[4] == 4 and 0 < ks[2] < 4 and ks[3] == 0, ks
     assert policy.disabled_steps == {"prefill_pending": 1}
+
+
+def _run_guard(guard: SpecGuard, rate: dict[bool, float], epochs: int, num_decodes: int = 4) -> list[bool]:
+    """Feed the guard steps whose rate depends on its mode; the modes of each epoch."""
+    modes = []
+    for _ in range(epochs):
+        on = guard.allow(num_decodes)
+        modes.append(on)
+        for _ in range(EPOCH_STEPS):
+            guard.observe(num_decodes, num_decodes, num_decodes / rate[on])
+    return modes
+
+
+def test_guard_keeps_speculation_that_pays_and_stops_what_loses() -> None:
+    """Measured faster with drafts: on, with rare trials of off. Measured 40 % slower: off after the first two
+    epochs, trials of on ever rarer (at most 1 in MAX_INTERVAL + 1 epochs once settled). Buckets are separate."""
+    wins = SpecGuard()
+    modes = _run_guard(wins, {True: 150.0, False: 100.0}, 60)
+    assert modes[:2] == [True, False] and sum(modes) >= 53 and wins.state() == {2: "on"}
+    loses = SpecGuard()
+    modes = _run_guard(loses, {True: 60.0, False: 100.0}, 60)
+    assert modes[:2] == [True, False] and loses.state() == {2: "off"}
+    trials = [i for i, on in enumerate(modes) if on][1:]
+    assert len(trials) <= 6 and all(b - a >= 2 for a, b in zip(trials, trials[1:]))
+    assert trials[-1] - trials[-2] == MAX_INTERVAL + 1
+    assert loses.allow(1) and loses.allow(16)  # other batch sizes are measured on their own
+    within = SpecGuard()  # within MARGIN of each other: speculation stays on
+    _run_guard(within, {True: 99.0, False: 100.0}, 10)
+    assert within.state() == {2: "on"}
+
+
+def test_guard_follows_a_change() -> None:
+    """Off while drafts lose; when they start to win, the next trial turns the bucket back on."""
+    guard = SpecGuard()
+    _run_guard(guard, {True: 60.0, False: 100.0}, 20)
+    assert guard.state() == {2: "off"}
+    modes = _run_guard(guard, {True: 200.0, False: 100.0}, 40)
+    assert guard.state() == {2: "on"} and sum(modes[-10:]) >= 8
+
+
+def test_spec_decoder_off_where_the_guard_measured_slower() -> None:
+    spec = SpecDecoder(SpeculativeConfig("ngram", 2, 2, 2), predict=synthetic(10e-3, 0.5e-3))
+    assert spec.guard is not None
+    reqs = _reqs(4)
+    spec.guard.buckets[2] = _Bucket(mode="off", best="off")  # 4 decodes: measured faster without drafts
+    assert not spec.begin_step(reqs) and spec.stats.disabled_steps == {"measured_slower": 1}
+    always = SpecDecoder(SpeculativeConfig("ngram", 2, 2, 2, policy="always"), predict=synthetic(10e-3, 0.5e-3))
+    assert always.guard is None and always.begin_step(reqs)
 
 
 def test_policy_always_and_unfitted_model_draft_k() -> None:

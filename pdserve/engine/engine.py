@@ -354,9 +354,24 @@ class LLMEngine:
         self.step_budget.observe(stats.flops, stats.bytes, t_run)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
         stats.model_time, stats.duration = t_run, time.perf_counter() - t0
-        if self.spec is not None and predicted is not None and not sched.num_prefill_tokens:
-            self.spec.observe_step(stats.num_draft_tokens, stats.duration, predicted)
+        if self.spec is not None:
+            self._observe_spec_step(sched, seqs, stats, predicted)
         return StepResult(outs, stats)
+
+    def _observe_spec_step(self, sched: SchedulerOutput, seqs: list[tuple[int, int]], stats: StepStats,
+                           predicted: float | None) -> None:
+        """Speculative decoding learns from each step: the decode tokens it emitted and its duration, less the
+        predicted time of its prefill chunks (the same in either mode), and for a decode-only step its residual
+        against the time model."""
+        assert self.spec is not None
+        num_decodes = sched.num_decode_tokens + sched.num_spec_decodes
+        seconds: float | None = stats.duration
+        if sched.num_prefill_tokens:
+            rows = sum(d.num_sample_rows for d in sched.scheduled_reqs[:num_decodes])
+            decode_only = self.step_budget.predict_cost(*self.step_cost.cost(seqs[:num_decodes], rows))
+            seconds = None if predicted is None or decode_only is None else stats.duration - (predicted - decode_only)
+        self.spec.observe_step(num_decodes, num_decodes + stats.num_accepted_tokens, stats.num_draft_tokens,
+                               seconds, None if sched.num_prefill_tokens else predicted)
 
     def _fill_token_bitmasks(self, sched: SchedulerOutput, sampled_reqs: list[Request]) -> None:
         """Structured output: the next-token bitmask of each constrained sampled row, from its matcher. A batch with

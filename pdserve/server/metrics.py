@@ -157,7 +157,8 @@ class Metrics:
                                              ["model_name", "position"], registry=r)
         self.spec_disabled_steps = Counter("pdserve:spec_decode_disabled_steps", "Steps with decoding requests but "
                                            "no drafts, by the policy's reason (batch_size, compute_bound, "
-                                           "low_acceptance, prefill_pending).", ["model_name", "reason"], registry=r)
+                                           "low_acceptance, prefill_pending, measured_slower).",
+                                           ["model_name", "reason"], registry=r)
 
     def observe_spec(self, stats: SpecDecodeStats) -> None:
         """Bring the spec_decode counters up to the engine's totals."""

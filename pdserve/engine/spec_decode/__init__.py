@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pdserve.config import SpeculativeConfig
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.draft_model import DraftModelProposer, DraftTarget
+from pdserve.engine.spec_decode.guard import SpecGuard
 from pdserve.engine.spec_decode.ngram import NgramProposer
 from pdserve.engine.spec_decode.policy import Predict, SpecPolicy
 from pdserve.engine.spec_decode.proposer import RESERVED, Proposer
@@ -73,6 +74,7 @@ class SpecDecoder:
         self.k = config.num_speculative_tokens
         self.proposer = proposer if proposer is not None else make_proposer(config)
         self.policy = SpecPolicy(self.k, config.policy == "auto", predict)
+        self.guard = SpecGuard() if self.policy.auto else None  # "always" drafts whatever it measures
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k, disabled_steps=self.policy.disabled_steps)
 
     def enabled_for_step(self, num_decoding: int) -> bool:
@@ -85,6 +87,9 @@ class SpecDecoder:
         num_prefilling: requests with prompt left to compute (in this step or waiting), whom drafts would delay."""
         if decodes and not self.enabled_for_step(len(decodes)):  # every decode counts, speculating or not
             self.policy.off("batch_size")
+            return False
+        if decodes and self.guard is not None and not self.guard.allow(len(decodes)):
+            self.policy.off("measured_slower")  # this batch size runs faster without drafts (guard.py)
             return False
         return self.policy.plan([r for r in decodes if self.eligible(r)], num_prefilling)
 
@@ -118,10 +123,17 @@ class SpecDecoder:
         self.policy.observe(req, num_drafted, num_accepted)
         self.proposer.on_verified(req, num_drafted, num_accepted)
 
-    def observe_step(self, num_draft_tokens: int, seconds: float, predicted: float) -> None:
-        """A decode-only step took `seconds` where the time model predicted `predicted` for its rows: what drafting
-        costs beyond the model is learned from these (overhead.py)."""
-        self.policy.observe_step(num_draft_tokens, seconds - predicted)
+    def observe_step(self, num_decodes: int, num_emitted: int, num_draft_tokens: int, seconds: float | None,
+                     predicted: float | None) -> None:
+        """A step with `num_decodes` decode rows emitted `num_emitted` decode tokens in `seconds`, its prefill
+        chunks' predicted time left out (guard.py; None: unknown); for a decode-only step, `predicted` is the time
+        model's prediction for its rows, from which what drafting costs beyond the model is learned (overhead.py)."""
+        if seconds is None:
+            return
+        if predicted is not None:
+            self.policy.observe_step(num_draft_tokens, seconds - predicted)
+        if self.guard is not None:
+            self.guard.observe(num_decodes, num_emitted, seconds)
 
     def on_preempted(self, req: Request) -> None:
         self.proposer.on_preempted(req)
