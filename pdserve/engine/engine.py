@@ -350,7 +350,8 @@ class LLMEngine:
             stats.num_accepted_tokens = self.spec.stats.num_accepted_tokens - accepted0
         stats.flops, stats.bytes = self.step_cost.cost(seqs, sum(d.num_sample_rows for d in sched.scheduled_reqs))
         self.roofline.add(sched.kind, t_run, stats.flops, stats.bytes)
-        predicted = self.step_budget.predict_cost(stats.flops, stats.bytes)  # before this step is fitted in
+        # speculation compares the step with its prediction from before this step was fitted in
+        predicted = self.step_budget.predict_cost(stats.flops, stats.bytes) if self.spec is not None else None
         self.step_budget.observe(stats.flops, stats.bytes, t_run)
         stats.mfu, stats.mbu = self.roofline.utilization(stats.flops, stats.bytes, t_run)
         stats.model_time, stats.duration = t_run, time.perf_counter() - t0

@@ -110,7 +110,7 @@ class SpecDecoder:
         if k <= 0:
             return [], self.proposer.catch_up(req, max_tokens)
         drafts = self.proposer.propose(req, k)
-        return drafts, len(drafts) + behind if drafts else 0
+        return drafts, (len(drafts) + behind) if drafts else 0
 
     def fill(self, reqs: list[Request]) -> None:
         """After scheduling: a batched proposer drafts for the step's speculating decodes at once."""

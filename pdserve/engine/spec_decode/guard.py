@@ -7,8 +7,9 @@ several query rows at this dtype. The guard measures it.
 
 Steps are grouped by their number of decodes into buckets (1, 2-3, 4-7, 8-15, ...). Each bucket runs in epochs of
 EPOCH_STEPS of its steps, each epoch in one mode: `on` (the policy decides) or `off` (no drafts, no catch-up). A
-mode's rate is the decode tokens the bucket's steps emitted over their duration (whole steps: scheduling, drafting,
-catch-up and prefill chunks included; the workload is the same in both modes), an EWMA over its epochs. The first
+mode's rate is the decode tokens the bucket's steps emitted over their duration (whole steps: scheduling, drafting
+and catch-up included; a prefill chunk's predicted time is left out by the engine, as it is the same in both
+modes), an EWMA over its epochs. The first
 two epochs of a bucket measure both modes; then the faster mode runs, and the other is tried again for one epoch
 after `interval` epochs. The interval doubles (up to MAX_INTERVAL) each time the trial confirms the choice and
 resets when it overturns it, so a settled bucket spends at most 1 / (MAX_INTERVAL + 1) of its steps on trials.
@@ -37,7 +38,6 @@ class _Bucket:
     rate_off: float | None = None
     interval: int = FIRST_INTERVAL
     since_trial: int = 0  # epochs of the best mode since the last trial
-    chosen: bool = False  # both modes measured once: `best` is a choice, not the default
 
 
 class SpecGuard:
@@ -66,6 +66,7 @@ class SpecGuard:
             self._end_epoch(b)
 
     def _end_epoch(self, b: _Bucket) -> None:
+        first_choice = b.rate_off is None  # until both modes are measured, `best` is the default, not a choice
         rate = b.tokens / b.seconds
         if b.mode == "on":
             b.rate_on = rate if b.rate_on is None else DECAY * b.rate_on + (1 - DECAY) * rate
@@ -77,8 +78,8 @@ class SpecGuard:
             return
         assert b.rate_on is not None
         best = "off" if b.rate_on < (1 - MARGIN) * b.rate_off else "on"
-        if not b.chosen:
-            b.chosen = True
+        if first_choice:  # both modes measured once: the first choice, no trial to judge
+            b.since_trial = 0
         elif b.mode != b.best:  # a trial just ended: it confirmed the choice (back off) or overturned it
             b.interval = min(2 * b.interval, MAX_INTERVAL) if best == b.best else FIRST_INTERVAL
             b.since_trial = 0
