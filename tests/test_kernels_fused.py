@@ -125,3 +125,26 @@ def test_argument_errors(isa: Any) -> None:  # noqa: F811
     cos, sin = rope_tables(4, 8)
     with pytest.raises(RuntimeError, match="outside the table"):
         isa.rotary_embedding(torch.tensor([0, 1, 4]), torch.randn(3, 8), torch.randn(3, 8), cos, sin, 8)
+
+
+def test_levels_without_their_own_kernels_run_the_level_below() -> None:
+    """An IsaTable falls back to the highest level it implements at or below the active one (dispatch.h): on every
+    level the CPU runs, the fused ops give the avx512 (or lower) result."""
+    from kernel_levels import ALL_LEVELS, lowered, module
+
+    mod = module()
+    x = torch.randn(3, 64)
+    w = torch.rand(64)
+    results = []
+    for level in ALL_LEVELS:
+        if not mod.cpu_supports(level):
+            continue
+        for m in lowered(mod, level):
+            out = torch.empty_like(x)
+            m.rms_norm(out, x, w, 1e-6)
+            results.append((level, out))
+    ref = torch.nn.functional.rms_norm(x, (64,), w, 1e-6)
+    for level, out in results:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=level)
+    with pytest.raises(ValueError, match="unknown ISA level"):
+        mod.set_active_isa("sse9")

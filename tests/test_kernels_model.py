@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from kernel_levels import ALL_LEVELS, LEVELS, machine_levels
 from test_loader import tiny_model, write_gguf
 
 from pdserve import SamplingParams, kernels
@@ -20,19 +21,18 @@ from pdserve.model.loader import load_gguf
 from pdserve.model.quant_linear import QuantEmbedding, QuantizedWeight, QuantLinear
 from pdserve.model.runner import ModelRunner
 
-ISAS = ["generic", "avx2", "avx512"]
+ISAS = list(LEVELS)
 
 
 def machine_isas() -> list[str]:
-    mod = kernels.require()
-    return ISAS[:ISAS.index(mod.cpu_isa()) + 1]
+    return machine_levels(LEVELS)
 
 
 def test_native_build_is_present_and_reports_its_path() -> None:
     # CI runs this: a broken or missing native build fails here instead of hiding behind the PyTorch fallback.
     assert kernels.available(), "native kernels not built: run `make install` (python -m pdserve.kernels)"
     mod = kernels.require()
-    assert mod.cpu_isa() in ISAS and kernels.isa() in machine_isas()
+    assert mod.cpu_isa() in ALL_LEVELS and kernels.isa() in machine_levels()
     assert kernels.resolve_kernels("auto", torch.float32) == "native"
     assert kernels.resolve_kernels("auto", torch.bfloat16) == "torch"
     with pytest.raises(ValueError, match="float32"):

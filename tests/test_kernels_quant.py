@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_levels import LEVELS, lowered
 
 import pdserve.kernels as K
 
@@ -23,7 +24,6 @@ gguf = pytest.importorskip("gguf")
 GQT = gguf.GGMLQuantizationType
 QTYPES = {2: GQT.Q4_0, 3: GQT.Q4_1, 8: GQT.Q8_0}
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-LEVELS = ["generic", "avx2", "avx512"]
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built (python -m pdserve.kernels)")
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -36,15 +36,8 @@ def mod() -> Any:
 
 @pytest.fixture(params=LEVELS)
 def isa(request: pytest.FixtureRequest, mod: Any) -> Iterator[str]:
-    level = request.param
-    if LEVELS.index(level) > LEVELS.index(mod.cpu_isa()):
-        pytest.skip(f"CPU lacks {level}")
-    before = mod.active_isa()
-    mod.set_active_isa(level)
-    try:
-        yield level
-    finally:
-        mod.set_active_isa(before)
+    for _ in lowered(mod, request.param):
+        yield request.param
 
 
 def random_weights(rng: np.random.Generator, n: int, k: int, qtype: int) -> np.ndarray:

@@ -1,8 +1,9 @@
 """pdserve's native CPU kernels (C++, `csrc/`), loaded once per process.
 
 `load()` returns the extension module or None when it is not built (or built from other sources); `require()`
-raises instead. `isa()` names the instruction-set path the kernels run (avx512 | avx2 | generic), chosen at run
-time from the CPU; `PDSERVE_KERNEL_ISA` lowers it (tests run every path the machine has).
+raises instead. `isa()` names the instruction-set level the kernels run (amx | avx512_bf16 | avx512 | avx2 | generic,
+csrc/common.h), chosen at run time from the CPU; `PDSERVE_KERNEL_ISA` lowers it (tests run every level the machine
+has).
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ class Metrics:
                                 "share while measuring, busy (true: not cached), the start-up probe.",
                                 ["model_name", *PEAKS_INFO_LABELS], registry=r)
         self.kernels_info = Gauge("pdserve:kernels_info", "Which kernels run the model (value 1): kernels native | "
-                                  "torch; isa the instruction-set path the native kernels use (avx512 | avx2 | "
-                                  "generic | none); cpu_isa the widest this CPU has.",
+                                  "torch; isa the instruction-set path the native kernels use (amx | avx512_bf16 | "
+                                  "avx512 | avx2 | generic | none); cpu_isa the widest this CPU has.",
                                   ["model_name", "kernels", "isa", "cpu_isa"], registry=r)
         self.running = Gauge("pdserve:num_requests_running", "Requests in the running batch.", lbl, registry=r)
         self.waiting = Gauge("pdserve:num_requests_waiting", "Requests waiting (incl. preempted).", lbl, registry=r)

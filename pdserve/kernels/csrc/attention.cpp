@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "attention_kernels.h"
+#include "dispatch.h"
 #include "ops.h"
 #include "registry.h"
 
@@ -39,16 +40,10 @@ struct Task {
 };
 
 AttnFn pick_kernel(int64_t d) {
-#if defined(__x86_64__)
-  if (d == 64 || d == 128) {
-    switch (active_isa()) {
-      case Isa::kAvx512: return attn_item_avx512;
-      case Isa::kAvx2: return attn_item_avx2;
-      default: break;
-    }
-  }
-#endif
-  return attn_item_generic;
+  static const IsaTable<AttnFn> table = {
+      {Isa::kGeneric, attn_item_generic},
+      PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512})};
+  return d == 64 || d == 128 ? table.pick() : attn_item_generic;  // the vector kernels take these head sizes
 }
 
 void check_kv(const at::Tensor& kv) {

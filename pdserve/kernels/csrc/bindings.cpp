@@ -1,6 +1,7 @@
 // The Python module: ISA queries plus every registered kernel family.
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "registry.h"
@@ -13,11 +14,14 @@ std::vector<Registrar>& registrars() {
 }
 
 namespace {
-Isa parse_isa(const std::string& name) {
-  if (name == "avx512") return Isa::kAvx512;
-  if (name == "avx2") return Isa::kAvx2;
-  if (name == "generic") return Isa::kGeneric;
-  throw std::invalid_argument("unknown ISA level '" + name + "' (avx512, avx2, generic)");
+Isa isa_from_name(const std::string& name) {
+  Isa isa;
+  if (!parse_isa(name.c_str(), &isa)) {
+    std::string all;
+    for (int i = 0; i < kNumIsa; ++i) all += std::string(i ? ", " : "") + isa_name(static_cast<Isa>(i));
+    throw std::invalid_argument("unknown ISA level '" + name + "' (" + all + ")");
+  }
+  return isa;
 }
 }  // namespace
 
@@ -28,7 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pdserve native CPU kernels";
   m.def("cpu_isa", [] { return std::string(isa_name(cpu_best_isa())); }, "widest ISA level this CPU runs");
   m.def("active_isa", [] { return std::string(isa_name(active_isa())); }, "ISA level the kernels use now");
-  m.def("set_active_isa", [](const std::string& name) { set_active_isa(parse_isa(name)); },
+  m.def("set_active_isa", [](const std::string& name) { set_active_isa(isa_from_name(name)); },
         "use a lower ISA level (tests run every level the CPU has)");
+  m.def("cpu_supports", [](const std::string& name) { return cpu_supports(isa_from_name(name)); },
+        "whether this CPU (and OS) runs every feature of the ISA level");
+  m.def("isa_levels", [] {
+          std::vector<std::string> out;
+          for (int i = 0; i < kNumIsa; ++i) out.emplace_back(isa_name(static_cast<Isa>(i)));
+          return out;
+        }, "every ISA level, lowest first");
   for (Registrar r : registrars()) r(m);
 }

@@ -7,14 +7,22 @@
 
 namespace pdserve {
 
-// Instruction-set levels, lowest first. A kernel table has one entry per level; the dispatcher picks the highest
-// level that both the CPU supports and the table implements (generic is always implemented).
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
-constexpr int kNumIsa = 3;
+// Instruction-set levels, lowest first; each level includes every feature of the levels below it:
+//   generic     portable C++
+//   avx2        AVX2 + FMA + F16C
+//   avx512      AVX-512 F/BW/VL/DQ + VNNI (vpdpbusd)
+//   avx512_bf16 + AVX512-BF16 (vdpbf16ps)
+//   amx         + AMX tiles with INT8 and BF16, granted by the OS (Linux arch_prctl XTILEDATA)
+// A kernel family is an IsaTable (dispatch.h): the entry of the highest level at or below the active one that the
+// family implements runs (generic is always implemented), so a family adds a level by adding one entry.
+enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+constexpr int kNumIsa = 5;
 
 const char* isa_name(Isa isa);
-Isa cpu_best_isa();      // the widest level this CPU runs (AVX-512 means F+BW+VL+DQ+VNNI)
-Isa active_isa();        // what kernels use now: cpu_best_isa() unless lowered with set_active_isa()
+bool parse_isa(const char* name, Isa* out);  // false for an unknown name
+bool cpu_supports(Isa isa);  // this CPU (and OS, for AMX) runs every feature of the level
+Isa cpu_best_isa();          // the widest level this CPU runs
+Isa active_isa();            // what kernels use now: cpu_best_isa() unless lowered with set_active_isa()
 void set_active_isa(Isa isa);  // throws std::invalid_argument if the CPU lacks it
 
 // GGUF/ggml block layouts (ggml-common.h). QK = 32 weights per block, scales are IEEE half.

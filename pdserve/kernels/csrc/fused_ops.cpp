@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "dispatch.h"
 #include "fused_kernels.h"
 #include "ops.h"
 #include "registry.h"
@@ -11,14 +12,10 @@ namespace pdserve {
 namespace {
 
 const FusedKernels& kernels() {
-#if defined(__x86_64__)
-  switch (active_isa()) {
-    case Isa::kAvx512: return fused_kernels_avx512();
-    case Isa::kAvx2: return fused_kernels_avx2();
-    default: break;
-  }
-#endif
-  return fused_kernels_generic();
+  static const IsaTable<const FusedKernels*> table = {
+      {Isa::kGeneric, &fused_kernels_generic()},
+      PDSERVE_X86({Isa::kAvx2, &fused_kernels_avx2()}, {Isa::kAvx512, &fused_kernels_avx512()})};
+  return *table.pick();
 }
 
 // A [rows, cols] f32 matrix whose rows may be strided (a column slice of a wider tensor) but whose columns are not.

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "dispatch.h"
 #include "quant_f32_kernels.h"
 #include "quant_kernels.h"
 #include "ops.h"
@@ -19,12 +20,10 @@ namespace {
 using quant::QuantOps;
 
 const QuantOps& ops() {
-#if defined(__x86_64__)
-  static const QuantOps* table[kNumIsa] = {&quant::kGenericOps, &quant::kAvx2Ops, &quant::kAvx512Ops};
-  return *table[static_cast<int>(active_isa())];
-#else
-  return quant::kGenericOps;
-#endif
+  static const IsaTable<const QuantOps*> table = {
+      {Isa::kGeneric, &quant::kGenericOps},
+      PDSERVE_X86({Isa::kAvx2, &quant::kAvx2Ops}, {Isa::kAvx512, &quant::kAvx512Ops})};
+  return *table.pick();
 }
 
 // From this many activation rows on, dequantizing the weight to fp32 once and calling torch's GEMM (MKL, ~28
@@ -75,14 +74,10 @@ at::Tensor dequantize_impl(const at::Tensor& w, int qtype, int64_t k) {
 }
 
 quant::GemmF32Fn gemm_f32_fn() {
-#if defined(__x86_64__)
-  switch (active_isa()) {
-    case Isa::kAvx512: return quant::gemm_f32_avx512;
-    case Isa::kAvx2: return quant::gemm_f32_avx2;
-    default: break;
-  }
-#endif
-  return quant::gemm_f32_generic;
+  static const IsaTable<quant::GemmF32Fn> table = {
+      {Isa::kGeneric, quant::gemm_f32_generic},
+      PDSERVE_X86({Isa::kAvx2, quant::gemm_f32_avx2}, {Isa::kAvx512, quant::gemm_f32_avx512})};
+  return table.pick();
 }
 
 // Small row counts (decode): the blocks dequantized in registers against fp32 activations, parallel over N. Exact

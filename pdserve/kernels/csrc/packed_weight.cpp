@@ -1,0 +1,72 @@
+// The PackedWeight interface (packed_weight.h): argument checks and the Python class. The weight formats and their
+// kernels register their own factories (pack_* functions) that return a PackedWeight.
+#include "packed_weight.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "registry.h"
+
+namespace pdserve {
+
+void PackedWeight::rows(const int64_t* ids, int64_t t, float* out) const {
+  const at::Tensor w = dequantize();
+  const float* wp = w.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i) std::memcpy(out + i * k_, wp + ids[i] * k_, sizeof(float) * k_);
+}
+
+at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K], got ", x.dim(), "-D");
+  TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
+  TORCH_CHECK(x.size(1) == w.k(), "x has K=", x.size(1), " but the weight holds K=", w.k());
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "x's last dimension must be contiguous");
+  TORCH_CHECK(x.size(0) <= 1 || x.stride(0) >= w.k(), "x rows must not overlap");
+  const float* b = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat, "bias must be float32, got ", bias->scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.n(), "bias must be [N=", w.n(), "]");
+    TORCH_CHECK(bias->is_contiguous(), "bias must be contiguous");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({x.size(0), w.n()}, at::kFloat);
+  if (x.size(0) > 0) w.forward(x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), w.n(), b);
+  return y;
+}
+
+at::Tensor packed_rows(const PackedWeight& w, const at::Tensor& ids) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids must be int64, got ", ids.scalar_type());
+  const at::Tensor flat = ids.contiguous().view(-1);
+  const int64_t t = flat.size(0);
+  const int64_t* ip = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < w.n(), "embedding id ", ip[i], " out of range [0, ", w.n(), ")");
+  std::vector<int64_t> shape = ids.sizes().vec();
+  shape.push_back(w.k());
+  at::Tensor out = at::empty(shape, at::kFloat);
+  if (t > 0) w.rows(ip, t, out.data_ptr<float>());
+  return out;
+}
+
+namespace {
+
+void register_packed_weight(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(
+      m, "PackedWeight", "a weight matrix W [N, K] packed for the native kernels (packed_weight.h)")
+      .def("forward", &packed_linear, py::arg("x"), py::arg("bias") = py::none(),
+           py::call_guard<py::gil_scoped_release>(), "y[M, N] = x[M, K] @ W.T (+ bias); x float32")
+      .def("rows", &packed_rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>(),
+           "W[ids] as float32 [*ids.shape, K] (an embedding lookup); ids out of range raise")
+      .def("dequantize", &PackedWeight::dequantize, "W as float32 [N, K]: the values the kernels multiply by")
+      .def_property_readonly("n", &PackedWeight::n)
+      .def_property_readonly("k", &PackedWeight::k)
+      .def_property_readonly("shape", [](const PackedWeight& w) { return py::make_tuple(w.n(), w.k()); })
+      .def_property_readonly("type_name", &PackedWeight::type_name)
+      .def_property_readonly("nbytes", &PackedWeight::nbytes);
+}
+
+}  // namespace
+PDSERVE_REGISTER(register_packed_weight);
+}  // namespace pdserve

@@ -1,0 +1,51 @@
+// A weight matrix W [N, K] packed once at load into the layout its kernels stream best, multiplied as
+// y[M, N] = x[M, K] @ W^T (+ bias) with float32 activations x and outputs y.
+//
+// Every implementation keeps one contract, batch invariance: y[r][j] depends only on x[r], W[j] and bias[j], never
+// on M, on the other rows, on the thread count or on which kernel path (GEMV, register-tiled GEMM, AMX) or ISA level
+// ran. Every path computes it by the same sequence of fp32 operations: exact integer partial sums where the
+// activations are quantized, then one fixed-order fp32 accumulation over K per output. Work is split over output
+// columns only, never over K. This is what lets speculative verification, padded and mixed batches and PD hand-offs
+// reproduce a plain decode bit for bit.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace pdserve {
+
+class PackedWeight {
+ public:
+  PackedWeight(int64_t n, int64_t k) : n_(n), k_(k) {}
+  virtual ~PackedWeight() = default;
+  PackedWeight(const PackedWeight&) = delete;
+  PackedWeight& operator=(const PackedWeight&) = delete;
+
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+  // The stored type, as GGUF names it where it has a name: "Q4_K", "Q8_0", "BF16", "F32", ...
+  virtual std::string type_name() const = 0;
+  // Bytes one pass over W reads (what a batch-1 decode step streams for this matrix).
+  virtual int64_t nbytes() const = 0;
+  // y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] (+ bias[j]) for r < m, j < n; bias may be null. Threads: the
+  // implementation splits the columns over ATen's pool (at::parallel_for).
+  virtual void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const = 0;
+  // W as float32 [n, k]: the values the kernels multiply by (tests, reference paths).
+  virtual at::Tensor dequantize() const = 0;
+  // out[i * k + c] = W[ids[i], c] for i < t (W read as an embedding table). Ids are checked by the caller.
+  virtual void rows(const int64_t* ids, int64_t t, float* out) const;
+
+ private:
+  int64_t n_, k_;
+};
+
+using PackedWeightPtr = std::shared_ptr<const PackedWeight>;
+
+// Tensor-level entry points (argument checks included), for C++ callers and the Python bindings.
+at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias);
+at::Tensor packed_rows(const PackedWeight& w, const at::Tensor& ids);
+
+}  // namespace pdserve
