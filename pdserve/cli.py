@@ -61,12 +61,14 @@ def _print_roofline(meter: Any) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.llm import LLM
     from pdserve.sampling_params import SamplingParams
+    from pdserve.server.chat_template import render_chat
 
     cfg = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(cfg))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample,
                             max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos)
-    prompts = [llm.engine.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
+    prompts = [render_chat(llm.get_tokenizer(), [{"role": "user", "content": p}]) if args.chat else p
+               for p in args.prompt]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0

@@ -35,7 +35,7 @@ def _runner(tiny_hf_model: Any, backend: str) -> ModelRunner:
 
 def _sched(reqs: list[ScheduledRequest], decode: bool) -> SchedulerOutput:
     n = sum(r.num_scheduled_tokens for r in reqs)
-    return SchedulerOutput(reqs, num_prefill_tokens=0 if decode else n, num_decode_tokens=len(reqs) if decode else 0,
+    return SchedulerOutput(reqs, num_prefill_tokens=0 if decode else n, num_decodes=len(reqs) if decode else 0,
                            sampling_metadata=SamplingMetadata.greedy_rows(len(reqs)))
 
 
@@ -87,7 +87,7 @@ def test_steps_the_graphs_do_not_serve(tiny_hf_model: Any) -> None:
     dec = ScheduledRequest("a", [5], 4, [1], True)
     assert graphs.can_run(_sched([dec], True))
     spec = _sched([ScheduledRequest("a", [5, 6, 7], 4, [1], True, num_draft_tokens=2)], True)
-    spec.num_spec_decodes, spec.num_decode_tokens = 1, 0
+    spec.num_spec_decodes, spec.num_decodes = 1, 0
     assert not graphs.can_run(spec)
     assert not graphs.can_run(_sched([ScheduledRequest(str(i), [5], 4, [i], True) for i in range(7)], True))
     long_table = ScheduledRequest("b", [5], 300, list(range(20)), True)  # past max_model_len's table width

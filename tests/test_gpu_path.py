@@ -98,7 +98,7 @@ def test_runner_with_explicit_device_matches_default(tiny_hf_model: Any, backend
                              sampling_metadata=SamplingMetadata.greedy_rows(2)),
              SchedulerOutput([ScheduledRequest("y", [21], 11, [2], True),
                               ScheduledRequest("x", list(range(45, 60)), 40, [3, 7, 1, 9], True)],
-                             num_prefill_tokens=15, num_decode_tokens=1,
+                             num_prefill_tokens=15, num_decodes=1,
                              sampling_metadata=SamplingMetadata.greedy_rows(2))]
     for sched in steps:
         ia, ib = a.prepare(sched), b.prepare(sched)

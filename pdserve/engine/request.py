@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pdserve.errors import ErrorCode
 from pdserve.outputs import RequestTimes, TokenLogprobs
 from pdserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -66,12 +63,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.error_code: ErrorCode | None = None
-        # fan-out of one API request (n samples of several prompts): see LLMEngine.make_requests
+        # fan-out of one API request (n samples of several prompts): see InputProcessor.make_requests
         self.parent_id: str = request_id
         self.prompt_index = 0
         self.sample_index = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
-        self.logprobs: list[TokenLogprobs] = []  # per output token, when sampling_params.logprobs is set
         # per prompt token (the first has none: None), when sampling_params.prompt_logprobs is set; filled as the
         # prompt's chunks are computed, never twice (a preempted request recomputes without rescoring)
         self.prompt_logprobs: list[TokenLogprobs | None] = \
@@ -81,8 +77,6 @@ class Request:
         self.pooling = False
         self.pool_sum: torch.Tensor | None = None
         self.num_pooled = 0
-        self.embedding: list[float] | None = None
-        self.detokenizer: IncrementalDetokenizer | None = None
         # PD disaggregation (pdserve.disagg): the request's `kv_transfer_params` as sent by the router, and what
         # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
         self.kv_transfer_params: dict[str, Any] | None = None

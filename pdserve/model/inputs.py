@@ -113,7 +113,7 @@ class SchedulerOutput:
     scheduled_reqs: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0  # also the number of decodes: the first entries of scheduled_reqs
+    num_decodes: int = 0  # decodes without drafts (one token each): the first entries of scheduled_reqs
     num_spec_decodes: int = 0  # decodes with drafts: the entries right after the plain decodes
     num_spec_tokens: int = 0  # their tokens (each 1 + its drafts)
     sampling_metadata: SamplingMetadata = field(default_factory=SamplingMetadata)  # rows: the `sample` requests
@@ -122,6 +122,6 @@ class SchedulerOutput:
     def kind(self) -> StepKind:
         if not self.scheduled_reqs:
             return StepKind.IDLE
-        if self.num_prefill_tokens and (self.num_decode_tokens or self.num_spec_decodes):
+        if self.num_prefill_tokens and (self.num_decodes or self.num_spec_decodes):
             return StepKind.MIXED
         return StepKind.PREFILL if self.num_prefill_tokens else StepKind.DECODE

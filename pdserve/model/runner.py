@@ -191,13 +191,13 @@ class ModelRunner:
             qsl.append(len(ids))
             seq_lens.append(c + n)
             tables.append(b)
-            if i < sched.num_decode_tokens or r.sample:  # a decode computes the newest token: always sampled
+            if i < sched.num_decodes or r.sample:  # a decode computes the newest token: always sampled
                 sample_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
         width = max(len(b) for b in tables)
         block_table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
         d = self._dev
         meta = AttentionMetadata(slot_mapping=d(torch.tensor(slots, dtype=torch.long)),
-                                 num_decodes=sched.num_decode_tokens, decode_block_tables=None, decode_mask=None,
+                                 num_decodes=sched.num_decodes, decode_block_tables=None, decode_mask=None,
                                  prefills=[], block_table=d(block_table),
                                  query_start_loc=d(torch.tensor(qsl, dtype=torch.int32)),
                                  seq_lens=d(torch.tensor(seq_lens, dtype=torch.int32)))
@@ -210,8 +210,8 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[torch.Tensor] = []
         sample_rows: list[int] = []
-        decodes = sched.scheduled_reqs[:sched.num_decode_tokens]
-        prefills = sched.scheduled_reqs[sched.num_decode_tokens:]
+        decodes = sched.scheduled_reqs[:sched.num_decodes]
+        prefills = sched.scheduled_reqs[sched.num_decodes:]
 
         decode_tables = decode_mask = None
         if decodes:

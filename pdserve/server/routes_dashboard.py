@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from pdserve.server.async_engine import AsyncEngine
+from pdserve.engine.client import EngineClient
 from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
 from pdserve.server.model_registry import ModelRegistry
@@ -61,25 +61,25 @@ async def stats(raw: Request, window: float = WindowQuery) -> dict[str, Any]:
     models: dict[str, Any] = {}
     role = "both"
     for served in registry.models():
-        aengine, metrics = served.aengine, served.metrics
-        if aengine is None or metrics is None:  # changed state since listed: skip, the next poll shows it
+        client, metrics = served.client, served.metrics
+        if client is None or metrics is None:  # changed state since listed: skip, the next poll shows it
             continue
-        models[served.name] = model_block(served.version, metrics, aengine, window)
-        role = aengine.engine.config.kv_role
+        models[served.name] = model_block(served.version, metrics, client, window)
+        role = client.model_info.kv_role
     not_loaded = {m.name: {"state": m.state, "version": m.version} for m in registry.models()
                   if m.name not in models}
     return {**stats_envelope("server" if role == "both" else role, window), "models": models,
             "models_not_loaded": not_loaded}
 
 
-def model_block(version: str | None, metrics: Metrics, aengine: AsyncEngine, window: float) -> dict[str, Any]:
+def model_block(version: str | None, metrics: Metrics, client: EngineClient, window: float) -> dict[str, Any]:
     """One loaded model's /v1/stats block: LiveStats' snapshot plus the engine thread's last published KV state."""
     block = dict(metrics.live.cached_snapshot(window))  # shallow copy: the cached snapshot is shared
-    kv = aengine.kv_snapshot
+    kv = client.kv_snapshot
     block["kv_cache"] = {**block["kv_cache"], "num_blocks": kv.num_blocks, "used_blocks": kv.num_used_blocks,
                          "cached_blocks": kv.num_cached_blocks}
     block["kv_transfer"] = {**block["kv_transfer"], "pinned_blocks": kv.num_pinned_blocks,
                             "requests_loading": kv.num_requests_loading_kv}
-    block["open_requests"] = aengine.num_unfinished
+    block["open_requests"] = client.num_unfinished
     block["version"] = version
     return block

@@ -194,9 +194,9 @@ class DraftModelProposer(Proposer):
             batch = [b for _, _, b in rows]
             num_sampled = sum(b.sample for b in batch)
             sched = SchedulerOutput(scheduled_reqs=batch,
-                                    num_decode_tokens=sum(b.sample and b.num_scheduled_tokens == 1 for b in batch),
+                                    num_decodes=sum(b.sample and b.num_scheduled_tokens == 1 for b in batch),
                                     sampling_metadata=SamplingMetadata.greedy_rows(num_sampled))
-            sched.num_prefill_tokens = sum(b.num_scheduled_tokens for b in batch) - sched.num_decode_tokens
+            sched.num_prefill_tokens = sum(b.num_scheduled_tokens for b in batch) - sched.num_decodes
             tokens_out = iter(self.runner.execute(sched).token_ids)
             for req, seq, b in rows:
                 seq.num_computed_tokens += b.num_scheduled_tokens
