@@ -25,14 +25,15 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """pdserve modules that `name` imports at module level or in functions (TYPE_CHECKING blocks excluded)."""
+def _imports(name: str, path: Path, known: set[str], type_checking: bool = True) -> set[str]:
+    """pdserve modules that `name` imports at module level, in functions and (unless `type_checking` is False) in
+    TYPE_CHECKING blocks: an import only the type checker sees still ties the two modules together."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for b in node.body for n in ast.walk(b))
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -54,9 +55,9 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_checking: bool = True) -> dict[str, set[str]]:
     mods = _modules()
-    return {name: _imports(name, path, set(mods)) for name, path in mods.items()}
+    return {name: _imports(name, path, set(mods), type_checking) for name, path in mods.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -87,7 +88,18 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycles() -> None:
+    """None, even through TYPE_CHECKING imports."""
     assert _cycle(_graph()) is None
+
+
+def test_type_checking_imports_count(tmp_path: Path) -> None:
+    """The graph sees an import made only for the type checker (so a cycle through one fails the test above)."""
+    path = tmp_path / "probe.py"
+    path.write_text("from typing import TYPE_CHECKING\n"
+                    "if TYPE_CHECKING:\n    from pdserve.engine.request import Request\n", encoding="utf-8")
+    known = set(_modules())
+    assert _imports("pdserve.x", path, known) == {"pdserve.engine.request"}
+    assert _imports("pdserve.x", path, known, type_checking=False) == set()
 
 
 def test_layers_depend_one_way() -> None:
@@ -130,3 +142,145 @@ def test_functions_are_small() -> None:
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({n} lines)")
     assert long == []
+
+
+# ---- one owner for request state, one face for the server ----------------------------------------------------------
+SCHEDULER = "pdserve.engine.scheduler"
+QUEUES = {"waiting", "running", "requests"}  # the scheduler's request queues and its map of requests
+MUTATORS = {"append", "appendleft", "extend", "extendleft", "insert", "remove", "pop", "popleft", "popitem",
+            "clear", "sort", "reverse", "update", "setdefault", "add", "discard", "rotate"}
+
+
+def _owner(node: ast.expr) -> str:
+    """The source text of the expression an attribute hangs off (`eng.scheduler` for `eng.scheduler.waiting`)."""
+    return ast.unparse(node.value) if isinstance(node, ast.Attribute) else ""
+
+
+def state_writes(module: str, source: str) -> list[str]:
+    """Where `source` (module `module`) writes request state that only the scheduler may write:
+    - an assignment (=, +=, annotated) to an attribute named `num_computed_tokens`, anywhere but the scheduler
+      (engine/request.py's Request.__init__ sets its initial value);
+    - a call of `append_output_token` (a request's tokens grow only in the scheduler);
+    - a mutation of a request queue (`waiting`, `running`, `requests`): assigning the attribute, assigning or
+      deleting one of its items, or calling a mutating method on it; counted when it hangs off an expression
+      named `...scheduler`, or anywhere inside pdserve/engine/ (other engine classes own no such queues)."""
+    if module == SCHEDULER:
+        return []
+    in_engine = module.startswith("pdserve.engine.")
+    out: list[str] = []
+
+    def queue(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr in QUEUES
+                and (in_engine or _owner(node).split(".")[-1] == "scheduler"))
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        for t in [e for x in targets for e in (x.elts if isinstance(x, ast.Tuple) else [x])]:
+            init = module == "pdserve.engine.request" and _owner(t) == "self"
+            if isinstance(t, ast.Attribute) and t.attr == "num_computed_tokens" and not init:
+                out.append(f"{module}:{node.lineno} assigns {ast.unparse(t)}")
+            if queue(t) or (isinstance(t, ast.Subscript) and queue(t.value)):
+                out.append(f"{module}:{node.lineno} writes {ast.unparse(t)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr == "append_output_token" and module != "pdserve.engine.request":
+                out.append(f"{module}:{node.lineno} calls {ast.unparse(f)}")
+            if f.attr in MUTATORS and queue(f.value):
+                out.append(f"{module}:{node.lineno} calls {ast.unparse(f)}")
+    return out
+
+
+def test_request_state_has_one_writer() -> None:
+    """num_computed_tokens, a request's tokens and the scheduler's queues are written only in engine/scheduler.py
+    (Scheduler.schedule and update_from_output and the finish paths); every other module reads them."""
+    bad = [w for name, path in _modules().items() for w in state_writes(name, path.read_text(encoding="utf-8"))]
+    assert bad == []
+
+
+def test_the_one_writer_check_can_fail() -> None:
+    """The check above catches each kind of write it names (so its silence means something)."""
+    writes = """
+def f(eng, req, self):
+    req.num_computed_tokens += 1
+    req.num_computed_tokens = 0
+    eng.scheduler.waiting.append(req)
+    eng.scheduler.requests[req.request_id] = req
+    del eng.scheduler.requests["x"]
+    eng.scheduler.running = []
+    req.append_output_token(5)
+"""
+    assert len(state_writes("pdserve.server.serving", writes)) == 7
+    assert len(state_writes("pdserve.engine.core", "def g(self):\n    self.running.remove(1)\n")) == 1
+    reads = "def h(eng, r):\n    n = r.num_computed_tokens\n    q = len(eng.scheduler.waiting)\n    self.running = 1\n"
+    assert state_writes("pdserve.server.metrics", reads) == []
+    assert state_writes(SCHEDULER, writes) == []
+
+
+CLIENT = "pdserve.engine.client"
+ENGINE_INTERNALS = {"engine", "_engine"}  # what a server module must never reach through
+
+
+def client_api() -> set[str]:
+    """The engine client's public names: EngineClient's methods and properties, and the attributes its
+    __init__ sets, that do not start with `_`."""
+    tree = ast.parse((PKG / "engine" / "client.py").read_text(encoding="utf-8"))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineClient")
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    names |= {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and _owner(t) == "self"}
+    return {n for n in names if not n.startswith("_")}
+
+
+def client_misuse(module: str, source: str, api: set[str]) -> list[str]:
+    """What server module `module` does with the engine beyond the client's public face: an import from
+    pdserve.engine other than pdserve.engine.client (whose plain types it re-exports) or from pdserve.model; an
+    attribute named `engine`/`_engine` (the engine behind a client); a name used on an expression named
+    `...client` that is not EngineClient's public API."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if (node.module.startswith("pdserve.engine") and node.module != CLIENT) or \
+                    node.module.startswith("pdserve.model"):
+                out.append(f"{module}:{node.lineno} imports {node.module}")
+        elif isinstance(node, ast.Import):
+            out += [f"{module}:{node.lineno} imports {a.name}" for a in node.names
+                    if a.name.startswith(("pdserve.engine", "pdserve.model"))]
+        elif isinstance(node, ast.Attribute):
+            if node.attr in ENGINE_INTERNALS:
+                out.append(f"{module}:{node.lineno} reaches {ast.unparse(node)}")
+            elif _owner(node).split(".")[-1] == "client" and node.attr not in api:
+                out.append(f"{module}:{node.lineno} uses {ast.unparse(node)}, not the client's public API")
+    return out
+
+
+def test_server_uses_only_the_engine_client() -> None:
+    """server/ reaches an engine only through EngineClient's public methods and the plain data it exports."""
+    api = client_api()
+    assert {"process_inputs", "add_requests", "stream", "abort", "tokenizer", "model_info"} <= api
+    bad = [m for name, path in _modules().items() if name.startswith("pdserve.server.")
+           for m in client_misuse(name, path.read_text(encoding="utf-8"), api)]
+    assert bad == []
+
+
+def test_the_client_check_can_fail() -> None:
+    api = client_api()
+    misuse = """
+from pdserve.engine.engine import LLMEngine
+import pdserve.model.runner
+def f(self, served):
+    self.client.engine.scheduler
+    served.client._engine
+    self.client.kv_transfer
+"""
+    found = client_misuse("pdserve.server.x", misuse, api)
+    assert len(found) == 5, found  # two imports, .engine, ._engine, and kv_transfer (not in the client's API)
+    assert client_misuse("pdserve.server.x", "def g(self):\n    self.client.abort('x')\n", api) == []

@@ -38,7 +38,7 @@ from pdserve.profiler import PhaseProfiler, ProfileResult
 from pdserve.roofline import DeviceSpec
 from pdserve.sampling_params import SamplingParams
 
-logger = logging.getLogger("pdserve.async_engine")
+logger = logging.getLogger("pdserve.engine_client")
 
 EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
 

@@ -45,7 +45,14 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         """Finish requests as aborted and free their blocks at once."""
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        outs = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._release_finished()
+        return outs
+
+    def _release_finished(self) -> None:
+        """The runner drops the state of the requests that finished (its drafter's KV blocks too)."""
+        if finished := self.scheduler.take_finished_req_ids():
+            self.runner.finish_requests(finished)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -67,12 +74,14 @@ class EngineCore:
             logger.exception("model step failed")
             failed = [self.scheduler.fail(self.scheduler.requests[d.req_id], f"model step failed: {exc!r}",
                                           ErrorCode.MODEL_STEP_FAILED) for d in sched.scheduled_reqs]
+            self._release_finished()
             return EngineCoreOutputs(outputs + failed, self._stats(sched, time.perf_counter() - t0))
         t_run = time.perf_counter() - t_run
         accepted0 = self.spec.stats.num_accepted_tokens if self.spec is not None else 0
         now = time.perf_counter()
         self._log_step(sched, t0, now, t_grammar, t_kv, t_run)
         outputs += self.scheduler.update_from_output(sched, result, now)
+        self._release_finished()
         stats = self._stats(sched, 0.0)
         if self.spec is not None:
             stats.num_accepted_tokens = self.spec.stats.num_accepted_tokens - accepted0
@@ -80,6 +89,7 @@ class EngineCore:
         return EngineCoreOutputs(outputs, stats)
 
     def _idle(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput], t0: float) -> EngineCoreOutputs:
+        self._release_finished()  # KV pulls that failed
         if self.kv_transfer is not None and self.scheduler.num_loading and not outputs:
             self.kv_transfer.wait(0.01)  # only KV pulls in flight: sleep until one lands instead of spinning
         return EngineCoreOutputs(outputs, StepStats(StepKind.IDLE, 0, 0, len(sched.preempted_req_ids),
@@ -138,3 +148,4 @@ class EngineCore:
             self.scheduler.finish_by_stop_string(rid, num_output_tokens, stop)
         for rid, message in failed:
             self.scheduler.fail_stepped(rid, message, ErrorCode.POSTPROCESS_FAILED)
+        self._release_finished()

@@ -26,7 +26,7 @@ from pdserve.engine.messages import EngineCoreOutput, StepStats
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_decode import DraftTarget, SpecDecoder, make_proposer
+from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import StructuredOutputManager
 from pdserve.kernels import kernels_description, resolve_kernels
@@ -34,6 +34,7 @@ from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.runner import ModelRunner
+from pdserve.model.spec.drafter import DraftTarget, make_proposer
 from pdserve.outputs import RequestOutput
 from pdserve.roofline import DeviceSpec, RooflineMeter
 from pdserve.sampling_params import SamplingParams
@@ -96,9 +97,10 @@ class LLMEngine:
         self.step_cost = self.step_budget.cost
         spec_config = config.speculative
         self.spec = None
-        if spec_config is not None:  # a draft model loads here, with the target's vocabulary and block geometry
+        if spec_config is not None:  # the runner's drafter (a draft model loads here, with the target's vocabulary)
             target = DraftTarget(config, self.arch, self.tokenizer, self.kernels, self.num_blocks, self.max_model_len)
-            self.spec = SpecDecoder(spec_config, make_proposer(spec_config, target), predict=self.step_budget.predict)
+            self.runner.drafter = make_proposer(spec_config, target)
+            self.spec = SpecDecoder(spec_config, predict=self.step_budget.predict)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.kv_transfer, config.kv_load_failure_policy,
                                    self.step_budget, config.scheduling_policy, config.priority_aging_s, self.spec,

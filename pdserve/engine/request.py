@@ -1,4 +1,5 @@
-"""A request's state: token counters, status and phase timestamps.
+"""A request's state: token counters, status and phase timestamps. Once added to the engine, only the scheduler
+writes it (engine/scheduler.py: tests/test_architecture.py checks it).
 
 Whether a step does prefill or decode work for a request follows from the counters alone:
 `num_computed_tokens < num_tokens - 1` means prompt (or recompute) tokens are still pending; a request whose
@@ -83,15 +84,12 @@ class Request:
         self.kv_transfer_result: dict[str, Any] | None = None
         # structured output: an xgrammar GrammarMatcher over the output tokens accepted so far; None: unconstrained
         self.matcher: Any = None
-        # speculative decoding (pdserve/engine/spec_decode): this step's draft tokens (set by the scheduler, cleared
-        # by postprocess), the proposer's per-sequence index, and how many drafts were proposed and accepted
+        # speculative decoding (pdserve/engine/spec_decode): the drafts proposed for its next step (by the runner's
+        # drafter; the scheduler keeps those the step takes, and clears them once verified), and how many drafts
+        # were verified and accepted in all
         self.spec_token_ids: list[int] = []
-        self.spec_index: Any = None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -34,47 +34,16 @@ from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import fill_bitmask
 from pdserve.errors import ErrorCode
-from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput, StepKind
-from pdserve.model.sampler import SamplerOutput
+from pdserve.model.inputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, StepKind
 from pdserve.outputs import TokenLogprobs
 
-__all__ = ["Scheduler", "SchedulerOutput", "StepKind", "is_decode", "make_sampling_metadata"]
+__all__ = ["Scheduler", "SchedulerOutput", "StepKind", "is_decode"]
 
 
 def is_decode(request: Request, num_new_tokens: int) -> bool:
     """A decode advances by exactly the newest output token."""
     return (num_new_tokens == 1 and request.num_output_tokens > 0
             and request.num_computed_tokens == request.num_tokens - 1)
-
-
-def make_sampling_metadata(requests: Sequence[Request]) -> SamplingMetadata:
-    """The sampler's per-row view of `requests` (one row each, in order), taken before this step's tokens are
-    appended. Token lists and generators are shared with the requests, not copied."""
-    md = SamplingMetadata()
-    for r in requests:
-        p = r.sampling_params
-        md.temperature.append(p.temperature)
-        md.greedy.append(p.greedy)
-        md.top_k.append(p.top_k)
-        md.top_p.append(p.top_p)
-        md.min_p.append(p.min_p)
-        md.repetition_penalty.append(p.repetition_penalty)
-        md.presence_penalty.append(p.presence_penalty)
-        md.frequency_penalty.append(p.frequency_penalty)
-        md.generators.append(r.generator)
-        md.num_logprobs.append(p.logprobs)
-        banned: list[int] = []
-        # no stop token (nor EOS) before min_tokens; a constrained row's grammar alone decides when it may end
-        if r.num_output_tokens < p.min_tokens and r.matcher is None:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(r.eos_token_ids))
-        md.banned_token_ids.append(banned)
-        md.prompt_token_ids.append(r.prompt_token_ids)
-        md.output_token_ids.append(r.output_token_ids)
-        md.logit_bias.append(p.logit_bias)
-        md.token_bitmask.append(None)  # the engine fills constrained rows (LLMEngine._fill_token_bitmasks)
-        md.draft_token_ids.append(r.spec_token_ids)
-        md.banned_positions.append(max(0, p.min_tokens - r.num_output_tokens) if banned else 0)
-    return md
 
 
 class Scheduler:
@@ -104,6 +73,8 @@ class Scheduler:
         # the requests the last update_from_output stepped, finished ones included: a stop string found in their new
         # tokens (the output processor's) finishes them here (finish_by_stop_string)
         self._stepped: dict[str, Request] = {}
+        self._in_runner: set[str] = set()  # requests whose state the model runner holds (sent as new_requests)
+        self._finished_req_ids: list[str] = []  # of those, finished since take_finished_req_ids
 
     # ---- admission / removal -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,6 +123,9 @@ class Scheduler:
         if self.spec is not None:
             self.spec.on_finished(request)
         del self.requests[request.request_id]
+        if request.request_id in self._in_runner:  # the runner drops its state (EngineCore tells it)
+            self._in_runner.discard(request.request_id)
+            self._finished_req_ids.append(request.request_id)
 
     def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> list[EngineCoreOutput]:
         """Retire the requests (those still here) with `status` (an abort), freeing their blocks at once."""
@@ -168,6 +142,11 @@ class Scheduler:
         req.error, req.error_code = message, code
         self.finish_request(req, RequestStatus.FINISHED_ERROR)
         return self.output(req)
+
+    def take_finished_req_ids(self) -> list[str]:
+        """Requests finished since the last call whose state the runner holds (it frees it)."""
+        ids, self._finished_req_ids = self._finished_req_ids, []
+        return ids
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -247,7 +226,8 @@ class Scheduler:
                     break
                 queue.remove(victim)
             else:
-                req.spec_token_ids = []
+                if not decode:  # proposals are for a decode's next token
+                    req.spec_token_ids = []
                 (decodes if decode else prefills).append((req, num_new))
                 budget -= num_new
 
@@ -293,30 +273,31 @@ class Scheduler:
 
         # 3. drafts for the decodes, from the budget that prefills left (a draft never delays a prompt's chunk)
         if self.spec is not None and decodes:
-            self._schedule_drafts(decodes, budget, len(prefills) + len(self.waiting))
-        return self._fill_output(out, decodes, prefills)
+            budget = self._schedule_drafts(decodes, budget, len(prefills) + len(self.waiting))
+        return self._fill_output(out, decodes, prefills, budget)
 
-    def _schedule_drafts(self, decodes: list[tuple[Request, int]], budget: int, num_prefilling: int) -> None:
-        """Speculative decoding: the policy plans each decode's drafts (weighing the requests whose prefill they
-        would delay); each gets the slots its drafts need, or none (never a preemption for a draft)."""
+    def _schedule_drafts(self, decodes: list[tuple[Request, int]], budget: int, num_prefilling: int) -> int:
+        """Speculative decoding: of each decode's proposals (spec_token_ids, from the runner's drafter after its
+        last step), the row takes what the policy plans (weighing the requests whose prefill drafts would delay) and
+        the budget leaves, if slots can be had for them (never a preemption for a draft). Returns the budget left."""
         assert self.spec is not None
         if not self.spec.begin_step([r for r, _ in decodes], num_prefilling):
-            return
+            for req, _ in decodes:
+                req.spec_token_ids = []
+            return budget
         for req, num_new in decodes:
-            if budget <= 0:
-                break
-            drafts, cost = self.spec.propose(req, budget)
+            drafts = req.spec_token_ids[:self.spec.num_drafts(req, budget)]
             if drafts and not self.block_manager.allocate_slots(req, num_new + len(drafts)):
-                # no target slots for them: a plain decode (what a draft model computed of the context stays valid)
-                drafts = []
+                drafts = []  # no target slots for them: a plain decode
             req.spec_token_ids = drafts
-            budget -= cost
+            budget -= len(drafts)
+        return budget
 
     def _fill_output(self, out: SchedulerOutput, decodes: list[tuple[Request, int]],
-                     prefills: list[tuple[Request, int]]) -> SchedulerOutput:
-        """The step's rows in the runner's order: plain decodes, decodes with drafts, prefill chunks."""
-        if self.spec is not None:  # a batched proposer (draft model) drafts for the speculating decodes now
-            self.spec.fill([r for r, _ in decodes if r.spec_token_ids])
+                     prefills: list[tuple[Request, int]], budget: int) -> SchedulerOutput:
+        """The step's rows in the runner's order: plain decodes, decodes with drafts, prefill chunks; the requests
+        new to the runner; and, with speculative decoding, which rows to draft for after the step and the budget
+        their drafting may take."""
         spec = [(r, n) for r, n in decodes if r.spec_token_ids]
         plain = [(r, n) for r, n in decodes if not r.spec_token_ids]
         order = plain + spec + prefills
@@ -325,8 +306,18 @@ class Scheduler:
         out.num_spec_decodes = len(spec)
         out.num_spec_tokens = sum(n + len(r.spec_token_ids) for r, n in spec)
         out.num_prefill_tokens = sum(n for _, n in prefills)
-        out.sampling_metadata = make_sampling_metadata(
-            [r for (r, _), s in zip(order, out.scheduled_reqs) if s.sample])
+        for req, _ in order:
+            if req.request_id not in self._in_runner and not req.pooling:
+                self._in_runner.add(req.request_id)
+                out.new_requests.append(NewRequestData(
+                    req.request_id, req.prompt_token_ids, req.sampling_params, frozenset(req.eos_token_ids),
+                    req.matcher is not None, list(req.output_token_ids)))
+        if self.spec is not None:
+            num_sampling = sum(s.sample for s in out.scheduled_reqs)
+            for (req, _), s in zip(order, out.scheduled_reqs):
+                if s.sample:
+                    s.propose_drafts = self.spec.num_to_propose(req, num_sampling)
+            out.draft_budget = max(budget, 0)
         return out
 
     def _prefill_cap(self, budget: int) -> int | None:
@@ -362,19 +353,19 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.times.preemptions.append(now)
-        if self.spec is not None:
-            self.spec.on_preempted(req)
+        req.spec_token_ids = []
         self._enqueue(req, front=True)
         self.num_preemptions += 1
         out.preempted_req_ids.append(req.request_id)
 
     # ---- a step's results ----------------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, out: SamplerOutput, now: float) -> list[EngineCoreOutput]:
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput,
+                           now: float) -> list[EngineCoreOutput]:
         """Apply what the model computed for `sched`: advance num_computed_tokens, hash the blocks that filled up,
         keep scored prompt logprobs and pooled states, append sampled tokens and finish requests at a stop token,
-        max_tokens or the context limit (their blocks freed at once). Rows of `out` are the sampled requests of
-        `sched` (ScheduledRequest.sample), in order. `now` stamps this step's tokens and chunks. Returns one
-        EngineCoreOutput per request that sampled, finished or failed."""
+        max_tokens or the context limit (their blocks freed at once), and keep the drafts proposed for the next
+        step. Rows of `out` are the sampled requests of `sched` (ScheduledRequest.sample), in order. `now` stamps
+        this step's tokens and chunks. Returns one EngineCoreOutput per request that sampled, finished or failed."""
         outs: list[EngineCoreOutput] = []
         self._stepped = {}
         row = 0
@@ -395,6 +386,9 @@ class Scheduler:
             elif d.sample:
                 outs.append(self._append_sampled(req, d, out, row, now))
             row += d.sample
+        for rid, drafts in out.draft_token_ids.items():
+            if (running := self.requests.get(rid)) is not None:  # still running: they wait for its next step
+                running.spec_token_ids = drafts
         return outs
 
     def _advance(self, req: Request, d: ScheduledRequest, now: float) -> None:
@@ -404,7 +398,7 @@ class Scheduler:
         req.num_computed_tokens += d.num_scheduled_tokens - d.num_draft_tokens
         self.block_manager.cache_full_blocks(req)
 
-    def _append_sampled(self, req: Request, d: ScheduledRequest, out: SamplerOutput, row: int,
+    def _append_sampled(self, req: Request, d: ScheduledRequest, out: ModelRunnerOutput, row: int,
                         now: float) -> EngineCoreOutput:
         """Append a sampled row's tokens in order, as if decoded one by one: one token, or a speculating decode's
         accepted drafts then its correction/bonus token. A stop token, max_tokens, the context limit or a complete
@@ -412,9 +406,7 @@ class Scheduler:
         drafted, req.spec_token_ids = d.num_draft_tokens, []
         if out.errors and (err := out.errors[row]) is not None:  # only this row's sampling raised
             return self.fail(req, f"sampling failed: {err}", ErrorCode.SAMPLING_FAILED)
-        toks = [out.token_ids[row], *(out.extra_token_ids[row] if out.extra_token_ids else ())]
-        lps: list[TokenLogprobs | None] = [out.logprobs[row], *(out.extra_logprobs[row] if out.extra_logprobs
-                                                                  else ())]
+        toks, lps = out.sampled_token_ids[row], out.logprobs[row]
         if drafted and self.spec is not None:
             self.spec.on_verified(req, drafted, len(toks) - 1)
             req.num_draft_tokens += drafted
@@ -496,11 +488,11 @@ class Scheduler:
         no constrained row costs one pass over the rows). Returns the seconds it took."""
         t0 = time.perf_counter()
         sampled = [self.requests[d.req_id] for d in sched.scheduled_reqs if d.sample]
-        rows = [k for k, r in enumerate(sampled) if r.matcher is not None]
-        if rows:
-            bitmask = fill_bitmask([sampled[k].matcher for k in rows], self.vocab_size)
-            for j, k in enumerate(rows):
-                sched.sampling_metadata.token_bitmask[k] = bitmask[j]
+        constrained = [r for r in sampled if r.matcher is not None]
+        if constrained:
+            bitmask = fill_bitmask([r.matcher for r in constrained], self.vocab_size)
+            for j, r in enumerate(constrained):
+                sched.token_bitmask[r.request_id] = bitmask[j]
         return time.perf_counter() - t0
 
     def output(self, req: Request, new_token_ids: list[int] | None = None,
