@@ -120,10 +120,10 @@ def add_metadata(w: gguf.GGUFWriter, name: str, s: Shape, tokenizer_src: Path) -
         w.add_key_value(key, val, vtype, sub)
 
 
-def write_f16(path: Path, name: str, s: Shape, tokenizer_src: Path, seed: int) -> None:
+def write_f16(path: Path, name: str, s: Shape, tokenizer_src: Path, seed: int, pool_size: int = POOL_SIZE) -> None:
     """Stream a random-weight F16 GGUF to `path` (via a temporary name, so a killed run leaves no partial file)."""
     rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(POOL_SIZE, dtype=np.float32) * STD).astype(np.float16)
+    pool = (rng.standard_normal(pool_size, dtype=np.float32) * STD).astype(np.float16)
     tmp = path.with_suffix(".part")
     w = gguf.GGUFWriter(tmp, "llama")
     add_metadata(w, name, s, tokenizer_src)
@@ -142,8 +142,8 @@ def write_f16(path: Path, name: str, s: Shape, tokenizer_src: Path, seed: int) -
         data = np.empty(n, dtype=np.float16)
         done = 0
         while done < n:  # windows at random offsets; a tensor larger than the pool takes several
-            take = min(n - done, POOL_SIZE // 2)
-            off = int(rng.integers(0, POOL_SIZE - take + 1))
+            take = min(n - done, pool_size // 2)
+            off = int(rng.integers(0, pool_size - take + 1))
             data[done:done + take] = pool[off:off + take]
             done += take
         w.write_tensor_data(data.reshape(shp))
