@@ -104,14 +104,22 @@ def _level(s: dict[str, Any], c: int, key: str) -> Any:
     return (entry.get("summary") or {}).get(key)
 
 
+def cpu_ms_per_token(s: dict[str, Any], c: int) -> float | None:
+    """The server's CPU time per output token at level c: what a token costs whatever else shares the cores
+    (spin-waiting threads count too)."""
+    entry = s.get("levels", {}).get(str(c)) or {}
+    tokens = (entry.get("summary") or {}).get("total_output_tokens")
+    return entry["server_cpu_s"] * 1000 / tokens if tokens and entry.get("server_cpu_s") else None
+
+
 def summary_row(s: dict[str, Any], levels: list[int], floor_ms: float) -> list[Any]:
-    """start-up s, RSS after start-up, peak RSS, c=1 ITL p50, its ratio to the floor, tok/s per level, ITL p99 at
-    the top level, TTFT(512) median; None where not measured."""
+    """start-up s, RSS after start-up, peak RSS, c=1 ITL p50, its ratio to the floor, CPU ms per token at c=1,
+    tok/s per level, ITL p99 at the top level, TTFT(512) median; None where not measured."""
     launches = s.get("launches") or [{}]
     itl1 = _level(s, 1, "p50_itl_ms")
     return [launches[0].get("startup_s", s.get("startup_s")), launches[0].get("rss_loaded_gib"),
             max((ln.get("peak_rss_gib") or 0 for ln in launches), default=None) or s.get("startup_peak_rss_gib"),
-            itl1, itl1 / floor_ms if itl1 and floor_ms else None,
+            itl1, itl1 / floor_ms if itl1 and floor_ms else None, cpu_ms_per_token(s, 1),
             *[_level(s, c, "output_throughput") for c in levels], _level(s, max(levels), "p99_itl_ms"),
             (s.get("ttft") or {}).get("median_ms")]
 
@@ -131,7 +139,7 @@ def render_sizes(results: dict[str, Any]) -> str:
            + (" (the tied embedding read as the output matrix)" if f["tied"] else " (embedding row not counted)"),
            f"- stream bandwidth, 2 threads, 1 GiB buffers (best of before/after): read {bw / 1e9:.1f} GB/s, copy "
            f"{copy / 1e9:.1f} GB/s (read + write) -> **batch-1 floor {floor_ms:.1f} ms** per step", ""]
-    cols = ["start-up s", "RSS GiB", "peak RSS GiB", "c=1 ITL p50 ms", "÷ floor",
+    cols = ["start-up s", "RSS GiB", "peak RSS GiB", "c=1 ITL p50 ms", "÷ floor", "c=1 CPU ms/token",
             *[f"tok/s c={c}" for c in levels], f"ITL p99 c={max(levels)}", f"TTFT({a['ttft_len']}) ms"]
     out += ["| server | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     rows, measured = {}, []
@@ -142,7 +150,7 @@ def render_sizes(results: dict[str, Any]) -> str:
         rows[name] = summary_row(s, levels, floor_ms)
         if s.get("levels"):
             measured.append(name)
-        digits = [0, 2, 2, 1, 2, *[1] * len(levels), 0, 0]
+        digits = [0, 2, 2, 1, 2, 1, *[1] * len(levels), 0, 0]
         cells = [fmt_num(v, d) for v, d in zip(rows[name], digits)]
         skipped = " (skipped: see Servers)" if s.get("skipped") else ""
         out.append(f"| {LABELS[name]}{skipped} | " + " | ".join(cells) + " |")

@@ -268,7 +268,8 @@ def run_level(args: argparse.Namespace, running: ServerProc, c: int) -> dict[str
     else:
         print(f"    failed: {err}", file=sys.stderr, flush=True)
     return {"concurrency": c, "num_prompts": n, "summary": summary, "error": err, "load_before": load0,
-            "load_after": loadavg(), "server_cpu_pct": round(cpu_pct, 1), "raw": full}
+            "load_after": loadavg(), "server_cpu_pct": round(cpu_pct, 1),
+            "server_cpu_s": round(cpu_pct * wall / 100, 2), "raw": full}
 
 
 def measure(launch: Launch, running: ServerProc, args: argparse.Namespace, results: dict[str, Any]) -> None:

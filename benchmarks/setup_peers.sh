@@ -24,8 +24,13 @@ if [ ${#TARGETS[@]} -gt 0 ]; then
     tar -xzf src/llama_cpp_python-0.3.36.tar.gz -C src
   fi
   if [ ! -f build/CMakeCache.txt ]; then
+    # -march=native, less AMX: this llama.cpp's AMX matmul (ggml_backend_amx_mul_mat) segfaults on the first batch
+    # on a Sapphire Rapids KVM guest (AMX granted); without it llama.cpp runs its AVX-512 VNNI + repacked kernels.
+    # The -mno-amx-* flags override -march=native in either order and do nothing on CPUs without AMX.
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     cmake -S "$LLAMA" -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
-          -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF > cmake.log
+          -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DBUILD_SHARED_LIBS=OFF \
+          -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" > cmake.log
   fi
   nice cmake --build build --target "${TARGETS[@]}" -j 2 > build.log
   for t in "${TARGETS[@]}"; do cp "build/bin/$t" "$PEERS_DIR/$t"; done
