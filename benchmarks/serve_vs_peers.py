@@ -285,7 +285,7 @@ def measure(launch: Launch, running: ServerProc, args: argparse.Namespace, resul
                           args.startup_timeout)
     if err:
         print(f"  warm-up: {err}", file=sys.stderr)
-    if launch.ttft:
+    if launch.ttft and args.ttft_reps > 0:
         run_bench(bench_config(args, running.base_url, num_prompts=1, max_concurrency=1,
                                random_input_len=args.ttft_len, random_output_len=4, seed=args.seed + 9998),
                   args.startup_timeout)
