@@ -62,16 +62,18 @@ class PackedFloat final : public PackedWeight {
 
   void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override {
     const fgemm::Kernels& kn = *kernel_table().pick();
-    fgemm::Problem pr{data_.data_ptr(), kpad_, n(), x, nullptr, ldx, m, y, ldy, bias};
+    fgemm::Problem pr{data_.data_ptr(), kpad_, n(), x, nullptr, ldx, false, m, y, ldy, bias};
     thread_local std::vector<uint16_t> scratch;  // the calling thread's: workers get its pointer, not their own
     if (bf16_) {
-      const int64_t rows = (m + 15) / 16 * 16;  // the AMX kernel loads tiles of 16 rows
-      if (static_cast<int64_t>(scratch.size()) < rows * kpad_) scratch.resize(rows * kpad_);
+      pr.xb_tiles = kn.tiles && m >= fgemm::amx_min_rows();
+      const int64_t rows = (m + 15) / 16 * 16, size = rows * kpad_;
+      if (static_cast<int64_t>(scratch.size()) < (pr.xb_tiles ? 2 : 1) * size) scratch.resize(2 * size);
       uint16_t* xb = scratch.data();
-      std::fill(xb + m * kpad_, xb + rows * kpad_, uint16_t{0});
+      std::fill(xb + m * kpad_, xb + size, uint16_t{0});
       at::parallel_for(0, m, std::max<int64_t>(1, 16384 / kpad_), [&](int64_t r0, int64_t r1) {
         kn.to_bf16(x, ldx, r0, r1, k(), kpad_, xb);
       });
+      if (pr.xb_tiles) xb = to_tiles(xb, rows, xb + size);
       pr.xb = xb;
       pr.ldx = kpad_;
     }
@@ -79,6 +81,15 @@ class PackedFloat final : public PackedWeight {
     const int64_t np = panels(), pairs = (np + 1) / 2;
     const int64_t grain = std::max<int64_t>(1, (pairs + at::get_num_threads() - 1) / at::get_num_threads());
     at::parallel_for(0, pairs, grain, [&](int64_t a, int64_t b) { fn(pr, 2 * a, std::min(2 * b, np)); });
+  }
+
+  // Row-major bf16 [rows][kpad] to AMX A tiles (fgemm::Problem::xb_tiles) in out; returns out.
+  uint16_t* to_tiles(const uint16_t* xb, int64_t rows, uint16_t* out) const {
+    const int64_t nkb = kpad_ / kKBlock;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < nkb; ++c)
+        std::memcpy(out + ((r / 16 * nkb + c) * 16 + r % 16) * kKBlock, xb + r * kpad_ + c * kKBlock, 2 * kKBlock);
+    return out;
   }
 
   at::Tensor dequantize() const override {

@@ -123,7 +123,7 @@ void to_bf16_avx2(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t k
 
 }  // namespace
 
-const Kernels kAvx2 = {f32_avx2, bf16_block_avx2, to_bf16_avx2, "block"};
+const Kernels kAvx2 = {f32_avx2, bf16_block_avx2, to_bf16_avx2, "block", false};
 
 }  // namespace pdserve::fgemm
 

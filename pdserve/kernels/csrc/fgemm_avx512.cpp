@@ -113,7 +113,7 @@ void to_bf16_avx512(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t
   }
 }
 
-const Kernels kAvx512 = {f32_avx512, bf16_block_avx512, to_bf16_avx512, "block"};
+const Kernels kAvx512 = {f32_avx512, bf16_block_avx512, to_bf16_avx512, "block", false};
 
 }  // namespace pdserve::fgemm
 

@@ -50,7 +50,7 @@ void bf16_pair(const Problem& pr, int64_t p0, int64_t p1) { walk<Bf16PairTile, 4
 
 }  // namespace
 
-const Kernels kAvx512Bf16 = {f32_avx512, bf16_pair, to_bf16_avx512, "pair"};
+const Kernels kAvx512Bf16 = {f32_avx512, bf16_pair, to_bf16_avx512, "pair", false};
 
 }  // namespace pdserve::fgemm
 

@@ -8,7 +8,7 @@
 namespace pdserve::fgemm {
 namespace {
 
-std::atomic<int64_t> g_amx_min_rows{16};
+std::atomic<int64_t> g_amx_min_rows{1};
 
 void store(const Problem& pr, int64_t r, int64_t p, const float* acc) {
   const int64_t c0 = p * kPanel, nc = std::min<int64_t>(kPanel, pr.n - c0);
@@ -63,7 +63,7 @@ void to_bf16_generic(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_
 
 }  // namespace
 
-const Kernels kGeneric = {f32_generic, bf16_generic, to_bf16_generic, "block"};
+const Kernels kGeneric = {f32_generic, bf16_generic, to_bf16_generic, "block", false};
 
 int64_t amx_min_rows() { return g_amx_min_rows.load(std::memory_order_relaxed); }
 void set_amx_min_rows(int64_t rows) { g_amx_min_rows.store(rows, std::memory_order_relaxed); }

@@ -38,8 +38,10 @@ struct Problem {
   int64_t kpad;        // K of the layout (bf16: multiple of kKBlock)
   int64_t n;           // real output columns
   const float* x;      // f32 format: activations [m][ldx]
-  const uint16_t* xb;  // bf16 format: activations rounded to bf16 [m][ldx], zero past K up to kpad
+  const uint16_t* xb;  // bf16 format: activations rounded to bf16 [m][ldx], zero past K up to kpad, or as tiles
   int64_t ldx;
+  bool xb_tiles;       // xb holds AMX A tiles: tile (row block b, K block c) = rows 16b.. x K 32c.. at
+                       // xb + (b * kpad / 32 + c) * 512, 16 rows of 32 bf16, rows past m zero
   int64_t m;
   float* y;
   int64_t ldy;
@@ -57,6 +59,7 @@ struct Kernels {
   PanelFn bf16;
   ToBf16Fn to_bf16;
   const char* bf16_order;  // "block" or "pair" (see above)
+  bool tiles;              // the bf16 kernel takes xb as AMX tiles from amx_min_rows() rows on
 };
 
 inline uint16_t to_bf16_flush(float v) {
@@ -78,7 +81,8 @@ void to_bf16_avx512(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t
 void f32_avx512(const Problem& pr, int64_t p0, int64_t p1);
 #endif
 
-// Rows from which the amx level multiplies with AMX tiles (below: the avx512 block-order kernel; same bits).
+// Rows from which the amx level multiplies with AMX tiles (below: the avx512 block-order kernel; same bits). AMX
+// is as fast as the FMA kernel at one row and faster from two (BENCHMARKS.md), so 1 unless changed (tests).
 int64_t amx_min_rows();
 void set_amx_min_rows(int64_t rows);
 
