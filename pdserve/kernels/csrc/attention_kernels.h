@@ -35,8 +35,11 @@ struct AttnItem {
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
 
-// Keys per tile of the vector kernels (and the alignment of key partitions).
+// Keys per tile of the vector kernels. Every kernel walks an item's keys in tiles at fixed offsets from k0.
 constexpr int kKeyTile = 16;
+// Keys per partition (attention.cpp): partitions start at multiples of this in every sequence, so a row's
+// arithmetic is the same whatever the batch (a multiple of every kernel's key tile).
+constexpr int64_t kPartition = 256;
 
 void attn_item_generic(const AttnArgs& a, const AttnItem& it);
 #if defined(__x86_64__)
