@@ -51,7 +51,8 @@ AttnFn pick_kernel(int64_t d, bool kv_bf16) {
   // bf16 caches: bf16 dot products (queries and probabilities rounded to bf16) where the CPU has them
   static const IsaTable<AttnFn> bf16 = {
       {Isa::kGeneric, attn_item_generic},
-      PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512})};
+      PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512},
+                  {Isa::kAvx512Bf16, attn_item_avx512bf16}, {Isa::kAmx, attn_item_amx})};
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
   return kv_bf16 ? bf16.pick() : f32.pick();
 }
