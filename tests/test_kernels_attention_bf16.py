@@ -1,9 +1,11 @@
 """Paged attention with bf16 dot products (levels avx512_bf16 and amx, bf16 caches, head_dim 64/128:
 csrc/attention_bf16.h) against a float64 reference that reads the same bf16 queries: within the bound of the one
-remaining rounding, the probabilities' to bf16 (|error| <= 2^-9 max|v| per output, 2^-8 allowed)."""
+remaining rounding, the probabilities' to bf16 (|error| <= 2^-9 max|v| per output, 2^-8 allowed). The kernels run
+from `attention_bf16_min_group()` query heads per KV head on (set to 1 here), the fp32 kernels below it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +16,15 @@ from kernel_levels import lowered, module
 from test_kernels_attention import Case, make_case, reference
 
 BF16_LEVELS = ("avx512_bf16", "amx")
+
+
+@pytest.fixture(autouse=True)
+def every_group() -> Iterator[None]:
+    mod = module()
+    before = mod.attention_bf16_min_group()
+    mod.set_attention_bf16_min_group(1)
+    yield
+    mod.set_attention_bf16_min_group(before)
 
 
 def check_bf16(mod: Any, c: Case) -> None:
@@ -57,3 +68,16 @@ def test_f32_cache_keeps_f32_kernels(level: str) -> None:
         out = torch.full(c.q.shape, float("nan"))
         mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale)
         torch.testing.assert_close(out.double(), reference(c), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("level", BF16_LEVELS)
+def test_min_group_chooses_the_kernel(level: str) -> None:
+    """Below the group threshold a bf16 cache runs the fp32 kernel (f32 tolerances); at it, bf16 dot products."""
+    for mod in lowered(module(), level):
+        mod.set_attention_bf16_min_group(4)
+        for group, exact in ((3, True), (4, False)):
+            c = make_case([300], [20], 16, 2, group, 64, torch.bfloat16, 14)
+            out = torch.full(c.q.shape, float("nan"))
+            mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale)
+            err = float((out.double() - reference(c)).abs().max())
+            assert (err < 1e-5) == exact, (group, err)

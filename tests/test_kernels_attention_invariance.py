@@ -1,6 +1,7 @@
 """Paged attention is batch-invariant (attention.cpp): a query row's output is bitwise the same whether it is a decode
 row alone or among 15 other sequences, a row of a speculative-verification chunk or of a prefill chunk, computed
-with 1 or 2 threads (flash-decoding split or not), on every ISA level this CPU has and both cache dtypes."""
+with 1 or 2 threads (flash-decoding split or not), on every ISA level this CPU has and both cache dtypes, with the
+bf16 dot-product kernels (bf16 caches from avx512_bf16 up: the group threshold is lowered to 1) and without."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ def threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=[1, 4], ids=["bf16-dot", "fp32-kernels"])
+def min_group(request: pytest.FixtureRequest, isa_all: Any) -> Iterator[Any]:  # noqa: F811
+    before = isa_all.attention_bf16_min_group()
+    isa_all.set_attention_bf16_min_group(request.param)
+    yield isa_all
+    isa_all.set_attention_bf16_min_group(before)
 
 
 class World:
@@ -64,7 +73,8 @@ class World:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-def test_row_is_batch_invariant(isa_all: Any, threads: None, d: int, dtype: torch.dtype) -> None:  # noqa: F811
+def test_row_is_batch_invariant(min_group: Any, threads: None, d: int, dtype: torch.dtype) -> None:
+    mod = min_group
     w = World(700, d, dtype)  # 700 keys: three partitions of 256
     others = [(i, 1, -1) for i in range(1, 16)]
     scenarios = {
@@ -79,19 +89,20 @@ def test_row_is_batch_invariant(isa_all: Any, threads: None, d: int, dtype: torc
     for name, seqs in scenarios.items():
         for n in (1, 2):
             torch.set_num_threads(n)
-            results.append((f"{name}, {n} threads", w.run(isa_all, seqs)))
+            results.append((f"{name}, {n} threads", w.run(mod, seqs)))
     ref = results[0][1]
     assert not ref.isnan().any()
     for name, out in results:
-        assert torch.equal(out, ref), f"{isa_all.active_isa()}: {name} differs from a decode row alone"
+        assert torch.equal(out, ref), f"{mod.active_isa()}: {name} differs from a decode row alone"
 
 
-def test_rows_spanning_partitions_in_one_chunk(isa_all: Any, threads: None) -> None:  # noqa: F811
+def test_rows_spanning_partitions_in_one_chunk(min_group: Any, threads: None) -> None:
     """Rows of one prefill chunk on both sides of a partition boundary (keys 256) equal the same rows alone."""
+    mod = min_group
     torch.set_num_threads(2)
     w = World(300, 64, torch.bfloat16, others=0)
     for row in (250, 255, 256, 299):
         w.length = row + 1
-        alone = w.run(isa_all, [(0, 1, 0)])
+        alone = w.run(mod, [(0, 1, 0)])
         w.length = 300
-        assert torch.equal(w.run(isa_all, [(0, 300, row)]), alone), (isa_all.active_isa(), row)
+        assert torch.equal(w.run(mod, [(0, 300, row)]), alone), (mod.active_isa(), row)

@@ -44,17 +44,24 @@ struct Task {
   int64_t cost;
 };
 
-AttnFn pick_kernel(int64_t d, bool kv_bf16) {
+// The bf16 dot-product kernels (bf16 caches, levels avx512_bf16 and amx) from this many query heads per KV head
+// on; below it the fp32 kernels run. Their per-key-tile cost (transposing K, interleaving V) is shared by the
+// rows of a group, so decode (G rows per group) is slower than the fp32 kernel below G = 4 and faster above it,
+// while prefill is ~3x faster at every G (BENCHMARKS.md). The choice depends on the model's shape only, so every
+// row of a model still runs one arithmetic; change it only before serving (a row's bits depend on it).
+std::atomic<int64_t> g_bf16_min_group{4};
+
+AttnFn pick_kernel(int64_t d, bool kv_bf16, int64_t group) {
   static const IsaTable<AttnFn> f32 = {
       {Isa::kGeneric, attn_item_generic},
       PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512})};
-  // bf16 caches: bf16 dot products (queries and probabilities rounded to bf16) where the CPU has them
   static const IsaTable<AttnFn> bf16 = {
       {Isa::kGeneric, attn_item_generic},
       PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512},
                   {Isa::kAvx512Bf16, attn_item_avx512bf16}, {Isa::kAmx, attn_item_amx})};
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
-  return kv_bf16 ? bf16.pick() : f32.pick();
+  const bool dot = kv_bf16 && group >= g_bf16_min_group.load(std::memory_order_relaxed);
+  return dot ? bf16.pick() : f32.pick();
 }
 
 void check_kv(const at::Tensor& kv) {
@@ -200,7 +207,7 @@ void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
 
 void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::vector<Task>& tasks,
                int64_t nthreads) {
-  const AttnFn fn = pick_kernel(a.d, a.kv_bf16);
+  const AttnFn fn = pick_kernel(a.d, a.kv_bf16, a.hq / a.hkv);
   std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
   for (size_t i = 0; i < groups.size(); ++i) left[i].store(groups[i].nparts, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
@@ -293,6 +300,12 @@ void register_attention(pybind11::module_& m) {
         "causal attention of the step's query rows over the paged KV cache, written into out [T, Hq, D]",
         py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"));
+  m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
+        "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels)");
+  m.def("set_attention_bf16_min_group", [](int64_t g) {
+          TORCH_CHECK(g >= 1, "group must be >= 1");
+          g_bf16_min_group.store(g);
+        }, py::arg("group"), "change it (tests, benchmarks; before serving only: a row's bits depend on it)");
   m.def("reshape_and_cache", &reshape_and_cache, "write K/V rows [T, Hkv, D] into their cache slots (slot < 0: skip)",
         py::arg("k"), py::arg("v"), py::arg("kv_layer"), py::arg("slot_mapping"));
 }
