@@ -164,3 +164,24 @@ def test_strided_rows_and_large_panels(isa_all: Any) -> None:  # noqa: F811
         assert torch.equal(pw.forward(x), pw.forward(x.contiguous()))
         xr = x.bfloat16().float() if fmt == "bf16" else x  # what the kernels multiply by
         torch.testing.assert_close(pw.forward(x), xr @ pw.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_amx_tiles_are_not_a_vdpbf16ps_sequence(amx_rows: Any) -> None:
+    """The finding behind the two bf16 orders (fgemm_amx.cpp): on a CPU with both, AMX tdpbf16ps (amx level, tiles
+    forced) and vdpbf16ps (avx512_bf16 level) over the same pairs in the same order give different bits, each
+    exactly its own documented order."""
+    mod = amx_rows
+    if mod.active_isa() != "amx":
+        pytest.skip("runs once, at the amx level")
+    w, x = rand(64, 512, seed=20), rand(16, 512, seed=21) * 4
+    pw = mod.pack_float(w, "bf16")
+    mod.set_fgemm_amx_min_rows(1)
+    amx = pw.forward(x)
+    mod.set_active_isa("avx512_bf16")
+    try:
+        vdp = pw.forward(x)
+    finally:
+        mod.set_active_isa("amx")
+    xb, wb = x.bfloat16().float(), pw.dequantize()
+    assert torch.equal(amx, emulate_bf16(xb, wb, "block")) and torch.equal(vdp, emulate_bf16(xb, wb, "pair"))
+    assert (amx != vdp).float().mean() > 0.2  # measured: about half of the outputs differ in the last bits

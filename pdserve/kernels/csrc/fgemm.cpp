@@ -66,15 +66,10 @@ class PackedFloat final : public PackedWeight {
     thread_local std::vector<uint16_t> scratch;  // the calling thread's: workers get its pointer, not their own
     if (bf16_) {
       pr.xb_tiles = kn.tiles && m >= fgemm::amx_min_rows();
-      const int64_t rows = (m + 15) / 16 * 16, size = rows * kpad_;
-      if (static_cast<int64_t>(scratch.size()) < (pr.xb_tiles ? 2 : 1) * size) scratch.resize(2 * size);
-      uint16_t* xb = scratch.data();
-      std::fill(xb + m * kpad_, xb + size, uint16_t{0});
-      at::parallel_for(0, m, std::max<int64_t>(1, 16384 / kpad_), [&](int64_t r0, int64_t r1) {
-        kn.to_bf16(x, ldx, r0, r1, k(), kpad_, xb);
-      });
-      if (pr.xb_tiles) xb = to_tiles(xb, rows, xb + size);
-      pr.xb = xb;
+      const int64_t size = (m + 15) / 16 * 16 * kpad_;  // rows padded to 16: the AMX kernel loads 16-row tiles
+      if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
+      convert(kn, x, ldx, m, pr.xb_tiles, scratch.data());
+      pr.xb = scratch.data();
       pr.ldx = kpad_;
     }
     const fgemm::PanelFn fn = bf16_ ? kn.bf16 : kn.f32;
@@ -83,13 +78,23 @@ class PackedFloat final : public PackedWeight {
     at::parallel_for(0, pairs, grain, [&](int64_t a, int64_t b) { fn(pr, 2 * a, std::min(2 * b, np)); });
   }
 
-  // Row-major bf16 [rows][kpad] to AMX A tiles (fgemm::Problem::xb_tiles) in out; returns out.
-  uint16_t* to_tiles(const uint16_t* xb, int64_t rows, uint16_t* out) const {
+  // x rounded to bf16 into out: row-major [rows][kpad] or, with tiles, AMX A tiles (fgemm::Problem::xb_tiles);
+  // rows are padded to a multiple of 16 with zeros. Blocks of 16 rows are split over the threads.
+  void convert(const fgemm::Kernels& kn, const float* x, int64_t ldx, int64_t m, bool tiles, uint16_t* out) const {
     const int64_t nkb = kpad_ / kKBlock;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < nkb; ++c)
-        std::memcpy(out + ((r / 16 * nkb + c) * 16 + r % 16) * kKBlock, xb + r * kpad_ + c * kKBlock, 2 * kKBlock);
-    return out;
+    at::parallel_for(0, (m + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<uint16_t> tmp(tiles ? 16 * kpad_ : 0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t rows = std::min<int64_t>(16, m - 16 * b);
+        uint16_t* dst = tiles ? tmp.data() : out + 16 * b * kpad_;
+        kn.to_bf16(x + 16 * b * ldx, ldx, 0, rows, k(), kpad_, dst);
+        std::fill(dst + rows * kpad_, dst + 16 * kpad_, uint16_t{0});
+        if (!tiles) continue;
+        for (int64_t r = 0; r < 16; ++r)
+          for (int64_t c = 0; c < nkb; ++c)
+            std::memcpy(out + ((b * nkb + c) * 16 + r) * kKBlock, dst + r * kpad_ + c * kKBlock, 2 * kKBlock);
+      }
+    });
   }
 
   at::Tensor dequantize() const override {
