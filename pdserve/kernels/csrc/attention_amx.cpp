@@ -28,7 +28,7 @@ struct alignas(64) TileConfig {
 
 // Scores of row block b against the key tile into s.s [16][32].
 template <int D>
-void scores(const Scratch& s, int64_t b) {
+void scores(Scratch& s, int64_t b) {
   _tile_zero(0);
   _tile_zero(1);
   for (int st = 0; st < D / 32; ++st) {
@@ -38,43 +38,38 @@ void scores(const Scratch& s, int64_t b) {
     _tile_dpbf16ps(0, 2, 3);
     _tile_dpbf16ps(1, 2, 4);
   }
-  _tile_stored(0, const_cast<float*>(s.s.data()), 128);
-  _tile_stored(1, const_cast<float*>(s.s.data()) + 16, 128);
+  _tile_stored(0, s.s.data(), 128);
+  _tile_stored(1, s.s.data() + 16, 128);
+}
+
+// acc rows of block b += P . V, one 16-dim panel (one tile product) at a time: acc = acc * alpha + panel.
+template <int D>
+void pv(Scratch& s, int64_t b, __mmask16 seen, const float* alpha) {
+  alignas(64) float out[16 * 16];
+  _tile_loadd(6, s.p.data(), 64);
+  for (int c = 0; c < D / 16; ++c) {
+    _tile_zero(5);
+    _tile_loadd(7, s.vt.data() + c * 256, 64);
+    _tile_dpbf16ps(5, 6, 7);
+    _tile_stored(5, out, 64);
+    for (int i = 0; i < 16; ++i) {
+      if (!(seen >> i & 1)) continue;
+      float* acc = s.acc.data() + (16 * b + i) * D + 16 * c;
+      _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(alpha[i]),
+                                            _mm512_load_ps(out + 16 * i)));
+    }
+  }
 }
 
 template <int D>
 void run(const AttnArgs& a, const AttnItem& it) {
   thread_local Scratch s;
   attn_bf16::prepare<D>(a, it, s);
-  const int64_t rows = attn_bf16::item_rows(a, it), g = a.hq / a.hkv;
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
-  alignas(64) float pv[16 * 16];
-  alignas(64) float alpha[16];
-  for (int64_t kt = it.k0; kt < it.k1; kt += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, it.k1 - kt));
-    const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
-    if (r0 >= rows) break;
-    attn_bf16::prepare_kv<D>(a, it, kt, n, s);
-    for (int64_t b = r0 / 16; b * 16 < rows; ++b) {
-      scores<D>(s, b);
-      const __mmask16 seen = attn_bf16::softmax_block(s, b, kt, n, alpha);
-      _tile_loadd(6, s.p.data(), 64);
-      for (int c = 0; c < D / 16; ++c) {
-        _tile_zero(5);
-        _tile_loadd(7, s.vt.data() + c * 256, 64);
-        _tile_dpbf16ps(5, 6, 7);
-        _tile_stored(5, pv, 64);
-        for (int i = 0; i < 16; ++i) {
-          if (!(seen >> i & 1)) continue;
-          float* acc = s.acc.data() + (16 * b + i) * D + 16 * c;
-          _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(alpha[i]),
-                                                _mm512_load_ps(pv + 16 * i)));
-        }
-      }
-    }
-  }
+  attn_bf16::walk<D>(a, it, s, [&](int64_t b) { scores<D>(s, b); },
+                     [&](int64_t b, __mmask16 seen, const float* alpha) { pv<D>(s, b, seen, alpha); });
   _tile_release();
   attn_bf16::finish<D>(a, it, s);
 }

@@ -44,35 +44,35 @@ void scores(const Scratch& s, int64_t b, int i, float* sc) {
   _mm512_storeu_ps(sc + 16, s1);
 }
 
+// acc rows of block b: acc * alpha first, then a probability pair per key pair.
+template <int D>
+void pv(Scratch& s, int64_t b, __mmask16 seen, const float* alpha) {
+  for (int i = 0; i < 16; ++i) {
+    if (!(seen >> i & 1)) continue;
+    const __m512 al = _mm512_set1_ps(alpha[i]);
+    const uint16_t* pb = s.p.data() + 32 * i;
+    for (int c = 0; c < D / 16; ++c) {
+      float* acc = s.acc.data() + ((16 * b + i) * D + 16 * c);
+      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc), al);
+      const uint32_t* v = s.vt.data() + c * 256;
+      for (int j = 0; j < kTile / 2; ++j)
+        o = _mm512_dpbf16_ps(o, bcast_pair(pb + 2 * j), (__m512bh)_mm512_loadu_si512(v + 16 * j));
+      _mm512_storeu_ps(acc, o);
+    }
+  }
+}
+
 template <int D>
 void run(const AttnArgs& a, const AttnItem& it) {
   thread_local Scratch s;
   attn_bf16::prepare<D>(a, it, s);
-  const int64_t rows = attn_bf16::item_rows(a, it), g = a.hq / a.hkv;
-  alignas(64) float alpha[16];
-  for (int64_t kt = it.k0; kt < it.k1; kt += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, it.k1 - kt));
-    const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
-    if (r0 >= rows) break;
-    attn_bf16::prepare_kv<D>(a, it, kt, n, s);
-    for (int64_t b = r0 / 16; b * 16 < rows; ++b) {
-      for (int i = 0; i < 16 && 16 * b + i < rows; ++i) scores<D>(s, b, i, s.s.data() + 32 * i);
-      const __mmask16 seen = attn_bf16::softmax_block(s, b, kt, n, alpha);
-      for (int i = 0; i < 16; ++i) {
-        if (!(seen >> i & 1)) continue;
-        const __m512 al = _mm512_set1_ps(alpha[i]);
-        const uint16_t* pb = s.p.data() + 32 * i;
-        for (int c = 0; c < D / 16; ++c) {
-          float* acc = s.acc.data() + ((16 * b + i) * D + 16 * c);
-          __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc), al);
-          const uint32_t* v = s.vt.data() + c * 256;
-          for (int j = 0; j < kTile / 2; ++j)
-            o = _mm512_dpbf16_ps(o, bcast_pair(pb + 2 * j), (__m512bh)_mm512_loadu_si512(v + 16 * j));
-          _mm512_storeu_ps(acc, o);
-        }
-      }
-    }
-  }
+  const int64_t rows = attn_bf16::item_rows(a, it);
+  attn_bf16::walk<D>(
+      a, it, s,
+      [&](int64_t b) {
+        for (int i = 0; i < 16 && 16 * b + i < rows; ++i) scores<D>(s, b, i, s.s.data() + 32 * i);
+      },
+      [&](int64_t b, __mmask16 seen, const float* alpha) { pv<D>(s, b, seen, alpha); });
   attn_bf16::finish<D>(a, it, s);
 }
 
