@@ -1,0 +1,199 @@
+// PackedWeight over GGUF blocks (qgemm.h): pack_gguf, the forward's threading and buffers, dequantize and rows.
+// The arithmetic lives in qgemm_{generic,avx2,avx512,amx}.cpp, picked per call through one IsaTable.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "dispatch.h"
+#include "packed_weight.h"
+#include "qgemm.h"
+#include "registry.h"
+
+namespace pdserve {
+namespace {
+
+using qgemm::kPanel;
+
+const qgemm::Ops& ops() {
+  static const IsaTable<const qgemm::Ops*> table = {
+      {Isa::kGeneric, &qgemm::kGenericOps},
+      PDSERVE_X86({Isa::kAvx2, &qgemm::kAvx2Ops}, {Isa::kAvx512, &qgemm::kAvx512Ops}, {Isa::kAmx, &qgemm::kAmxOps})};
+  return *table.pick();
+}
+
+// A grow-only 64-byte-aligned scratch buffer (one per thread: no allocation on the hot path once warm).
+class Scratch {
+ public:
+  uint8_t* get(size_t bytes) {
+    if (bytes > size_) {
+      size_ = (bytes + 4095) / 4096 * 4096;
+      buf_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size_)));
+      TORCH_CHECK(buf_, "out of memory for a ", size_, "-byte kernel buffer");
+    }
+    return buf_.get();
+  }
+
+ private:
+  struct Free { void operator()(uint8_t* p) const { std::free(p); } };
+  std::unique_ptr<uint8_t, Free> buf_;
+  size_t size_ = 0;
+};
+
+class QgemmWeight final : public PackedWeight {
+ public:
+  QgemmWeight(const qgemm::QType& t, const at::Tensor& data, int64_t n, int64_t k)
+      : PackedWeight(n, k), t_(t), nchunks_(k / t.qb), npanels_((n + kPanel - 1) / kPanel) {
+    packed_ = at::empty({npanels_ * nchunks_ * t.chunk_bytes()}, at::kByte);
+    const uint8_t* src = data.data_ptr<uint8_t>();
+    uint8_t* dst = packed_.data_ptr<uint8_t>();
+    at::parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) { qgemm::pack_panels(t_, src, n, k, p0, p1, dst); });
+  }
+
+  std::string type_name() const override { return t_.name; }
+  int64_t nbytes() const override { return packed_.numel(); }
+  void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override;
+  at::Tensor dequantize() const override;
+  void rows(const int64_t* ids, int64_t t, float* out) const override;
+
+ private:
+  const uint8_t* panel(int64_t p) const { return packed_.data_ptr<uint8_t>() + p * nchunks_ * t_.chunk_bytes(); }
+  void run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
+                  int64_t ldy, const float* bias) const;
+  void store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy, const float* bias) const;
+  // Decode the columns of panel p into out[c * k] (c < the panel's real columns); scratch for the decoder.
+  void dequant_panel(int64_t p, float* out) const;
+
+  const qgemm::QType& t_;
+  int64_t nchunks_, npanels_;
+  at::Tensor packed_;
+};
+
+void QgemmWeight::store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy,
+                        const float* bias) const {
+  const int64_t c0 = p * kPanel, nc = std::min<int64_t>(kPanel, n() - c0);
+  for (int64_t r = 0; r < mr; ++r) {
+    float* yr = y + (r0 + r) * ldy + c0;
+    const float* ar = acc + r * kPanel;
+    for (int64_t c = 0; c < nc; ++c) yr[c] = bias ? ar[c] + bias[c0 + c] : ar[c];
+  }
+}
+
+// Few rows: decode ~256 values of K at a time into L1 and run one row tile over them, the accumulators carried
+// along K. More rows: decode the whole panel once (L2) and run every row tile over it (AMX tiles of 16 rows where
+// the level has them). Either way each output is one fixed sequence of operations over K (qgemm.h).
+void QgemmWeight::run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
+                             int64_t ldy, const float* bias) const {
+  thread_local Scratch dec_buf, acc_buf;
+  const int64_t cb = t_.chunk_bytes(), ns = t_.nsub();
+  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
+  if (m <= o.max_rows) {
+    const int64_t group = std::max<int64_t>(1, 256 / t_.qb);
+    const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));
+    for (int64_t p = p0; p < p1; ++p) {
+      std::fill(acc, acc + m * kPanel, 0.0f);
+      for (int64_t c0 = 0; c0 < nchunks_; c0 += group) {
+        const int64_t g = std::min(group, nchunks_ - c0);
+        o.decode(t_, panel(p) + c0 * cb, g, d);
+        o.tile(t_, d, g * ns, a, c0 * ns, 0, m, acc);
+      }
+      store(acc, p, 0, m, y, ldy, bias);
+    }
+    return;
+  }
+  const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, dec_buf.get(qgemm::dec_bytes(t_, nchunks_)));
+  for (int64_t p = p0; p < p1; ++p) {
+    o.decode(t_, panel(p), nchunks_, d);
+    for (int64_t r0 = 0; r0 < m;) {
+      const bool amx = o.tile16 && m - r0 >= 16;
+      const int64_t mr = amx ? 16 : std::min<int64_t>(o.max_rows, m - r0);
+      std::fill(acc, acc + mr * kPanel, 0.0f);
+      if (amx) o.tile16(t_, d, nchunks_ * ns, a, 0, r0, acc);
+      else o.tile(t_, d, nchunks_ * ns, a, 0, r0, mr, acc);
+      store(acc, p, r0, mr, y, ldy, bias);
+      r0 += mr;
+    }
+  }
+}
+
+void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const {
+  const qgemm::Ops& o = ops();
+  thread_local Scratch act_buf;
+  const qgemm::Act a = qgemm::act_view(t_, m, k(), act_buf.get(qgemm::act_bytes(t_, m, k())));
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { o.quantize_act(t_, x, ldx, r0, r1, a); });
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t grain = (npanels_ + threads - 1) / threads;  // even split: each thread one contiguous stream
+  at::parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) { run_panels(o, a, m, p0, p1, y, ldy, bias); });
+}
+
+void QgemmWeight::dequant_panel(int64_t p, float* out) const {
+  thread_local Scratch buf;
+  const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf.get(qgemm::dec_bytes(t_, nchunks_)));
+  ops().decode(t_, panel(p), nchunks_, d);
+  qgemm::dequant_decoded(t_, d, nchunks_, static_cast<int>(std::min<int64_t>(kPanel, n() - p * kPanel)), out, k());
+}
+
+at::Tensor QgemmWeight::dequantize() const {
+  at::Tensor out = at::empty({n(), k()}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) dequant_panel(p, op + p * kPanel * k());
+  });
+  return out;
+}
+
+void QgemmWeight::rows(const int64_t* ids, int64_t t, float* out) const {
+  at::parallel_for(0, t, 8, [&](int64_t i0, int64_t i1) {
+    thread_local Scratch buf;
+    float* tmp = reinterpret_cast<float*>(buf.get(sizeof(float) * kPanel * k()));
+    for (int64_t i = i0; i < i1; ++i) {
+      dequant_panel(ids[i] / kPanel, tmp);
+      std::copy(tmp + (ids[i] % kPanel) * k(), tmp + (ids[i] % kPanel + 1) * k(), out + i * k());
+    }
+  });
+}
+
+std::string type_list() {
+  std::string s;
+  for (const qgemm::QType* t = qgemm::all_types(); t->name; ++t)
+    s += std::string(s.empty() ? "" : ", ") + t->name + "=" + std::to_string(t->id);
+  return s;
+}
+
+}  // namespace
+
+std::shared_ptr<PackedWeight> pack_gguf(const at::Tensor& data, int64_t ggml_type, int64_t k) {
+  const qgemm::QType* t = qgemm::find_type(static_cast<int>(ggml_type));
+  TORCH_CHECK(t, "pack_gguf: ggml type ", ggml_type, " is not supported (", type_list(), ")");
+  TORCH_CHECK(data.scalar_type() == at::kByte, "data must be uint8 GGUF blocks, got ", data.scalar_type());
+  TORCH_CHECK(data.dim() == 2, "data must be 2-D [N, row_bytes], got ", data.dim(), "-D");
+  TORCH_CHECK(data.device().is_cpu(), "data must be on the CPU");
+  TORCH_CHECK(k > 0 && k % t->qb == 0, t->name, " needs K a positive multiple of ", t->qb, ", got ", k);
+  const int64_t row_bytes = k / t->qb * t->gguf_bytes;
+  TORCH_CHECK(data.size(1) == row_bytes, "data has ", data.size(1), " bytes per row; ", t->name, " with K=", k,
+              " needs ", row_bytes);
+  TORCH_CHECK(data.size(0) > 0, "data has no rows");
+  return std::make_shared<QgemmWeight>(*t, data.contiguous(), data.size(0), k);
+}
+
+namespace {
+
+void register_qgemm(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("pack_gguf", &pack_gguf, py::arg("data"), py::arg("ggml_type"), py::arg("k"),
+        py::call_guard<py::gil_scoped_release>(),
+        "PackedWeight of GGUF blocks data (uint8 [N, row_bytes] as stored) of ggml type ggml_type, K values per "
+        "row: repacked once into 16-column panels; forward quantizes activations per 32 to int8");
+  m.def("pack_gguf_types", [] {
+          py::dict out;
+          for (const qgemm::QType* t = qgemm::all_types(); t->name; ++t) out[py::str(t->name)] = t->id;
+          return out;
+        }, "the ggml types pack_gguf takes: {name: ggml type id}");
+}
+
+}  // namespace
+PDSERVE_REGISTER(register_qgemm);
+}  // namespace pdserve
