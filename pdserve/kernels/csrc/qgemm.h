@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "common.h"
 
@@ -80,19 +81,39 @@ const QType* all_types();
 // The IQ4_NL/IQ4_XS table, + 128 (unsigned bytes).
 constexpr uint8_t kIq4Table[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
-// Quantized activation rows (the caller's buffer): q int8 [m][k], dx [m][k/32], per sub-block init = -off * sum(q)
-// and (min types) xs = dx * float(sum(q)), [m][k/s] each.
+// Quantized activation rows (the caller's buffer), in tiles of 16 rows so a kernel addresses a tile's rows at
+// constant offsets and an AMX A tile (16 rows x S bytes) is contiguous: q int8 [m/16][k/s][16][s]; dx (per 32
+// values) [m/16][k/32][16]; per sub-block init = -off * sum(q) and (min types) xs = dx * float(sum(q)),
+// [m/16][k/s][16] each. m is a multiple of 16 (rows past the caller's are padding).
 struct Act {
   int8_t* q;
   float* dx;
   int32_t* init;
   float* xs;
-  int64_t k, nb32, nsub;
+  int64_t k, nb32, nsub, s;
+  int64_t qi(int64_t r, int64_t sub) const { return (((r >> 4) * nsub + sub) * 16 + (r & 15)) * s; }
+  int64_t di(int64_t r, int64_t b) const { return ((r >> 4) * nb32 + b) * 16 + (r & 15); }
+  int64_t si(int64_t r, int64_t sub) const { return ((r >> 4) * nsub + sub) * 16 + (r & 15); }
 };
 
-// Bytes of an Act buffer of m rows (each array 64-byte aligned) and its views into `buf`.
+// Bytes of an Act buffer of m rows (rounded up to 16; each array 64-byte aligned) and its views into `buf`.
 size_t act_bytes(const QType& t, int64_t m, int64_t k);
 Act act_view(const QType& t, int64_t m, int64_t k, uint8_t* buf);
+// Zero rows r0..r1 (up to the end of their 16-row tile) of every array of a: padding rows of an AMX tile are
+// finite, never denormal.
+void zero_rows(const Act& a, int64_t r0, int64_t r1);
+// Store one quantized 32-block b of row r: q[32], its scale d and the sums of its sub-blocks (1 or 2).
+inline void put_block(const QType& t, const Act& a, int64_t r, int64_t b, const int8_t* q, float d,
+                      const int32_t* sums) {
+  const int per = QK / t.s;
+  a.dx[a.di(r, b)] = d;
+  for (int h = 0; h < per; ++h) {
+    const int64_t sub = b * per + h, i = a.si(r, sub);
+    std::memcpy(a.q + a.qi(r, sub), q + h * t.s, static_cast<size_t>(t.s));
+    a.init[i] = -t.off * sums[h];
+    if (t.min) a.xs[i] = d * static_cast<float>(sums[h]);
+  }
+}
 
 // Decoded weights of a run of consecutive chunks of one panel: wq [n*Z][64] u8, dw/mw [n*QB/S][16] fp32.
 struct Dec {
@@ -113,8 +134,12 @@ struct Ops {
   void (*tile)(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr,
                float* acc);
   int max_rows;
-  // As tile with mr = 16 on AMX tiles; null below the amx level.
+  // The amx level's: decode for tile16 (values u - off as signed bytes; it also configures the calling thread's
+  // AMX tiles), tile with mr = 16 on AMX tiles (16 activation rows from r0: the Act buffer is padded to whole
+  // tiles), and end16 to release the tiles after the last tile16. Null below amx.
+  void (*decode16)(const QType& t, const uint8_t* packed, int64_t n, const Dec& d);
   void (*tile16)(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc);
+  void (*end16)();
 };
 
 extern const Ops kGenericOps;

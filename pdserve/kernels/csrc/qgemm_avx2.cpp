@@ -101,17 +101,17 @@ void quantize_rows(const QType& t, const float* x, int64_t ldx, int64_t r0, int6
       __m256i q[4];
       for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q + r * a.k + b * QK),
-                          _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      a.dx[r * a.nb32 + b] = d;
-      const int per = QK / t.s;
-      for (int h = 0; h < per; ++h) {
-        const int32_t sum = per == 1 ? hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])))
-                                     : hsum(_mm256_add_epi32(q[2 * h], q[2 * h + 1]));
-        const int64_t s = r * a.nsub + b * per + h;
-        a.init[s] = -t.off * sum;
-        if (t.min) a.xs[s] = d * static_cast<float>(sum);
+      alignas(32) int8_t qb[QK];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qb),
+                         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      int32_t sums[2];
+      if (t.s == QK) {
+        sums[0] = hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      } else {
+        sums[0] = hsum(_mm256_add_epi32(q[0], q[1]));
+        sums[1] = hsum(_mm256_add_epi32(q[2], q[3]));
       }
+      put_block(t, a, r, b, qb, d, sums);
     }
   }
 }
@@ -149,17 +149,18 @@ void tile_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, f
     for (int h = 0; h < 2; ++h) c[r][h] = _mm256_loadu_ps(acc + r * kPanel + 8 * h);
   for (int64_t i = 0; i < nsubs; ++i) {
     const int64_t s = s0 + i;
+    const int8_t* x = a.q + a.qi(r0, s);  // row r at x + r * S (rows r0..r0+MR share a 16-row tile)
+    const float* dx = a.dx + a.di(r0, s * S / QK);
+    const int32_t* init = a.init + a.si(r0, s);
+    const float* xs = a.xs + a.si(r0, s);
     for (int r = 0; r < MR; ++r) {
-      const int64_t row = r0 + r;
-      const int8_t* x = a.q + row * a.k + s * S;
-      const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb32 + s * S / QK]);
+      const __m256 dxr = _mm256_set1_ps(dx[r]);
       for (int h = 0; h < 2; ++h) {
-        const __m256i isum = dot8<G, SGN>(d.wq + i * G * kVec + 32 * h, x, a.init[row * a.nsub + s]);
-        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(d.dw + i * kPanel + 8 * h), dx);
+        const __m256i isum = dot8<G, SGN>(d.wq + i * G * kVec + 32 * h, x + r * S, init[r]);
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(d.dw + i * kPanel + 8 * h), dxr);
         c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), p, c[r][h]);
         if (MIN)
-          c[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(d.mw + i * kPanel + 8 * h),
-                                    _mm256_set1_ps(a.xs[row * a.nsub + s]), c[r][h]);
+          c[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(d.mw + i * kPanel + 8 * h), _mm256_set1_ps(xs[r]), c[r][h]);
       }
     }
   }
@@ -186,7 +187,7 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 
 }  // namespace
 
-const Ops kAvx2Ops = {quantize_rows, decode<P256>, tile_rows, kMaxRows, nullptr};
+const Ops kAvx2Ops = {quantize_rows, decode<P256>, tile_rows, kMaxRows, nullptr, nullptr, nullptr};
 
 }  // namespace pdserve::qgemm
 

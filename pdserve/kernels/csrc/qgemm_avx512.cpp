@@ -45,25 +45,6 @@ struct P512 {
   static void store(float* p, F f) { _mm512_storeu_ps(p, f); }
 };
 
-// One activation row's step over one sub-block: the exact int32 sum (init = -off * sum(xq) first), then the fp32
-// updates of the contract. TWO splits the sum over two chains (integer adds: same result) for short tiles.
-template <int G, bool MIN, bool TWO>
-inline __m512 vnni_step(const __m512i* w, const int8_t* x, int32_t init, __m512 dws, float dx, __m512 mws, float xs,
-                        __m512 acc) {
-  __m512i i0 = _mm512_set1_epi32(init), i1 = _mm512_setzero_si512();
-  for (int g = 0; g < G; ++g) {
-    int32_t xv;
-    std::memcpy(&xv, x + 4 * g, 4);
-    const __m512i xb = _mm512_set1_epi32(xv);
-    if (TWO && (g & 1)) i1 = _mm512_dpbusd_epi32(i1, w[g], xb);
-    else i0 = _mm512_dpbusd_epi32(i0, w[g], xb);
-  }
-  if (TWO) i0 = _mm512_add_epi32(i0, i1);
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(dws, _mm512_set1_ps(dx)), acc);
-  if (MIN) acc = _mm512_fmadd_ps(mws, _mm512_set1_ps(xs), acc);
-  return acc;
-}
-
 // 32 floats -> int8 (round half to even) with d = amax/127, as qgemm_generic.cpp's quantize_act.
 void quantize_rows(const QType& t, const float* x, int64_t ldx, int64_t r0, int64_t r1, const Act& a) {
   for (int64_t r = r0; r < r1; ++r) {
@@ -74,46 +55,64 @@ void quantize_rows(const QType& t, const float* x, int64_t ldx, int64_t r0, int6
       const float d = amax / 127.0f;
       const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
       const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-      int8_t* q = a.q + r * a.k + b * QK;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(i0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
-      a.dx[r * a.nb32 + b] = d;
+      alignas(32) int8_t q[QK];
+      _mm_store_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(i0));
+      _mm_store_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(i1));
       int32_t sums[2];
-      int per = 1;
       if (t.s == 16) {
         sums[0] = _mm512_reduce_add_epi32(i0);
         sums[1] = _mm512_reduce_add_epi32(i1);
-        per = 2;
       } else {
         sums[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
       }
-      for (int h = 0; h < per; ++h) {
-        const int64_t s = r * a.nsub + b * per + h;
-        a.init[s] = -t.off * sums[h];
-        if (t.min) a.xs[s] = d * static_cast<float>(sums[h]);
-      }
+      put_block(t, a, r, b, q, d, sums);
     }
   }
 }
 
+// MR activation rows x the panel's 16 columns over nsubs sub-blocks. Per sub-block, each weight vector is loaded
+// once and feeds every row (MR independent vpdpbusd chains; short tiles split each row's sum over more chains:
+// integer adds, the same result), then each row takes the contract's fp32 steps.
 template <int S, bool MIN, int MR>
 void tile_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc) {
-  constexpr int G = S / 4;
+  constexpr int G = S / 4, CH = MR <= 2 ? 4 : MR <= 4 ? 3 : 2;  // >= 10 chains of 5-cycle vpdpbusd
   __m512 c[MR];
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) c[r] = _mm512_loadu_ps(acc + r * kPanel);
   for (int64_t i = 0; i < nsubs; ++i) {
     const int64_t s = s0 + i;
-    __m512i w[G];
-    for (int g = 0; g < G; ++g) w[g] = _mm512_loadu_si512(d.wq + (i * G + g) * kVec);
-    const __m512 dws = _mm512_loadu_ps(d.dw + i * kPanel);
-    const __m512 mws = MIN ? _mm512_loadu_ps(d.mw + i * kPanel) : _mm512_setzero_ps();
+    // rows r0..r0+MR share a 16-row tile: row r at constant offsets from these
+    const int8_t* xi = a.q + a.qi(r0, s);
+    const int32_t* init = a.init + a.si(r0, s);
+    const float* xs = a.xs + a.si(r0, s);
+    const float* dx = a.dx + a.di(r0, s * S / QK);
+    __m512i isum[MR][CH];
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const int64_t row = r0 + r;
-      const int8_t* x = a.q + row * a.k + s * S;
-      c[r] = vnni_step<G, MIN, (MR <= 2)>(w, x, a.init[row * a.nsub + s], dws, a.dx[row * a.nb32 + s * S / QK], mws,
-                                          MIN ? a.xs[row * a.nsub + s] : 0.0f, c[r]);
+      isum[r][0] = _mm512_set1_epi32(init[r]);
+      for (int h = 1; h < CH; ++h) isum[r][h] = _mm512_setzero_si512();
+    }
+    const uint8_t* wp = d.wq + i * G * kVec;
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512i w = _mm512_loadu_si512(wp + g * kVec);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, xi + r * S + 4 * g, 4);
+        isum[r][g % CH] = _mm512_dpbusd_epi32(isum[r][g % CH], w, _mm512_set1_epi32(xv));
+      }
+    }
+    const __m512 dws = _mm512_loadu_ps(d.dw + i * kPanel);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      __m512i sum = isum[r][0];
+      for (int h = 1; h < CH; ++h) sum = _mm512_add_epi32(sum, isum[r][h]);
+      c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dws, _mm512_set1_ps(dx[r])), c[r]);
+      if (MIN) c[r] = _mm512_fmadd_ps(_mm512_loadu_ps(d.mw + i * kPanel), _mm512_set1_ps(xs[r]), c[r]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kPanel, c[r]);
 }
 
@@ -147,7 +146,7 @@ void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0,
 }
 }  // namespace avx512
 
-const Ops kAvx512Ops = {avx512::quantize_act, avx512::decode, avx512::tile, kMaxRows, nullptr};
+const Ops kAvx512Ops = {avx512::quantize_act, avx512::decode, avx512::tile, kMaxRows, nullptr, nullptr, nullptr};
 
 }  // namespace pdserve::qgemm
 

@@ -52,36 +52,23 @@ struct PGeneric {
 };
 
 void quantize_act(const QType& t, const float* x, int64_t ldx, int64_t r0, int64_t r1, const Act& a) {
-  const int per = QK / t.s;  // sub-blocks per 32-block
   for (int64_t r = r0; r < r1; ++r) {
-    const float* xr = x + r * ldx;
-    int8_t* q = a.q + r * a.k;
     for (int64_t b = 0; b < a.nb32; ++b) {
+      const float* xb = x + r * ldx + b * QK;
       float amax = 0.0f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xr[b * QK + j]));
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float d = amax / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      a.dx[r * a.nb32 + b] = d;
-      for (int h = 0; h < per; ++h) {
-        int32_t sum = 0;
-        for (int j = h * t.s; j < (h + 1) * t.s; ++j) {
-          const int v = static_cast<int>(std::nearbyint(xr[b * QK + j] * id));  // round half to even
-          q[b * QK + j] = static_cast<int8_t>(v);
-          sum += v;
-        }
-        const int64_t s = r * a.nsub + b * per + h;
-        a.init[s] = -t.off * sum;
-        if (t.min) a.xs[s] = d * static_cast<float>(sum);
+      int8_t q[QK];
+      int32_t sums[2] = {0, 0};
+      for (int j = 0; j < QK; ++j) {
+        const int v = static_cast<int>(std::nearbyint(xb[j] * id));  // round half to even
+        q[j] = static_cast<int8_t>(v);
+        sums[j / t.s] += v;
       }
+      put_block(t, a, r, b, q, d, sums);
     }
   }
-}
-
-int32_t sub_dot(const uint8_t* w, const int8_t* x, int c, int s) {
-  int32_t acc = 0;
-  for (int g = 0; g < s / 4; ++g)
-    for (int j = 0; j < 4; ++j) acc += w[g * kVec + 4 * c + j] * x[4 * g + j];
-  return acc;
 }
 
 void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr, float* acc) {
@@ -90,15 +77,17 @@ void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0,
     const int64_t row = r0 + r;
     for (int64_t i = 0; i < nsubs; ++i) {
       const int64_t sub = s0 + i;
-      const int8_t* x = a.q + row * a.k + sub * s;
+      const int8_t* x = a.q + a.qi(row, sub);
       const uint8_t* w = d.wq + i * s * kPanel;
-      const float dx = a.dx[row * a.nb32 + sub * s / QK];
-      const int32_t init = a.init[row * a.nsub + sub];
+      const float dx = a.dx[a.di(row, sub * s / QK)];
+      const int32_t init = a.init[a.si(row, sub)];
       for (int c = 0; c < kPanel; ++c) {
-        const int32_t isum = init + sub_dot(w, x, c, s);
+        int32_t isum = init;
+        for (int g = 0; g < s / 4; ++g)
+          for (int j = 0; j < 4; ++j) isum += w[g * kVec + 4 * c + j] * x[4 * g + j];
         const float p = d.dw[i * kPanel + c] * dx;
         float v = std::fma(static_cast<float>(isum), p, acc[r * kPanel + c]);
-        if (t.min) v = std::fma(d.mw[i * kPanel + c], a.xs[row * a.nsub + sub], v);
+        if (t.min) v = std::fma(d.mw[i * kPanel + c], a.xs[a.si(row, sub)], v);
         acc[r * kPanel + c] = v;
       }
     }
@@ -118,6 +107,6 @@ void dequant_decoded(const QType& t, const Dec& d, int64_t n, int ncols, float* 
     }
 }
 
-const Ops kGenericOps = {quantize_act, decode<PGeneric>, tile, 8, nullptr};
+const Ops kGenericOps = {quantize_act, decode<PGeneric>, tile, 8, nullptr, nullptr, nullptr};
 
 }  // namespace pdserve::qgemm

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -82,9 +83,17 @@ void QgemmWeight::store(const float* acc, int64_t p, int64_t r0, int64_t mr, flo
   }
 }
 
+// Rows from which the amx level multiplies on AMX tiles (all rows then: the activations are padded to 16-row tiles).
+constexpr int64_t kAmxMinRows = 16;
+// Decoded panels per block on the many-rows path: the block (in L2) serves every row tile while a row tile's
+// activations stay in L1/L2 across the block's panels.
+constexpr size_t kBlockBytes = size_t{1} << 19;
+
+bool use_amx(const qgemm::Ops& o, int64_t m) { return o.tile16 && m > o.max_rows && m >= kAmxMinRows; }
+
 // Few rows: decode ~256 values of K at a time into L1 and run one row tile over them, the accumulators carried
-// along K. More rows: decode the whole panel once (L2) and run every row tile over it (AMX tiles of 16 rows where
-// the level has them). Either way each output is one fixed sequence of operations over K (qgemm.h).
+// along K. More rows: decode a block of panels whole (L2) and run every row tile over each (AMX tiles of 16 rows
+// where the level has them). Either way each output is one fixed sequence of operations over K (qgemm.h).
 void QgemmWeight::run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
                              int64_t ldy, const float* bias) const {
   thread_local Scratch dec_buf, acc_buf;
@@ -104,26 +113,36 @@ void QgemmWeight::run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m
     }
     return;
   }
-  const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, dec_buf.get(qgemm::dec_bytes(t_, nchunks_)));
-  for (int64_t p = p0; p < p1; ++p) {
-    o.decode(t_, panel(p), nchunks_, d);
-    for (int64_t r0 = 0; r0 < m;) {
-      const bool amx = o.tile16 && m - r0 >= 16;
-      const int64_t mr = amx ? 16 : std::min<int64_t>(o.max_rows, m - r0);
-      std::fill(acc, acc + mr * kPanel, 0.0f);
-      if (amx) o.tile16(t_, d, nchunks_ * ns, a, 0, r0, acc);
-      else o.tile(t_, d, nchunks_ * ns, a, 0, r0, mr, acc);
-      store(acc, p, r0, mr, y, ldy, bias);
-      r0 += mr;
+  const bool amx = use_amx(o, m);
+  const size_t per = qgemm::dec_bytes(t_, nchunks_);
+  const int64_t pb = std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / per), 1, 16);
+  uint8_t* buf = dec_buf.get(per * pb);
+  for (int64_t b0 = p0; b0 < p1; b0 += pb) {
+    const int64_t nb = std::min(pb, p1 - b0);
+    for (int64_t j = 0; j < nb; ++j)
+      (amx ? o.decode16 : o.decode)(t_, panel(b0 + j), nchunks_, qgemm::dec_view(t_, nchunks_, buf + j * per));
+    const int64_t step = amx ? 16 : o.max_rows;
+    for (int64_t r0 = 0; r0 < m; r0 += step) {
+      const int64_t mr = std::min(step, m - r0);
+      for (int64_t j = 0; j < nb; ++j) {
+        const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf + j * per);
+        std::fill(acc, acc + step * kPanel, 0.0f);
+        if (amx) o.tile16(t_, d, nchunks_ * ns, a, 0, r0, acc);
+        else o.tile(t_, d, nchunks_ * ns, a, 0, r0, mr, acc);
+        store(acc, b0 + j, r0, mr, y, ldy, bias);
+      }
     }
   }
+  if (amx) o.end16();
 }
 
 void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const {
   const qgemm::Ops& o = ops();
   thread_local Scratch act_buf;
-  const qgemm::Act a = qgemm::act_view(t_, m, k(), act_buf.get(qgemm::act_bytes(t_, m, k())));
+  const int64_t rows = use_amx(o, m) ? (m + 15) / 16 * 16 : m;  // AMX tiles read whole 16-row tiles
+  const qgemm::Act a = qgemm::act_view(t_, rows, k(), act_buf.get(qgemm::act_bytes(t_, rows, k())));
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { o.quantize_act(t_, x, ldx, r0, r1, a); });
+  if (rows > m) qgemm::zero_rows(a, m, rows);
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t grain = (npanels_ + threads - 1) / threads;  // even split: each thread one contiguous stream
   at::parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) { run_panels(o, a, m, p0, p1, y, ldy, bias); });

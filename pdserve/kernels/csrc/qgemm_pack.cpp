@@ -213,11 +213,13 @@ size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 }  // namespace
 
 size_t act_bytes(const QType& t, int64_t m, int64_t k) {
+  m = (m + 15) / 16 * 16;
   const size_t nsub = static_cast<size_t>(m * (k / t.s)), nb = static_cast<size_t>(m * (k / QK));
   return align64(static_cast<size_t>(m * k)) + align64(4 * nb) + 2 * align64(4 * nsub);
 }
 
 Act act_view(const QType& t, int64_t m, int64_t k, uint8_t* buf) {
+  m = (m + 15) / 16 * 16;
   const size_t nsub = static_cast<size_t>(m * (k / t.s)), nb = static_cast<size_t>(m * (k / QK));
   Act a;
   a.q = reinterpret_cast<int8_t*>(buf);
@@ -230,7 +232,19 @@ Act act_view(const QType& t, int64_t m, int64_t k, uint8_t* buf) {
   a.k = k;
   a.nb32 = k / QK;
   a.nsub = k / t.s;
+  a.s = t.s;
   return a;
+}
+
+void zero_rows(const Act& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t sub = 0; sub < a.nsub; ++sub) {
+      std::memset(a.q + a.qi(r, sub), 0, static_cast<size_t>(a.s));
+      a.init[a.si(r, sub)] = 0;
+      a.xs[a.si(r, sub)] = 0.0f;
+    }
+    for (int64_t b = 0; b < a.nb32; ++b) a.dx[a.di(r, b)] = 0.0f;
+  }
 }
 
 size_t dec_bytes(const QType& t, int64_t nchunks) {
