@@ -24,7 +24,7 @@ inline typename P::V place(typename P::V u, int from, int to, uint8_t width_mask
 
 // The weight vectors of one chunk. Loops run plane position outermost so the shift counts are loop-invariant.
 template <class P, int QB, bool NIB, int P2, int P1, bool RAW, bool LUT>
-void decode_values(const uint8_t* ch, uint8_t* wq) {
+__attribute__((always_inline)) inline void decode_values(const uint8_t* ch, uint8_t* wq) {
   using V = typename P::V;
   constexpr int Z = QB / 4, Z2 = Z / 2;
   if constexpr (RAW) {
@@ -62,7 +62,7 @@ void decode_values(const uint8_t* ch, uint8_t* wq) {
 
 // dw (and mw) of a chunk's sub-blocks, 16 columns each, from its scale section s.
 template <class P>
-void decode_scales(const QType& t, const uint8_t* s, float* dw, float* mw) {
+__attribute__((always_inline)) inline void decode_scales(const QType& t, const uint8_t* s, float* dw, float* mw) {
   const auto d = P::half(s);
   switch (t.sk) {
     case ScaleKind::kD: P::store(dw, d); return;
