@@ -11,7 +11,6 @@ level this CPU has (csrc/qgemm*.cpp).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kernel_levels import lowered
+from kernel_levels import (
+    isa_all,  # noqa: F401  (fixture: each test marked with it runs on every ISA level)
+    lowered,
+)
 
 import pdserve.kernels as K
 from pdserve.kernels.gguf_random import BLOCKS, random_blocks
@@ -27,8 +29,7 @@ from pdserve.kernels.gguf_random import BLOCKS, random_blocks
 gguf = pytest.importorskip("gguf")
 
 pytestmark = pytest.mark.skipif(not K.available(), reason="native kernels not built (python -m pdserve.kernels)")
-# avx512_bf16 runs the avx512 entries: not tested twice
-LEVELS = ("generic", "avx2", "avx512", "amx")
+LEVELS = ("generic", "avx2", "avx512", "amx")  # avx512_bf16 runs the avx512 entries
 TYPES = tuple(BLOCKS)
 SETTINGS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 EPS32 = 2.0**-24
@@ -39,12 +40,6 @@ QUANT_BYTES = {"Q4_1": (4, 20), "Q5_1": (4, 24), "Q2_K": (16, 80), "Q4_K": (16, 
 @pytest.fixture(scope="module")
 def mod() -> Any:
     return K.require()
-
-
-@pytest.fixture(params=LEVELS)
-def isa(request: pytest.FixtureRequest, mod: Any) -> Iterator[str]:
-    for _ in lowered(mod, request.param):
-        yield request.param
 
 
 def ggml_type(name: str) -> int:
@@ -106,10 +101,11 @@ def pack(mod: Any, w: np.ndarray, name: str, k: int) -> Any:
     return mod.pack_gguf(torch.from_numpy(w), ggml_type(name), k)
 
 
+@pytest.mark.usefixtures("isa_all")
 @pytest.mark.parametrize("name", TYPES)
 @SETTINGS
 @given(n=st.integers(1, 40), blocks=st.integers(1, 3), seed=st.integers(0, 2**31))
-def test_dequantize_and_rows_bitwise(mod: Any, isa: str, name: str, n: int, blocks: int, seed: int) -> None:
+def test_dequantize_and_rows_bitwise(mod: Any, name: str, n: int, blocks: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     k = block_values(name) * blocks * (3 if block_values(name) == 32 else 1)
     w = random_blocks(rng, n, k, name)
@@ -124,13 +120,14 @@ def test_dequantize_and_rows_bitwise(mod: Any, isa: str, name: str, n: int, bloc
 shapes = st.tuples(st.integers(1, 300), st.integers(1, 40), st.integers(1, 3))
 
 
+@pytest.mark.usefixtures("isa_all")
 @pytest.mark.parametrize("name", TYPES)
 @SETTINGS
 @given(shape=shapes, seed=st.integers(0, 2**31), with_bias=st.booleans())
-def test_forward_matches_reference(mod: Any, isa: str, name: str, shape: tuple[int, int, int], seed: int,
+def test_forward_matches_reference(mod: Any, name: str, shape: tuple[int, int, int], seed: int,
                                    with_bias: bool) -> None:
     m, n, blocks = shape
-    if isa == "generic":
+    if mod.active_isa() == "generic":
         m = min(m, 40)  # the scalar reference level is slow
     k = block_values(name) * blocks * (5 if block_values(name) == 32 else 1)
     rng = np.random.default_rng(seed)
@@ -186,8 +183,9 @@ def test_batch_invariance(mod: Any, name: str) -> None:
             np.testing.assert_array_equal(one.view(np.uint32), ref[:64].view(np.uint32), err_msg=f"{level} 1 thread")
 
 
+@pytest.mark.usefixtures("isa_all")
 @pytest.mark.parametrize("name", TYPES)
-def test_zero_blocks_and_zero_rows(mod: Any, isa: str, name: str) -> None:
+def test_zero_blocks_and_zero_rows(mod: Any, name: str) -> None:
     """All-zero blocks (scale 0) and all-zero activation rows give exact zeros, never NaN."""
     k = block_values(name) * 2
     w = np.zeros((20, k // block_values(name) * BLOCKS[name][2]), dtype=np.uint8)
@@ -202,8 +200,9 @@ def test_zero_blocks_and_zero_rows(mod: Any, isa: str, name: str) -> None:
     assert torch.equal(y2[1], torch.zeros(20)) and not y2.isnan().any()
 
 
+@pytest.mark.usefixtures("isa_all")
 @pytest.mark.parametrize("m", [1, 3, 9, 40])
-def test_strided_rows_and_bias(mod: Any, isa: str, m: int) -> None:
+def test_strided_rows_and_bias(mod: Any, m: int) -> None:
     rng = np.random.default_rng(m)
     name, n, k = "Q4_K", 33, 256
     wide = torch.from_numpy(random_acts(rng, m, k + 48))
