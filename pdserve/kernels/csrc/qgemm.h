@@ -3,15 +3,16 @@
 // qgemm_decode.h.
 //
 // Packed layout. Output columns go in panels of 16; a panel holds, for each GGUF block along K (32 or 256 values,
-// a "chunk"), the 16 columns' blocks interleaved. A "weight vector" is 64 bytes: 4 consecutive K values of each of
-// the 16 columns (byte 4c + t = column c, K value 4z + t). That is the operand of vpdpbusd with lane = column, and
-// one row of an AMX B tile. A chunk of QB values has Z = QB/4 weight vectors, stored as bit sections of 64-byte
-// units (byte b of a unit belongs to byte b of the weight vectors it feeds):
+// a "chunk"), the 16 columns' blocks interleaved: first the chunk's scales, 16 columns wide (fp16 d/dmin/m, 8-bit
+// sub-block scales, converted to fp32 on the fly), then its values (so a chunk is read front to back). A "weight
+// vector" is 64 bytes: 4 consecutive K values of each of the 16 columns (byte 4c + t = column c, K value 4z + t).
+// That is the operand of vpdpbusd with lane = column, and one row of an AMX B tile. A chunk of QB values has
+// Z = QB/4 weight vectors, stored as bit sections of 64-byte units (byte b of a unit belongs to byte b of the
+// weight vectors it feeds):
 //   nib  Z/2 units: low nibble -> vector i, high nibble -> vector i + Z/2            (bits 0..3 of the value)
 //   p2   Z/4 units: bits 2j..2j+1 -> vector 4u + j, placed at value bit `p2`          (Q6_K 4..5, Q2_K/Q3_K 0..1)
 //   p1   Z/8 units: bit j -> vector 8u + j, placed at value bit `p1`                  (Q5_* 4, Q3_K 2)
 //   raw  Z units: the value bytes                                                     (Q8_0: q ^ 0x80)
-// then the chunk's scales, 16 columns wide (fp16 d/dmin/m, 8-bit sub-block scales), converted to fp32 on the fly.
 // Decoded, every value is an unsigned byte u = q + off (IQ4 types: their table value + 128) with a fp32 scale dw
 // (and min mw) per sub-block of S = 16 or 32 values:  w = dw * (u - off) (+ mw).
 //
@@ -53,13 +54,14 @@ struct QType {
   int p2, p1;         // value bit of the 2-bit / 1-bit planes, -1 if none
   bool raw, lut;      // raw bytes (Q8_0); nibble is an index into the IQ4 table
   ScaleKind sk;
-  // Derived: byte offsets of the sections in a chunk, and its size (16 columns).
+  // Derived: byte offsets of the value sections from the chunk's values (which follow its scales), and the size
+  // of a chunk (16 columns).
   int z() const { return qb / 4; }
   int nsub() const { return qb / s; }
   int off_p2() const { return nib ? z() / 2 * kVec : 0; }
   int off_p1() const { return off_p2() + (p2 >= 0 ? z() / 4 * kVec : 0); }
   int off_raw() const { return off_p1() + (p1 >= 0 ? z() / 8 * kVec : 0); }
-  int off_scales() const { return off_raw() + (raw ? z() * kVec : 0); }
+  int value_bytes() const { return off_raw() + (raw ? z() * kVec : 0); }
   int scale_bytes() const {
     switch (sk) {
       case ScaleKind::kD: return 32;
@@ -70,7 +72,7 @@ struct QType {
     }
     return 0;
   }
-  int chunk_bytes() const { return off_scales() + scale_bytes(); }
+  int chunk_bytes() const { return scale_bytes() + value_bytes(); }
 };
 
 // The supported type with this ggml id, or null.
@@ -134,6 +136,9 @@ struct Ops {
   void (*tile)(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr,
                float* acc);
   int max_rows;
+  // As tile over n whole chunks of a panel read straight from the packed bytes (packed points at the first; the
+  // first sub-block is the panel's first), decoding in registers; null where the level has none.
+  void (*gemv)(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
   // The amx level's: decode for tile16 (values u - off as signed bytes; it also configures the calling thread's
   // AMX tiles), tile with mr = 16 on AMX tiles (16 activation rows from r0: the Act buffer is padded to whole
   // tiles), and end16 to release the tiles after the last tile16. Null below amx.
@@ -151,6 +156,7 @@ namespace avx512 {  // the AVX-512 entries the amx level reuses
 void quantize_act(const QType& t, const float* x, int64_t ldx, int64_t r0, int64_t r1, const Act& a);
 void decode(const QType& t, const uint8_t* packed, int64_t n, const Dec& d);
 void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr, float* acc);
+void gemv(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
 }  // namespace avx512
 #endif
 

@@ -116,7 +116,8 @@ void end16() { _tile_release(); }
 
 }  // namespace
 
-const Ops kAmxOps = {avx512::quantize_act, avx512::decode, avx512::tile, 8, decode16, tile16, end16};
+const Ops kAmxOps = {avx512::quantize_act, avx512::decode, avx512::tile, 8, avx512::gemv, decode16, tile16,
+                      end16};
 
 }  // namespace pdserve::qgemm
 

@@ -22,7 +22,7 @@ inline typename P::V place(typename P::V u, int from, int to, uint8_t width_mask
   return P::and8(from >= to ? P::srl(u, from - to) : P::sll(u, to - from), mask);
 }
 
-// The weight vectors of one chunk. Loops run plane position outermost so the shift counts are loop-invariant.
+// The weight vectors of one chunk (ch: its values). Loops run plane position outermost so the shift counts are loop-invariant.
 template <class P, int QB, bool NIB, int P2, int P1, bool RAW, bool LUT>
 __attribute__((always_inline)) inline void decode_values(const uint8_t* ch, uint8_t* wq) {
   using V = typename P::V;
@@ -97,8 +97,8 @@ void decode_run(const QType& t, const uint8_t* packed, int64_t n, const Dec& d) 
   const int64_t cb = t.chunk_bytes(), ns = t.nsub() * kPanel;
   for (int64_t c = 0; c < n; ++c) {
     const uint8_t* ch = packed + c * cb;
-    decode_values<P, QB, NIB, P2, P1, RAW, LUT>(ch, d.wq + c * QB * kPanel);
-    decode_scales<P>(t, ch + t.off_scales(), d.dw + c * ns, d.mw + c * ns);
+    decode_scales<P>(t, ch, d.dw + c * ns, d.mw + c * ns);
+    decode_values<P, QB, NIB, P2, P1, RAW, LUT>(ch + t.scale_bytes(), d.wq + c * QB * kPanel);
   }
 }
 

@@ -107,6 +107,6 @@ void dequant_decoded(const QType& t, const Dec& d, int64_t n, int ncols, float* 
     }
 }
 
-const Ops kGenericOps = {quantize_act, decode<PGeneric>, tile, 8, nullptr, nullptr, nullptr};
+const Ops kGenericOps = {quantize_act, decode<PGeneric>, tile, 8, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace pdserve::qgemm

@@ -118,6 +118,14 @@ void QgemmWeight::run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m
   thread_local Scratch dec_buf, acc_buf;
   const int64_t cb = t_.chunk_bytes(), ns = t_.nsub();
   float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
+  if (m <= o.max_rows && o.gemv) {
+    for (int64_t p = p0; p < p1; ++p) {
+      std::fill(acc, acc + m * kPanel, 0.0f);
+      o.gemv(t_, panel(p), nchunks_, a, 0, m, acc);
+      store(acc, p, 0, m, y, ldy, bias);
+    }
+    return;
+  }
   if (m <= o.max_rows) {
     const int64_t group = std::max<int64_t>(1, 256 / t_.qb);
     const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));

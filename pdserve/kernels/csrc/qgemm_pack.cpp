@@ -182,7 +182,7 @@ void write_scales(const QType& t, const Block& b, int c, uint8_t* s) {
   }
 }
 
-// Column c's values into the chunk's bit sections (see qgemm.h).
+// Column c's values into the chunk's bit sections (chunk: its values' start; see qgemm.h).
 void write_values(const QType& t, const Block& b, int c, uint8_t* chunk) {
   const int z2 = t.z() / 2;
   for (int k = 0; k < t.qb; ++k) {
@@ -268,8 +268,8 @@ void pack_panels(const QType& t, const uint8_t* data, int64_t n, int64_t k, int6
       for (int64_t ch = 0; ch < nchunks; ++ch) {
         std::memset(&b, 0, sizeof b);
         parse(t, row + ch * t.gguf_bytes, b);
-        write_values(t, b, c, panel + ch * cb);
-        write_scales(t, b, c, panel + ch * cb + t.off_scales());
+        write_scales(t, b, c, panel + ch * cb);
+        write_values(t, b, c, panel + ch * cb + t.scale_bytes());
       }
     }
   }
