@@ -81,8 +81,10 @@ class QgemmWeight final : public PackedWeight {
 
  private:
   const uint8_t* panel(int64_t p) const { return packed_.data_ptr<uint8_t>() + p * nchunks_ * t_.chunk_bytes(); }
-  void run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
-                  int64_t ldy, const float* bias) const;
+  void run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
+               const float* bias) const;
+  void run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
+                const float* bias) const;
   void store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy, const float* bias) const;
   // Decode the columns of panel p into out[c * k] (c < the panel's real columns); scratch for the decoder.
   void dequant_panel(int64_t p, float* out) const;
@@ -103,34 +105,27 @@ void QgemmWeight::store(const float* acc, int64_t p, int64_t r0, int64_t mr, flo
 }
 
 // Rows from which the amx level multiplies on AMX tiles (all rows then: the activations are padded to 16-row tiles).
-constexpr int64_t kAmxMinRows = 16;
+// benchmarks/kernels_qgemm.py here: at 16 rows the VNNI tiles were as fast or faster (up to 1.25x), from 32 AMX won.
+constexpr int64_t kAmxMinRows = 32;
 // Decoded panels per block on the many-rows path: the block (in L2) serves every row tile while a row tile's
 // activations stay in L1/L2 across the block's panels.
 constexpr size_t kBlockBytes = size_t{1} << 19;
 
 bool use_amx(const qgemm::Ops& o, int64_t m) { return o.tile16 && m > o.max_rows && m >= kAmxMinRows; }
 
-// Few rows: decode ~256 values of K at a time into L1 and run one row tile over them, the accumulators carried
-// along K. More rows: decode a block of panels whole (L2) and run every row tile over each (AMX tiles of 16 rows
-// where the level has them). Either way each output is one fixed sequence of operations over K (qgemm.h).
-void QgemmWeight::run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
-                             int64_t ldy, const float* bias) const {
+// Few rows: one row tile per panel, its accumulators carried along K; the weight vectors decoded in registers
+// straight from the packed panel where the level can (gemv), else ~256 values of K at a time into L1.
+void QgemmWeight::run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
+                          int64_t ldy, const float* bias) const {
   thread_local Scratch dec_buf, acc_buf;
-  const int64_t cb = t_.chunk_bytes(), ns = t_.nsub();
   float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
-  if (m <= o.max_rows && o.gemv) {
-    for (int64_t p = p0; p < p1; ++p) {
-      std::fill(acc, acc + m * kPanel, 0.0f);
+  const int64_t cb = t_.chunk_bytes(), ns = t_.nsub(), group = std::max<int64_t>(1, 256 / t_.qb);
+  const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));
+  for (int64_t p = p0; p < p1; ++p) {
+    std::fill(acc, acc + m * kPanel, 0.0f);
+    if (o.gemv) {
       o.gemv(t_, panel(p), nchunks_, a, 0, m, acc);
-      store(acc, p, 0, m, y, ldy, bias);
-    }
-    return;
-  }
-  if (m <= o.max_rows) {
-    const int64_t group = std::max<int64_t>(1, 256 / t_.qb);
-    const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));
-    for (int64_t p = p0; p < p1; ++p) {
-      std::fill(acc, acc + m * kPanel, 0.0f);
+    } else {
       for (int64_t c0 = 0; c0 < nchunks_; c0 += group) {
         const int64_t g = std::min(group, nchunks_ - c0);
         const uint8_t* src = panel(p) + c0 * cb;
@@ -140,11 +135,19 @@ void QgemmWeight::run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m
         o.decode(t_, src, g, d);
         o.tile(t_, d, g * ns, a, c0 * ns, 0, m, acc);
       }
-      store(acc, p, 0, m, y, ldy, bias);
     }
-    return;
+    store(acc, p, 0, m, y, ldy, bias);
   }
+}
+
+// More rows: decode a block of panels whole (L2) and run every row tile over each (AMX tiles of 16 rows where the
+// level has them). As on the few-rows path, each output is one fixed sequence of operations over K (qgemm.h).
+void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
+                           int64_t ldy, const float* bias) const {
+  thread_local Scratch dec_buf, acc_buf;
+  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
   const bool amx = use_amx(o, m);
+  const int64_t ns = t_.nsub(), step = amx ? 16 : o.max_rows;
   const size_t per = qgemm::dec_bytes(t_, nchunks_);
   const int64_t pb = std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / per), 1, 16);
   uint8_t* buf = dec_buf.get(per * pb);
@@ -152,7 +155,6 @@ void QgemmWeight::run_panels(const qgemm::Ops& o, const qgemm::Act& a, int64_t m
     const int64_t nb = std::min(pb, p1 - b0);
     for (int64_t j = 0; j < nb; ++j)
       (amx ? o.decode16 : o.decode)(t_, panel(b0 + j), nchunks_, qgemm::dec_view(t_, nchunks_, buf + j * per));
-    const int64_t step = amx ? 16 : o.max_rows;
     for (int64_t r0 = 0; r0 < m; r0 += step) {
       const int64_t mr = std::min(step, m - r0);
       for (int64_t j = 0; j < nb; ++j) {
@@ -176,7 +178,10 @@ void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int6
   if (rows > m) qgemm::zero_rows(a, m, rows);
   const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t grain = (npanels_ + threads - 1) / threads;  // even split: each thread one contiguous stream
-  at::parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) { run_panels(o, a, m, p0, p1, y, ldy, bias); });
+  at::parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) {
+    if (m <= o.max_rows) run_few(o, a, m, p0, p1, y, ldy, bias);
+    else run_many(o, a, m, p0, p1, y, ldy, bias);
+  });
 }
 
 void QgemmWeight::dequant_panel(int64_t p, float* out) const {
