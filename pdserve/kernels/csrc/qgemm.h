@@ -160,9 +160,9 @@ void gemv(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_
 }  // namespace avx512
 #endif
 
-// Dequantized columns c < ncols of n decoded chunks: out[c * ldo + kk] = dw * (u - off) (+ mw), bitwise equal to
-// gguf.quants.dequantize (qgemm_generic.cpp).
-void dequant_decoded(const QType& t, const Dec& d, int64_t n, int ncols, float* out, int64_t ldo);
+// Dequantized columns c0 <= c < c1 of n decoded chunks: out[(c - c0) * ldo + kk] = dw * (u - off) (+ mw),
+// bitwise equal to gguf.quants.dequantize (qgemm_generic.cpp).
+void dequant_decoded(const QType& t, const Dec& d, int64_t n, int c0, int c1, float* out, int64_t ldo);
 
 // Repack panels [p0, p1) (columns 16p .. 16p+15) of GGUF data [n, k/qb*gguf_bytes] into out (the whole packed
 // weight: panel p at p * (k/qb) * chunk_bytes). Columns past n are zero (their outputs are never written).

@@ -96,15 +96,19 @@ void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0,
 
 }  // namespace
 
-void dequant_decoded(const QType& t, const Dec& d, int64_t n, int ncols, float* out, int64_t ldo) {
+void dequant_decoded(const QType& t, const Dec& d, int64_t n, int c0, int c1, float* out, int64_t ldo) {
   const int64_t kk = n * t.qb;
-  for (int c = 0; c < ncols; ++c)
-    for (int64_t k = 0; k < kk; ++k) {
-      const int u = d.wq[(k / 4) * kVec + 4 * c + k % 4];
-      const int64_t i = (k / t.s) * kPanel + c;
-      const float w = d.dw[i] * static_cast<float>(u - t.off);
-      out[c * ldo + k] = t.min ? w + d.mw[i] : w;
+  for (int c = c0; c < c1; ++c) {
+    float* o = out + (c - c0) * ldo;
+    for (int64_t k = 0; k < kk; k += 4) {
+      const uint8_t* u = d.wq + (k / 4) * kVec + 4 * c;
+      const int64_t i = (k / t.s) * kPanel + c;  // a sub-block holds whole groups of 4
+      for (int j = 0; j < 4; ++j) {
+        const float w = d.dw[i] * static_cast<float>(u[j] - t.off);
+        o[k + j] = t.min ? w + d.mw[i] : w;
+      }
     }
+  }
 }
 
 const Ops kGenericOps = {quantize_act, decode<PGeneric>, tile, 8, nullptr, nullptr, nullptr, nullptr};

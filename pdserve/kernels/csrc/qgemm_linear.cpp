@@ -86,8 +86,8 @@ class QgemmWeight final : public PackedWeight {
   void run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
                 const float* bias) const;
   void store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy, const float* bias) const;
-  // Decode the columns of panel p into out[c * k] (c < the panel's real columns); scratch for the decoder.
-  void dequant_panel(int64_t p, float* out) const;
+  // Columns c0 <= c < c1 of panel p, dequantized, into out[(c - c0) * k].
+  void dequant_panel(int64_t p, int c0, int c1, float* out) const;
 
   const qgemm::QType& t_;
   int64_t nchunks_, npanels_;
@@ -184,29 +184,28 @@ void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int6
   });
 }
 
-void QgemmWeight::dequant_panel(int64_t p, float* out) const {
+void QgemmWeight::dequant_panel(int64_t p, int c0, int c1, float* out) const {
   thread_local Scratch buf;
   const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf.get(qgemm::dec_bytes(t_, nchunks_)));
   ops().decode(t_, panel(p), nchunks_, d);
-  qgemm::dequant_decoded(t_, d, nchunks_, static_cast<int>(std::min<int64_t>(kPanel, n() - p * kPanel)), out, k());
+  qgemm::dequant_decoded(t_, d, nchunks_, c0, c1, out, k());
 }
 
 at::Tensor QgemmWeight::dequantize() const {
   at::Tensor out = at::empty({n(), k()}, at::kFloat);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) dequant_panel(p, op + p * kPanel * k());
+    for (int64_t p = p0; p < p1; ++p)
+      dequant_panel(p, 0, static_cast<int>(std::min<int64_t>(kPanel, n() - p * kPanel)), op + p * kPanel * k());
   });
   return out;
 }
 
 void QgemmWeight::rows(const int64_t* ids, int64_t t, float* out) const {
   at::parallel_for(0, t, 8, [&](int64_t i0, int64_t i1) {
-    thread_local Scratch buf;
-    float* tmp = reinterpret_cast<float*>(buf.get(sizeof(float) * kPanel * k()));
     for (int64_t i = i0; i < i1; ++i) {
-      dequant_panel(ids[i] / kPanel, tmp);
-      std::copy(tmp + (ids[i] % kPanel) * k(), tmp + (ids[i] % kPanel + 1) * k(), out + i * k());
+      const int c = static_cast<int>(ids[i] % kPanel);
+      dequant_panel(ids[i] / kPanel, c, c + 1, out + i * k());
     }
   });
 }
