@@ -17,6 +17,7 @@ from test_loader import tiny_model, write_gguf
 from pdserve import kernels
 from pdserve.model.attention import ForwardContext
 from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput
+from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import LoadedModel, load_gguf
 from pdserve.model.native_program import RECORD_TOKENS, ProgramRecorder, ProgramUnsupported, record
@@ -81,6 +82,25 @@ def test_program_equals_the_python_definition(kind: str, weights: str, tmp_path:
 
 def test_program_with_plain_float_weights(tmp_path: Path) -> None:
     assert_program_equals_definition(native_runner(loaded("qwen2", "float", tmp_path), linear_backend="torch"))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_program_with_the_kernels_packed_weights(fmt: str, tmp_path: Path) -> None:
+    """The kernels' PackedWeight objects (here pack_float's) are a loader's choice: the same modules take them, the
+    program records them, and the logits stay those of the float weights up to the format's rounding."""
+    lib = kernels.require()
+    runner = native_runner(loaded("qwen3", "float", tmp_path), linear_backend="torch")
+    inp = runner.prepare(STEPS[0])
+    with torch.inference_mode():
+        dense = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
+    for m in runner.model.modules():
+        if isinstance(m, (Linear, Embedding)) and m.weight is not None:
+            m.set_packed(lib.pack_float(m.weight.detach(), fmt))
+    assert runner.model.build_native_program()
+    assert_program_equals_definition(runner)
+    with torch.inference_mode():
+        packed = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
+    assert (packed - dense).abs().max() <= (1e-4 if fmt == "f32" else 3e-2) * dense.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
