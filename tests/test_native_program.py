@@ -84,23 +84,30 @@ def test_program_with_plain_float_weights(tmp_path: Path) -> None:
     assert_program_equals_definition(native_runner(loaded("qwen2", "float", tmp_path), linear_backend="torch"))
 
 
-@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def pack(lib: Any, w: Any, fmt: str) -> Any:
+    if fmt == "gguf":
+        return lib.pack_gguf(w.data, w.qtype, w.shape[1])  # the same blocks, repacked into the qgemm panels
+    return lib.pack_float(w.detach(), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "gguf"])
 def test_program_with_the_kernels_packed_weights(fmt: str, tmp_path: Path) -> None:
-    """The kernels' PackedWeight objects (here pack_float's) are a loader's choice: the same modules take them, the
-    program records them, and the logits stay those of the float weights up to the format's rounding."""
+    """The kernels' PackedWeight objects (pack_float's, pack_gguf's) are a loader's choice: the same modules take
+    them in place of float weights or GGUF blocks, the program records them, and the logits stay those of the
+    weights they replace up to the format's rounding (bf16 or int8 activations)."""
     lib = kernels.require()
-    runner = native_runner(loaded("qwen3", "float", tmp_path), linear_backend="torch")
+    runner = native_runner(loaded("qwen3", "gguf" if fmt == "gguf" else "float", tmp_path), linear_backend="torch")
     inp = runner.prepare(STEPS[0])
     with torch.inference_mode():
-        dense = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
+        before = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
     for m in runner.model.modules():
-        if isinstance(m, (Linear, Embedding)) and m.weight is not None:
-            m.set_packed(lib.pack_float(m.weight.detach(), fmt))
+        if isinstance(m, (Linear, Embedding)):
+            m.set_packed(pack(lib, m.stored, fmt))
     assert runner.model.build_native_program()
     assert_program_equals_definition(runner)
     with torch.inference_mode():
-        packed = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
-    assert (packed - dense).abs().max() <= (1e-4 if fmt == "f32" else 3e-2) * dense.abs().max()
+        after = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
+    assert (after - before).abs().max() <= {"f32": 1e-4, "bf16": 3e-2, "gguf": 3e-2}[fmt] * before.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
