@@ -6,6 +6,7 @@ Read with `ast` (nothing is imported), so the rules hold for every module, optio
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,98 @@ def f(self, served):
     found = client_misuse("pdserve.server.x", misuse, api)
     assert len(found) == 5, found  # two imports, .engine, ._engine, and kv_transfer (not in the client's API)
     assert client_misuse("pdserve.server.x", "def g(self):\n    self.client.abort('x')\n", api) == []
+
+
+def forward_problems(sources: dict[str, str], registry: str) -> list[str]:
+    """What breaks "one forward definition per architecture" in the model layer's `sources` (file name -> text)
+    and `registry` (model/architectures.py):
+    - a decoder layer class (`...DecoderLayer`) without exactly one `forward`, or with a second forward-like method;
+    - any `forward_*` / `_forward_*` method (a second path, as `forward_native` was);
+    - a CausalLM subclass that writes its own `forward` or `hidden_states` (the stack is written once, in CausalLM;
+      an architecture brings its decoder layer, its embedding and its weight names);
+    - MODEL_CLASSES naming an architecture twice, or mapping one to a class that is not a CausalLM subclass of the
+      model layer."""
+    out: list[str] = []
+    stacks: set[str] = set()
+    for fname, text in sources.items():
+        for cls in [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)]:
+            methods = [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if cls.name.endswith("DecoderLayer") and (methods.count("forward") != 1 or
+                                                     [m for m in methods if "forward" in m and m != "forward"]):
+                out.append(f"{fname}: {cls.name} has forward methods {methods}")
+            out += [f"{fname}: {cls.name}.{m}" for m in methods if m.startswith(("forward_", "_forward_"))]
+            if "CausalLM" in [ast.unparse(b) for b in cls.bases]:
+                stacks.add(cls.name)
+                out += [f"{fname}: {cls.name}.{m} (a second stack)" for m in methods if m in ("forward",
+                                                                                           "hidden_states")]
+    table = next(n.value for n in ast.walk(ast.parse(registry)) if isinstance(n, ast.AnnAssign | ast.Assign)
+                 and "MODEL_CLASSES" in ast.unparse(n.target if isinstance(n, ast.AnnAssign) else n.targets[0]))
+    assert isinstance(table, ast.Dict)
+    names = [ast.literal_eval(k) for k in table.keys if k is not None]
+    out += [f"architectures.py: {n} registered {names.count(n)} times" for n in sorted(set(names))
+            if names.count(n) > 1]
+    out += [f"architectures.py: {ast.unparse(v)} is no CausalLM of the model layer" for v in table.values
+            if ast.unparse(v) not in stacks]
+    return out
+
+
+def _model_sources() -> dict[str, str]:
+    return {str(p.relative_to(PKG)): p.read_text(encoding="utf-8") for p in (PKG / "model").rglob("*.py")}
+
+
+def test_one_forward_definition_per_architecture() -> None:
+    """Each architecture is registered once and its decoder layer written once (its `forward`); the stack around
+    the layers is CausalLM's alone; no `forward_native`-style second copy anywhere, and the native code holds no
+    hand-written decoder: the whole-stack program is recorded from the Python definition."""
+    sources = _model_sources()
+    assert forward_problems(sources, sources["model/architectures.py"]) == []
+    assert any(re.search(r"class \w+DecoderLayer\(", t) for t in sources.values())
+    native = [f"{p.name}: {m.group(0)}" for p in (PKG / "kernels" / "csrc").iterdir()
+              for m in re.finditer(r"\b(?:class|struct)\s+\w*(?:Decoder|Layer|Model)\w*", p.read_text())]
+    assert native == []
+
+
+def test_the_forward_check_can_fail() -> None:
+    sources = _model_sources()
+    registry = sources["model/architectures.py"]
+    twice = registry.replace('"MistralForCausalLM": LlamaForCausalLM,',
+                             '"MistralForCausalLM": LlamaForCausalLM,\n    "LlamaForCausalLM": LlamaForCausalLM,')
+    assert twice != registry and len(forward_problems(sources, twice)) == 1
+    second = """
+class GemmaDecoderLayer(nn.Module):
+    def forward(self, x): ...
+    def forward_native(self, x): ...
+class GemmaForCausalLM(CausalLM):
+    def forward(self, ids): ...
+class Stray:
+    def _forward_fast(self): ...
+"""
+    assert len(forward_problems({**sources, "model/gemma.py": second}, registry)) == 4
+    stray = registry.replace('"Qwen3ForCausalLM": LlamaForCausalLM,', '"Qwen3ForCausalLM": Stray,')
+    assert len(forward_problems(sources, stray)) == 1
+
+
+# feature probes of PyTorch itself, not choices among our own objects
+_HASATTR_ALLOWED = {("cpu_linear.py", "onednn_available")}
+
+
+def test_no_duck_typed_kernel_choice() -> None:
+    """The model layer picks kernels from typed objects (KernelSelection, PackedMatrix), never by asking an object
+    what it has: no getattr with a default, no hasattr, no `type: ignore[attr-defined]` under pdserve/model."""
+    bad = []
+    for path in (PKG / "model").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if "type: ignore[attr-defined]" in text:
+            bad.append(f"{path.name}: type: ignore[attr-defined]")
+        tree = ast.parse(text)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in ast.walk(fn):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                    continue
+                if call.func.id == "getattr" and len(call.args) > 2:
+                    bad.append(f"{path.name}:{call.lineno} getattr with a default in {fn.name}")
+                if call.func.id == "hasattr" and (path.name, fn.name) not in _HASATTR_ALLOWED:
+                    bad.append(f"{path.name}:{call.lineno} hasattr in {fn.name}")
+    assert bad == []

@@ -113,18 +113,18 @@ class DraftKVPool:
 
 
 def check_same_vocabulary(draft: LoadedModel, draft_tokenizer: Any, target: DraftTarget) -> None:
-    """A draft must speak the target's token ids: equal vocab sizes, token -> id maps and special ids."""
+    """A draft must speak the target's token ids: equal vocab sizes, token -> id maps and special ids (both are
+    Hugging Face tokenizers, which have all of these)."""
     name = draft.source
     if draft.arch.vocab_size != target.arch.vocab_size:
         raise ValueError(f"speculative_config: draft model {name} has vocab size {draft.arch.vocab_size}, the "
                          f"target {target.arch.vocab_size}; a draft model must share the target's vocabulary")
     for attr in SPECIAL_IDS:
-        a, b = getattr(draft_tokenizer, attr, None), getattr(target.tokenizer, attr, None)
+        a, b = getattr(draft_tokenizer, attr), getattr(target.tokenizer, attr)
         if a != b:
             raise ValueError(f"speculative_config: draft model {name} has {attr} {a}, the target {b}; a draft "
                              f"model must share the target's tokenizer")
-    get_a, get_b = getattr(draft_tokenizer, "get_vocab", None), getattr(target.tokenizer, "get_vocab", None)
-    if get_a is not None and get_b is not None and get_a() != get_b():
+    if draft_tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ValueError(f"speculative_config: draft model {name} maps tokens to other ids than the target; a "
                          f"draft model must share the target's tokenizer")
 
