@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request as EngineRequest
 from pdserve.server.async_engine import AsyncEngine, KVSnapshot
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing, RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion

@@ -19,7 +19,6 @@ import torch
 from pdserve.config import EngineConfig, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
 from pdserve.engine.spec_decode import DraftTarget, SpecDecoder, make_proposer
@@ -28,6 +27,8 @@ from pdserve.engine.step_log import StepLog
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.kernels import kernels_description, resolve_kernels
+from pdserve.kv_transfer.base import KVTransfer
+from pdserve.kv_transfer.factory import make_kv_transfer
 from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
@@ -107,9 +108,7 @@ class LLMEngine:
         # PD disaggregation (prefill/decode roles): KV hand-off over a connector
         self.kv_transfer: KVTransfer | None = None
         if config.kv_role != "both":
-            from pdserve.disagg.manager import KVTransferManager
-
-            self.kv_transfer = KVTransferManager(config, self.block_manager, self.runner.kv_cache)
+            self.kv_transfer = make_kv_transfer(config, self.block_manager, self.runner.kv_cache)
         self.step_cost = self.runner.step_cost_model()
         self.step_budget = StepBudget(self.step_cost, config.max_step_ms)
         spec_config = config.speculative

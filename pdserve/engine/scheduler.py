@@ -22,10 +22,10 @@ from collections import deque
 from collections.abc import Sequence
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
+from pdserve.kv_transfer.base import KVTransfer
 from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput, StepKind
 
 __all__ = ["Scheduler", "SchedulerOutput", "StepKind", "is_decode", "make_sampling_metadata"]

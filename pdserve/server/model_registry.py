@@ -27,13 +27,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.api.errors import APIError
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kernels import kernels_description, kernels_isa
 from pdserve.server.allocator import release_memory
 from pdserve.server.async_engine import AsyncEngine, EngineThread, StepTurns
 from pdserve.server.audit import AuditEntry, AuditLog
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
 from pdserve.server.model_spec import ModelSpec, config_hash, effective_options
 from pdserve.server.serving import ServingOptions
@@ -249,7 +249,7 @@ class ModelRegistry:
         if (dev := engine.roofline.device) is not None:
             metrics.set_peaks(engine.roofline.peak_flops, dev.mem_bandwidth, dev)
         if engine.kv_transfer is not None:  # PD disaggregation role: KV hand-off metrics
-            from pdserve.disagg.metrics import KVTransferMetrics
+            from pdserve.kv_transfer.metrics import KVTransferMetrics
 
             KVTransferMetrics(metrics.registry, name, engine.kv_transfer, metrics.live)
         aengine = AsyncEngine(engine, metrics, self.max_waiting_requests, thread, self.step_turns)

@@ -12,17 +12,24 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.engine.kv_transfer import FinishedLoad, KVTransfer
-from pdserve.server.stats import LiveStats
+from pdserve.kv_transfer.base import FinishedLoad, KVTransfer
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.0, 30.0)
 
 
+class LoadRecorder(Protocol):
+    """Where pulls are also recorded for windowed statistics (the server's LiveStats)."""
+
+    def record_kv_load(self, ok: bool, seconds: float, nbytes: int) -> None: ...
+
+
 class KVTransferMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str, kv: KVTransfer,
-                 live: LiveStats | None = None) -> None:
+                 live: LoadRecorder | None = None) -> None:
         lbl, m = ["model_name"], model_name
         self.bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes pulled into this instance.", lbl,
                              registry=registry).labels(m)
