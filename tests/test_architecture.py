@@ -191,21 +191,38 @@ def _loaded_by(roots: list[str]) -> tuple[set[str], set[str]]:
     return seen, external
 
 
-@pytest.mark.parametrize("root", ["pdserve.router.app", "pdserve.deploy.ray.ingress", "pdserve.api.protocol"])
-def test_router_imports_no_engine_and_no_torch(root: str) -> None:
-    """Read from the source: what importing the router (or the Ray ingress, or the shared HTTP pieces) loads holds
-    no engine, model or server module and no torch; so each router process and Ray ingress actor starts without
-    the ~300 MB torch costs."""
-    loaded, external = _loaded_by([root])
+def _package(pkg: str) -> list[str]:
+    """Every module of a pdserve package, the package itself included."""
+    return sorted(m for m in _modules() if _under(m, pkg))
+
+
+@pytest.mark.parametrize("pkg", ["pdserve.router", "pdserve.deploy.ray.ingress", "pdserve.api"])
+def test_router_imports_no_engine_and_no_torch(pkg: str) -> None:
+    """Read from the source: what importing any module of the router (or the Ray ingress, or the shared HTTP pieces)
+    loads holds no engine, model or server module and no torch; so each router process and Ray ingress actor starts
+    without the ~300 MB torch costs."""
+    loaded, external = _loaded_by(_package(pkg))
     assert not {m for m in loaded for b in ("pdserve.engine", "pdserve.model", "pdserve.server") if _under(m, b)}
     assert not external & {"torch", "transformers", "safetensors", "gguf", "zmq"}
 
 
+def _loaded_in_fresh_interpreter(code: str, banned: tuple[str, ...]) -> list[str]:
+    """Runs `code` in a new interpreter; the modules under `banned` it left in sys.modules."""
+    check = f"import sys; bad = {banned!r}; " \
+            "print(sorted(m for m in sys.modules if any(m == b or m.startswith(b + '.') for b in bad)))"
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code) + "\n" + check], capture_output=True,
+                         text=True, timeout=300, cwd=PKG.parent, check=True)
+    return list(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
+
+
 def test_router_loads_no_torch() -> None:
-    """The same, checked by importing for real in a fresh interpreter: the router's app (built), the Ray ingress,
-    the `pdserve router` command line, and pdserve's public names leave torch, the engine and the model unloaded."""
-    code = textwrap.dedent("""
-        import importlib.util, sys
+    """The same, checked by importing for real in a fresh interpreter: every router module, the router's app
+    (built), the Ray ingress, the `pdserve router` command line, and pdserve's public names leave torch, the engine
+    and the model unloaded."""
+    code = f"""
+        import importlib, importlib.util
+        for name in {_package("pdserve.router") + _package("pdserve.api")!r}:
+            importlib.import_module(name)
         from pdserve import EngineConfig, SamplingParams
         from pdserve.router.app import create_router_app
         from pdserve.router.serving import RouterConfig
@@ -215,12 +232,21 @@ def test_router_loads_no_torch() -> None:
         EngineConfig(dtype="bfloat16"), SamplingParams(max_tokens=4)
         if importlib.util.find_spec("ray") is not None:
             import pdserve.deploy.ray.ingress
-        bad = ("torch", "pdserve.engine", "pdserve.model", "pdserve.server", "pdserve.llm")
-        print(sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in bad)))
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=PKG.parent, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+    """
+    assert _loaded_in_fresh_interpreter(code, ("torch", "pdserve.engine", "pdserve.model", "pdserve.server",
+                                               "pdserve.llm")) == []
+
+
+def test_kv_transfer_loads_nothing_above_it() -> None:
+    """Importing every KV-transfer module for real (connectors included) loads no engine, server, router or HTTP
+    module: the package sits below the engine."""
+    code = f"""
+        import importlib, importlib.util
+        for name in {_package("pdserve.kv_transfer")!r}:
+            importlib.import_module(name)
+    """
+    assert _loaded_in_fresh_interpreter(code, ("pdserve.engine", "pdserve.server", "pdserve.router", "pdserve.api",
+                                               "pdserve.llm")) == []
 
 
 def test_public_names_still_load() -> None:

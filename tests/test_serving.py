@@ -143,6 +143,24 @@ def test_completion_stream_echo_goes_with_first_token(aengine: AsyncEngine) -> N
     assert firsts[0]["choices"][0]["text"].startswith("Hello there " * 30) and len(text) > len("Hello there " * 30)
 
 
+def test_stream_events_carry_chinese_as_utf8(aengine: AsyncEngine) -> None:
+    """The server's SSE events (pdserve.api.sse, shared with the router) write Chinese as UTF-8 characters, as
+    OpenAI does, not as \\u escapes: the echoed prompt appears verbatim in the raw event."""
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    prompt = "你好，世界。请讲一个故事。"
+    body = CompletionRequest(prompt=prompt, max_tokens=2, ignore_eos=True, stream=True, echo=True)
+
+    async def run() -> list[str]:
+        stream = await serving.create_completion(body, RequestContext())
+        assert not isinstance(stream, dict)
+        return [line async for line in stream]
+
+    raw = asyncio.run(run())
+    assert prompt in raw[0] and "\\u" not in raw[0], raw[0]
+    assert json.loads(raw[0][len("data: "):])["choices"][0]["text"].startswith(prompt)
+    assert raw[-1] == "data: [DONE]\n\n"
+
+
 def test_rejected_and_failed_requests_carry_codes(aengine: AsyncEngine) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
     with pytest.raises(APIError) as e:
