@@ -157,10 +157,10 @@ def _add_tool_parsers(sub: Any) -> None:
     from pdserve.bench import add_bench_parser
     from pdserve.bench.diagnose import add_diagnose_parser
     from pdserve.deploy.ray.app import add_ray_serve_parser
-    from pdserve.disagg.router import add_router_parser
     from pdserve.poc import add_poc_parser
     from pdserve.profiler.cli import add_profile_parser
     from pdserve.roofline import add_calc_parser
+    from pdserve.router.app import add_router_parser
 
     add_bench_parser(sub)
     add_diagnose_parser(sub)

@@ -126,7 +126,7 @@ def test_quantization_and_native_kernels_are_cpu_only(tiny_hf_model: Any) -> Non
 def test_nixl_memory_type_follows_the_cache_device() -> None:
     """NIXL registration and descriptors: VRAM with the GPU index for a cuda cache, DRAM for a host cache (no NIXL
     needed to decide)."""
-    from pdserve.disagg.nixl_connector import nixl_memory
+    from pdserve.kv_transfer.nixl_connector import nixl_memory
 
     assert nixl_memory(torch.zeros(2, 3).device) == ("DRAM", 0)
     assert nixl_memory(torch.device("cuda", 1)) == ("VRAM", 1)  # a device object needs no GPU

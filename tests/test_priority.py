@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from pdserve import SamplingParams
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient
 from pdserve.engine.engine import LLMEngine
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineRequest, KVSnapshot
 from pdserve.engine.engine import LLMEngine
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing, RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
@@ -140,6 +140,24 @@ def test_completion_stream_echo_goes_with_first_token(aengine: EngineClient) -> 
     chunks = asyncio.run(run())
     text = "".join(c["choices"][0]["text"] for c in chunks)
     assert firsts[0]["choices"][0]["text"].startswith("Hello there " * 30) and len(text) > len("Hello there " * 30)
+
+
+def test_stream_events_carry_chinese_as_utf8(aengine: EngineClient) -> None:
+    """The server's SSE events (pdserve.api.sse, shared with the router) write Chinese as UTF-8 characters, as
+    OpenAI does, not as \\u escapes: the echoed prompt appears verbatim in the raw event."""
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    prompt = "你好，世界。请讲一个故事。"
+    body = CompletionRequest(prompt=prompt, max_tokens=2, ignore_eos=True, stream=True, echo=True)
+
+    async def run() -> list[str]:
+        stream = await serving.create_completion(body, RequestContext())
+        assert not isinstance(stream, dict)
+        return [line async for line in stream]
+
+    raw = asyncio.run(run())
+    assert prompt in raw[0] and "\\u" not in raw[0], raw[0]
+    assert json.loads(raw[0][len("data: "):])["choices"][0]["text"].startswith(prompt)
+    assert raw[-1] == "data: [DONE]\n\n"
 
 
 def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None:

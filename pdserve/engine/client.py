@@ -28,10 +28,10 @@ from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, PromptType, StepResult
 from pdserve.engine.engine_thread import EngineThread, StepTurns
 from pdserve.engine.explain import ExplanationHistory, RequestExplainer, StallThreshold
-from pdserve.engine.kv_transfer import FinishedLoad
 from pdserve.engine.messages import SchedulerStats, StepStats
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.stats import SpecDecodeStats
+from pdserve.kv_transfer.base import FinishedLoad
 from pdserve.model.inputs import StepKind
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult

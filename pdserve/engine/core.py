@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, StepStats
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
@@ -22,6 +21,7 @@ from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.step_log import StepLog
 from pdserve.errors import ErrorCode
+from pdserve.kv_transfer.base import KVTransfer
 from pdserve.model.runner import ModelRunner
 from pdserve.roofline import RooflineMeter, StepCostModel
 

@@ -21,7 +21,6 @@ from pdserve.config import EngineConfig, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.core import EngineCore
 from pdserve.engine.input_processor import MAX_PRIORITY, InputLimits, InputProcessor, PromptType
-from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.messages import EngineCoreOutput, StepStats
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request
@@ -30,6 +29,8 @@ from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import StructuredOutputManager
 from pdserve.kernels import kernels_description, resolve_kernels
+from pdserve.kv_transfer.base import KVTransfer
+from pdserve.kv_transfer.factory import make_kv_transfer
 from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
@@ -90,9 +91,7 @@ class LLMEngine:
         # PD disaggregation (prefill/decode roles): KV hand-off over a connector
         self.kv_transfer: KVTransfer | None = None
         if config.kv_role != "both":
-            from pdserve.disagg.manager import KVTransferManager
-
-            self.kv_transfer = KVTransferManager(config, self.block_manager, self.runner.kv_cache)
+            self.kv_transfer = make_kv_transfer(config, self.block_manager, self.runner.kv_cache)
         self.step_budget = StepBudget(self.runner.step_cost_model(), config.max_step_ms)
         self.step_cost = self.step_budget.cost
         spec_config = config.speculative

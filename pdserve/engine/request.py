@@ -78,7 +78,7 @@ class Request:
         self.pooling = False
         self.pool_sum: torch.Tensor | None = None
         self.num_pooled = 0
-        # PD disaggregation (pdserve.disagg): the request's `kv_transfer_params` as sent by the router, and what
+        # PD disaggregation (pdserve.kv_transfer): the request's `kv_transfer_params` as sent by the router, and what
         # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
         self.kv_transfer_params: dict[str, Any] | None = None
         self.kv_transfer_result: dict[str, Any] | None = None

@@ -27,13 +27,13 @@ from collections import deque
 from collections.abc import Sequence
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_transfer import KVTransfer
 from pdserve.engine.messages import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import fill_bitmask
 from pdserve.errors import ErrorCode
+from pdserve.kv_transfer.base import KVTransfer
 from pdserve.model.inputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, StepKind
 from pdserve.outputs import TokenLogprobs
 

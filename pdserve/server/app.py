@@ -21,19 +21,20 @@ from typing import Literal
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
+from pdserve.api.dashboard_page import page_router
+from pdserve.api.errors import install_exception_handlers
 from pdserve.cache import cache_root
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineThread, LLMEngine
 from pdserve.server.admin import admin_router
 from pdserve.server.audit import AuditLog
-from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
-from pdserve.server.errors import install_exception_handlers
 from pdserve.server.metrics import merged_registry
 from pdserve.server.model_registry import ModelRegistry
 from pdserve.server.model_routes import models_router
 from pdserve.server.model_spec import ModelSpec
 from pdserve.server.routes import router
-from pdserve.server.routes_dashboard import page_router, stats_router
+from pdserve.server.routes_dashboard import stats_router
 from pdserve.server.routes_debug import debug_router
 from pdserve.server.serving import ServingOptions
 from pdserve.server.tenants import TenantMetrics

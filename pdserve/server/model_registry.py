@@ -27,12 +27,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.api.errors import APIError
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineThread, LLMEngine, StepTurns
 from pdserve.kernels import kernels_description, kernels_isa
 from pdserve.server.allocator import release_memory
 from pdserve.server.audit import AuditEntry, AuditLog
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
 from pdserve.server.model_spec import ModelSpec, config_hash, effective_options
 from pdserve.server.serving import ServingOptions
@@ -253,7 +253,7 @@ class ModelRegistry:
         if (dev := info.device) is not None:
             metrics.set_peaks(info.peak_flops, dev.mem_bandwidth, dev)
         if info.kv_role != "both":  # PD disaggregation role: KV hand-off metrics
-            from pdserve.disagg.metrics import KVTransferMetrics
+            from pdserve.kv_transfer.metrics import KVTransferMetrics
 
             kv_metrics = KVTransferMetrics(metrics.registry, name, lambda: client.kv_snapshot, metrics.live)
             client.observe_kv_transfer(kv_metrics.observe_load, kv_metrics.pin_timeouts.inc)

@@ -1,55 +1,20 @@
-"""The live dashboard's routes: `GET /dashboard` (static page shipped in the package, served without the API key:
-it holds no data) and `GET /v1/stats` (windowed JSON from LiveStats; under /v1, so behind `--api-key`).
-
-`page_router` is shared with the PD router, whose own /v1/stats (disagg/router_stats.py) puts its instances side by
-side in the same shape the page reads.
+"""The server's `GET /v1/stats`: windowed JSON from LiveStats per loaded model (under /v1, so behind `--api-key`).
+The page that reads it (`GET /dashboard`) is api/dashboard_page.py, shared with the PD router, whose own /v1/stats
+(router/stats.py) puts its instances side by side in the same shape.
 """
 
 from __future__ import annotations
 
-import time
-from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import Response
+from fastapi import APIRouter, Request
 
+from pdserve.api.dashboard_page import WindowQuery, stats_envelope
 from pdserve.engine.client import EngineClient
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
 from pdserve.server.model_registry import ModelRegistry
-from pdserve.server.stats import DEFAULT_WINDOW_S, MAX_WINDOW_S
 
-ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css", "index.html": "text/html"}
-
-page_router = APIRouter()
 stats_router = APIRouter()
-
-
-def asset(name: str) -> bytes:
-    """A file of the dashboard package data (pdserve/server/dashboard/)."""
-    return (resources.files("pdserve.server") / "dashboard" / name).read_bytes()
-
-
-@page_router.get("/dashboard")
-async def dashboard() -> Response:
-    return Response(asset("index.html"), media_type="text/html; charset=utf-8",
-                    headers={"Cache-Control": "no-cache"})
-
-
-@page_router.get("/dashboard/{name}")
-async def dashboard_asset(name: str) -> Response:
-    if name not in ASSETS:
-        raise APIError(404, f"no dashboard file {name!r}", code="not_found", kind="not_found")
-    return Response(asset(name), media_type=f"{ASSETS[name]}; charset=utf-8", headers={"Cache-Control": "no-cache"})
-
-
-WindowQuery = Query(DEFAULT_WINDOW_S, gt=0, le=MAX_WINDOW_S, description="seconds of history the figures cover")
-
-
-def stats_envelope(role: str, window: float) -> dict[str, Any]:
-    """The fields every /v1/stats answer starts with (server and router)."""
-    return {"object": "stats", "role": role, "window_s": window, "time": time.time()}
 
 
 @stats_router.get("/v1/stats")

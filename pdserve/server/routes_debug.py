@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
+from pdserve.api.errors import APIError
 from pdserve.engine.client import EngineClient, ProfilerState
 from pdserve.profiler.phase import MAX_PROFILE_STEPS
-from pdserve.server.errors import APIError
 from pdserve.server.model_registry import ModelRegistry
 
 debug_router = APIRouter()

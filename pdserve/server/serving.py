@@ -21,6 +21,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPartError,
+    plain_messages,
+)
+from pdserve.api.sse import sse
 from pdserve.engine.client import (
     EngineClient,
     EngineDead,
@@ -34,15 +43,7 @@ from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.chat_template import render_chat
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
-from pdserve.server.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    ContentPartError,
-    plain_messages,
-)
 from pdserve.server.tenants import TenantMetrics
 from pdserve.server.tool_parsers import get_tool_parser
 from pdserve.server.tools import ChatTools, ToolPlan
@@ -92,10 +93,6 @@ class RequestContext:
     tenant: str | None = None  # X-Tenant header, else the body's `user`: logged, and the cache salt's tenant
     is_disconnected: Callable[[], Awaitable[bool]] | None = None  # polled while collecting a non-streamed reply
     trace_headers: dict[str, str] | None = None  # incoming W3C trace context (traceparent), for OpenTelemetry
-
-
-def sse(obj: dict[str, Any] | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def shutting_down(e: Exception) -> APIError:

@@ -10,11 +10,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import CompletionOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import ChatCompletionRequest
 from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult, rejected
 from pdserve.server.tool_parsers import ToolCall, ToolStream
 from pdserve.server.tools import ToolPlan, tool_plan

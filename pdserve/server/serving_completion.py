@@ -7,9 +7,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import CompletionRequest
 from pdserve.engine.client import EngineRequest, PromptType
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import CompletionRequest
 from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult
 
 

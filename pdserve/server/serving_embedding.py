@@ -14,10 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.api.errors import APIError
+from pdserve.api.request_fields import EMBEDDING_REFUSED, refused_field
 from pdserve.engine.client import EngineRequest, PromptType
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.server.errors import APIError
-from pdserve.server.request_fields import EMBEDDING_REFUSED, refused_field
 from pdserve.server.serving import OpenAIServing, RequestContext, rejected
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.server.serving import OpenAIServing
 
 

@@ -20,15 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.api.dashboard_page import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from pdserve.bench.diagnose.rules import Thresholds, analyze_window, ttft_limit_ms
 from pdserve.bench.diagnose.stats import RunStats
 from pdserve.engine.client import StepStats
 from pdserve.outputs import RequestOutput
 from pdserve.roofline import DeviceSpec, RooflineMeter
 
-MAX_WINDOW_S = 900.0  # the longest window a snapshot may ask for
 SNAPSHOT_MAX_AGE_S = 1.0  # /v1/stats answers from a snapshot at most this old
-DEFAULT_WINDOW_S = 60.0
 MAX_STEPS = 30_000  # ~15 min of 30 ms steps
 MAX_REQUESTS = 20_000
 MAX_ITL = 100_000

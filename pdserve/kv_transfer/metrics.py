@@ -13,18 +13,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.engine.client import FinishedLoad, KVSnapshot
-from pdserve.server.stats import LiveStats
+from pdserve.kv_transfer.base import FinishedLoad
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.0, 30.0)
 
 
+class LoadRecorder(Protocol):
+    """Where pulls are also recorded for windowed statistics (the server's LiveStats)."""
+
+    def record_kv_load(self, ok: bool, seconds: float, nbytes: int) -> None: ...
+
+
+class KVState(Protocol):
+    """The published KV-transfer counts the gauges read (the engine client's KVSnapshot)."""
+
+    @property
+    def num_pinned_blocks(self) -> int: ...
+
+    @property
+    def num_pinned_requests(self) -> int: ...
+
+    @property
+    def num_requests_loading_kv(self) -> int: ...
+
+
 class KVTransferMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, kv: Callable[[], KVSnapshot],
-                 live: LiveStats | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, kv: Callable[[], KVState],
+                 live: LoadRecorder | None = None) -> None:
         """`kv`: the engine's latest published KV state (EngineClient.kv_snapshot); the engine reports pulls and
         pin timeouts to `observe_load` and `pin_timeouts.inc` (EngineClient.observe_kv_transfer)."""
         lbl, m = ["model_name"], model_name
