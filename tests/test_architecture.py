@@ -535,3 +535,67 @@ def test_no_duck_typed_kernel_choice() -> None:
                 if call.func.id == "hasattr" and (path.name, fn.name) not in _HASATTR_ALLOWED:
                     bad.append(f"{path.name}:{call.lineno} hasattr in {fn.name}")
     assert bad == []
+
+
+# A RequestRejected (pdserve/errors.py) becomes an HTTP answer in one place: the app's handler in api/errors.py
+REJECTION_TRANSLATOR = "pdserve.api.errors"
+HTTP_SIDE = ("pdserve.server", "pdserve.router", "pdserve.api", "pdserve.deploy")
+
+
+def _names_rejected(node: ast.expr | None) -> bool:
+    return node is not None and any(isinstance(n, ast.Name | ast.Attribute) and ast.unparse(n).split(".")[-1]
+                                    == "RequestRejected" for n in ast.walk(node))
+
+
+def rejection_conversions(module: str, source: str) -> list[str]:
+    """Where `module` answers a RequestRejected itself instead of letting the app's handler do it: an `except`
+    naming it whose body does not end in a bare `raise` (a handler may look at it, count it or rename its param,
+    then let it go on), or an exception handler registered for it."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ExceptHandler) and _names_rejected(node.type):
+            last = node.body[-1]
+            if not (isinstance(last, ast.Raise) and last.exc is None):
+                out.append(f"{module}:{node.lineno} converts RequestRejected")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in (
+                "exception_handler", "add_exception_handler") and any(_names_rejected(a) for a in node.args):
+            out.append(f"{module}:{node.lineno} registers a RequestRejected handler")
+    return out
+
+
+def test_request_rejected_is_translated_once() -> None:
+    """Serving objects, routes, the router and the Ray ingress let RequestRejected through; api/errors.py's app
+    handler (from_rejected, one ErrorCode table) is the only place it becomes a status and an OpenAI body."""
+    mods = _modules()
+    bad = [m for name, path in mods.items() if any(_under(name, p) for p in HTTP_SIDE) and name != REJECTION_TRANSLATOR
+           for m in rejection_conversions(name, path.read_text(encoding="utf-8"))]
+    assert bad == []
+    found = rejection_conversions(REJECTION_TRANSLATOR, mods[REJECTION_TRANSLATOR].read_text(encoding="utf-8"))
+    assert len(found) == 1 and "registers a RequestRejected handler" in found[0], found
+
+
+def test_the_rejection_check_can_fail() -> None:
+    second = """
+from pdserve.errors import RequestRejected
+import pdserve.errors as errs
+def f(serving, body, app):
+    try:
+        serving.to_params(body)
+    except RequestRejected as e:
+        raise APIError(400, str(e)) from e
+    try:
+        serving.to_params(body)
+    except (KeyError, errs.RequestRejected):
+        return None
+    app.add_exception_handler(RequestRejected, lambda r, e: None)
+"""
+    assert len(rejection_conversions("pdserve.server.x", second)) == 3
+    passes = """
+def g(serving, body, metrics):
+    try:
+        serving.to_params(body)
+    except RequestRejected as e:
+        metrics.refused(e.code)
+        raise
+"""
+    assert rejection_conversions("pdserve.server.x", passes) == []

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.api.errors import APIError
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient
@@ -124,13 +123,12 @@ def test_priority_field_through_the_serving_layer(tiny_hf_model: Any, tokenizer:
             chat_body = ChatCompletionRequest(messages=[{"role": "user", "content": "你好"}], max_tokens=3, priority=-1)
             if policy == "fcfs":
                 for b in (body, chat_body):
-                    with pytest.raises(APIError) as e:
+                    with pytest.raises(RequestRejected) as e:  # answered by the app as a 400
                         if isinstance(b, CompletionRequest):
                             await comp.create_completion(b, RequestContext())
                         else:
                             await chat.create_chat_completion(b, RequestContext())
-                    assert e.value.status == 400 and e.value.param == "priority"
-                    assert e.value.code == ErrorCode.INVALID_PARAMETER.value
+                    assert e.value.param == "priority" and e.value.code == ErrorCode.INVALID_PARAMETER
                 body.priority = 0
             out = await comp.create_completion(body, RequestContext())
             assert isinstance(out, dict) and out["usage"]["completion_tokens"] == 3

@@ -12,7 +12,7 @@ import torch
 
 from pdserve import SamplingParams
 from pdserve import kernels as native_kernels
-from pdserve.errors import RequestRejected
+from pdserve.errors import ErrorCode, RequestRejected
 
 KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not native_kernels.available(),
                                                                     reason="native kernels not built"))]
@@ -137,11 +137,13 @@ def test_serving_layer_format_and_errors(tiny_hf_model: Any, tokenizer: Any) -> 
             messages=[{"role": "user", "content": "你好"}], max_tokens=2, prompt_logprobs=1), RequestContext())
         assert isinstance(resp, dict)
         assert resp["prompt_logprobs"][0] is None and len(resp["prompt_logprobs"]) == resp["usage"]["prompt_tokens"]
-        for body in (CompletionRequest(prompt="a", stream=True, prompt_logprobs=1),
-                     CompletionRequest(prompt="a", prompt_logprobs=21)):
-            with pytest.raises(APIError) as e:
-                await comp.create_completion(body, RequestContext())
-            assert e.value.status == 400 and e.value.param == "prompt_logprobs"
+        with pytest.raises(APIError) as e:
+            await comp.create_completion(CompletionRequest(prompt="a", stream=True, prompt_logprobs=1),
+                                         RequestContext())
+        assert e.value.status == 400 and e.value.param == "prompt_logprobs"
+        with pytest.raises(RequestRejected) as r:  # answered by the app as a 400 (api/errors.py)
+            await comp.create_completion(CompletionRequest(prompt="a", prompt_logprobs=21), RequestContext())
+        assert r.value.param == "prompt_logprobs" and r.value.code == ErrorCode.INVALID_PARAMETER
         with pytest.raises(APIError) as e:
             await chat.create_chat_completion(ChatCompletionRequest(
                 messages=[{"role": "user", "content": "a"}], stream=True, prompt_logprobs=0), RequestContext())

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from pdserve.api.errors import APIError
+from pdserve.api.errors import ERROR_STATUS, APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineRequest, KVSnapshot
 from pdserve.engine.engine import LLMEngine
+from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.server.metrics import Metrics
 from pdserve.server.serving import OpenAIServing, RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
@@ -160,11 +161,25 @@ def test_stream_events_carry_chinese_as_utf8(aengine: EngineClient) -> None:
     assert raw[-1] == "data: [DONE]\n\n"
 
 
+def test_every_error_code_has_one_answer() -> None:
+    """api/errors.py's table answers every ErrorCode; a refusal keeps its message, param and code."""
+    assert set(ERROR_STATUS) == set(ErrorCode)
+    for code, (status, type_, kind) in ERROR_STATUS.items():
+        err = from_rejected(RequestRejected("no", "p", code))
+        assert (err.status, err.type, err.kind, err.code, err.param, err.message) == \
+            (status, type_, kind, code.value, "p", "no")
+        assert err.body()["error"]["code"] == code.value and (status == 400) == (type_ == "invalid_request_error")
+
+
 def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
-    with pytest.raises(APIError) as e:
+    # refused with its code; the app answers it (api/errors.py from_rejected)
+    with pytest.raises(RequestRejected) as r:
         asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", max_tokens=600), RequestContext()))
-    assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded", "max_tokens")
+    assert (r.value.code, r.value.param) == (ErrorCode.CONTEXT_LENGTH_EXCEEDED, "max_tokens")
+    err = from_rejected(r.value)
+    assert (err.status, err.code, err.param, err.kind) == (400, "context_length_exceeded", "max_tokens",
+                                                           "context_length")
     with pytest.raises(APIError) as e:
         asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", model="other"), RequestContext()))
     assert e.value.status == 404 and e.value.code == "model_not_found"

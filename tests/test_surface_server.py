@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from test_embeddings import direct_embedding
 
 from pdserve.launch import ServerProc, start_server
@@ -104,6 +105,48 @@ def test_prompt_logprobs_and_priority_over_http(server: ServerProc, client: open
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
+BAD_CALL = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {}}]}
+
+
+def counts(srv: ServerProc, name: str) -> dict[tuple[str, ...], float]:
+    """One counter from /metrics: label values (sorted by label name, model labels left out) -> value."""
+    out: dict[tuple[str, ...], float] = {}
+    for fam in text_string_to_metric_families(httpx.get(srv.base_url + "/metrics").text):
+        for smp in fam.samples:
+            if smp.name == name:
+                out[tuple(v for k, v in sorted(smp.labels.items()) if k not in ("model", "model_name"))] = smp.value
+    return out
+
+
+# a refusal raised (as RequestRejected) by each layer under the routes: sampling params, the engine's input
+# checks, structured outputs, tools, the chat history (in the template's worker thread) and embeddings
+@pytest.mark.parametrize("path, body, param, code", [
+    ("/v1/completions", {**COMPLETION, "temperature": -1}, "temperature", "invalid_parameter"),
+    ("/v1/completions", {"prompt": "你好", "max_tokens": 600}, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "yaml"}}, "response_format.type",
+     "invalid_structured_output"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "invalid_tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "messages": [BAD_CALL]}, "messages[0].tool_calls[0]", "invalid_parameter"),
+    ("/tokenize", {"messages": [BAD_CALL]}, "messages[0].tool_calls[0]", "invalid_parameter"),
+    ("/v1/embeddings", {"input": [[1, 10**9]]}, "input", "invalid_prompt"),
+])
+def test_refusals_answered_and_counted_once(server: ServerProc, path: str, body: dict[str, Any], param: str,
+                                            code: str) -> None:
+    """Each is a 400 with OpenAI's body carrying its ErrorCode, counted once in the error metrics (context length
+    under its own kind) and once for the tenant."""
+    errors, tenants = counts(server, "pdserve:request_errors_total"), counts(server, "pdserve:tenant_requests_total")
+    r = httpx.post(server.base_url + path, json=body, headers={"x-tenant": "refused-t"}, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"], err
+    assert (err["param"], err["code"]) == (param, code), err
+    kind = ("context_length",) if code == "context_length_exceeded" else ("bad_request",)
+    after = counts(server, "pdserve:request_errors_total")
+    assert {k: v - errors.get(k, 0) for k, v in after.items() if v != errors.get(k, 0)} == {kind: 1}
+    after = counts(server, "pdserve:tenant_requests_total")
+    assert {k: v - tenants.get(k, 0) for k, v in after.items() if v != tenants.get(k, 0)} == \
+        {("400", "refused-t"): 1}
+    at_baseline(server)
 
 
 @pytest.mark.parametrize("path, body, param", [

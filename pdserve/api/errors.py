@@ -2,6 +2,8 @@
 server's and the router's apps.
 
 Each error also names a `kind`: the label it is counted under by the app's metrics (`ErrorCounter.error`).
+A `RequestRejected` (pdserve/errors.py) raised anywhere below the routes leaves through the one handler here,
+`from_rejected`: its ErrorCode picks the status, type and kind from ERROR_STATUS; nothing else converts it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.errors import ErrorCode, RequestRejected
 
 logger = logging.getLogger("pdserve.api")
 
@@ -34,6 +38,31 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.type, self.param, self.code)
+
+
+# ErrorCode -> (HTTP status, OpenAI error type, metrics kind): every code has one answer
+_BAD_REQUEST = (400, "invalid_request_error", "bad_request")
+_ENGINE_FAILED = (500, "internal_error", "engine")
+ERROR_STATUS: dict[ErrorCode, tuple[int, str, str]] = {
+    ErrorCode.INVALID_PROMPT: _BAD_REQUEST,
+    ErrorCode.INVALID_PARAMETER: _BAD_REQUEST,
+    ErrorCode.UNSUPPORTED_PARAMETER: _BAD_REQUEST,
+    ErrorCode.INVALID_STRUCTURED_OUTPUT: _BAD_REQUEST,
+    ErrorCode.INVALID_TOOL: _BAD_REQUEST,
+    ErrorCode.INVALID_TOOL_CHOICE: _BAD_REQUEST,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error", "context_length"),
+    ErrorCode.KV_TRANSFER_PARAMS_REJECTED: _BAD_REQUEST,  # the PD router retries without the params on this code
+    ErrorCode.MODEL_STEP_FAILED: _ENGINE_FAILED,
+    ErrorCode.SAMPLING_FAILED: _ENGINE_FAILED,
+    ErrorCode.POSTPROCESS_FAILED: _ENGINE_FAILED,
+    ErrorCode.KV_TRANSFER_FAILED: _ENGINE_FAILED,
+}
+
+
+def from_rejected(e: RequestRejected) -> APIError:
+    """The one translation of a refused request into its API error: status, type and kind by its code."""
+    status, type_, kind = ERROR_STATUS[e.code]
+    return APIError(status, str(e), type_, param=e.param, code=e.code.value, kind=kind)
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -62,6 +91,10 @@ def install_exception_handlers(app: FastAPI, metrics: ErrorCounter) -> None:
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         metrics.error(e.kind)
         return error_response(e)
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(_: Request, e: RequestRejected) -> JSONResponse:
+        return await _api_error(_, from_rejected(e))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:

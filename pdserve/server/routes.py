@@ -10,8 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
-from pdserve.api.errors import APIError
+from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.errors import RequestRejected
 from pdserve.server.model_registry import ModelRegistry, ServedModel
 from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
@@ -40,7 +41,7 @@ def _respond(result: ServingResult, served: ServedModel | None = None) -> Respon
 @contextmanager
 def _routed(raw: Request, body: Any) -> Iterator[ServedModel]:
     """The model the body's `model` routes to (registry.lease: held until the request is admitted or answered).
-    A request refused with an error counts for its tenant."""
+    A request refused with an error counts for its tenant; the error itself is answered by the app's handlers."""
     registry: ModelRegistry = raw.app.state.registry
     model = "unknown"
     try:
@@ -48,9 +49,10 @@ def _routed(raw: Request, body: Any) -> Iterator[ServedModel]:
             model = served.name
             body.model = served.name  # routed: an alias resolved to its target
             yield served
-    except APIError as e:
+    except (APIError, RequestRejected) as e:
+        status = e.status if isinstance(e, APIError) else from_rejected(e).status
         registry.tenant_metrics.observe_refused(model, raw.headers.get("x-tenant") or getattr(body, "user", None),
-                                                e.status)
+                                                status)
         raise
 
 

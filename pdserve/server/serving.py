@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pdserve.api.errors import APIError
+from pdserve.api.errors import ERROR_STATUS, APIError
 from pdserve.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -100,17 +100,11 @@ def shutting_down(e: Exception) -> APIError:
                     kind="shutting_down")
 
 
-def rejected(e: RequestRejected, param: str | None = None) -> APIError:
-    """The one mapping of a request refused before any work: 400 with its param (or `param` instead) and code; a
-    prompt over the context length counts as `context_length`."""
-    kind = "context_length" if e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else "bad_request"
-    return APIError(400, str(e), param=param or e.param, code=e.code.value, kind=kind)
-
-
 def child_error(out: RequestOutput) -> APIError:
     """A failed child as the API error: its ErrorCode becomes the body's `code` (the PD router matches on it)."""
-    code = out.error_code.value if out.error_code is not None else None
-    return APIError(500, out.error or "request failed", "internal_error", code=code, kind="engine")
+    code = out.error_code
+    status, type_, kind = ERROR_STATUS[code] if code is not None else (500, "internal_error", "engine")
+    return APIError(status, out.error or "request failed", type_, code=code.value if code else None, kind=kind)
 
 
 class OpenAIServing:
@@ -190,10 +184,12 @@ class OpenAIServing:
 
     @staticmethod
     def to_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        """The body's SamplingParams; RequestRejected names the field (the app answers it), any other ValueError
+        is a 400 as well."""
         try:
             return body.to_sampling_params()
-        except RequestRejected as e:
-            raise rejected(e) from e
+        except RequestRejected:
+            raise
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -211,26 +207,24 @@ class OpenAIServing:
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           prepare: PrepareChat | None = None) -> dict[str, Any]:
         """Messages through `prepare` and the chat template (in a worker thread) to a token-id prompt; 400 for
-        content that is not text, text over the character bound or not valid Unicode, a RequestRejected from
-        `prepare`, and conversations the template rejects."""
+        content that is not text, text over the character bound or not valid Unicode, and conversations the
+        template rejects. A RequestRejected from `prepare` (bad tools or tool calls) passes through."""
         try:
             plain = plain_messages(messages)
         except ContentPartError as e:
             raise APIError(400, str(e), param=e.param, code=ErrorCode.UNSUPPORTED_PARAMETER.value) from e
         self.check_texts(["".join(m["content"] for m in plain)], "messages")
-        try:
-            prompt: dict[str, Any] = await self.in_thread(self._encode_chat, plain, add_generation_prompt, prepare)
-        except RequestRejected as e:
-            raise rejected(e) from e
-        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        prompt: dict[str, Any] = await self.in_thread(self._encode_chat, plain, add_generation_prompt, prepare)
         return prompt
 
     def _encode_chat(self, plain: list[dict[str, Any]], add_generation_prompt: bool,
                      prepare: PrepareChat | None) -> dict[str, Any]:
         # without a tool plan: no tools, the history's tool calls and results mapped all the same
         plain, tools = prepare(plain) if prepare is not None else self.tools.prepare(plain, ToolPlan())
-        return render_chat(self.client.tokenizer, plain, add_generation_prompt, tools)
+        try:
+            return render_chat(self.client.tokenizer, plain, add_generation_prompt, tools)
+        except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
 
     async def start(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                     body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:
@@ -254,12 +248,10 @@ class OpenAIServing:
     def make_children(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                       kv_params: dict[str, Any] | None = None, cache_salt: str | None = None,
                       priority: int = 0) -> list[EngineRequest]:
-        """Tokenize and validate (no engine state touched: safe in a worker thread)."""
-        try:
-            return self.client.process_inputs(prompts, params, base_id, cache_salt=cache_salt, priority=priority,
-                                              kv_transfer_params=kv_params)
-        except RequestRejected as e:
-            raise rejected(e) from e
+        """Tokenize and validate (no engine state touched: safe in a worker thread); RequestRejected when a child
+        can never be served."""
+        return self.client.process_inputs(prompts, params, base_id, cache_salt=cache_salt, priority=priority,
+                                          kv_transfer_params=kv_params)
 
     # ---- running the children ------------------------------------------------------------------------------
     async def stream_all(self, children: Children) -> AsyncIterator[tuple[int, RequestOutput]]:

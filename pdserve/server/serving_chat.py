@@ -12,10 +12,10 @@ from typing import Any
 
 from pdserve.api.errors import APIError
 from pdserve.api.protocol import ChatCompletionRequest
-from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.errors import ErrorCode
 from pdserve.outputs import CompletionOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult, rejected
+from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult
 from pdserve.server.tool_parsers import ToolCall, ToolStream
 from pdserve.server.tools import ToolPlan, tool_plan
 
@@ -44,20 +44,14 @@ class OpenAIServingChat(OpenAIServing):
         return self.finish_response(resp, children, body)
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
-        try:
-            plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
-        except RequestRejected as e:
-            raise rejected(e) from e
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
         if body.tools:
             self.check_texts([json.dumps(body.tools, ensure_ascii=False)], "tools")
         return plan
 
     def constrain_tools(self, plan: ToolPlan, params: SamplingParams) -> None:
         """tool_choice required / a named function: the output is constrained to tool calls."""
-        try:
-            so = self.tools.constraint(plan)
-        except RequestRejected as e:
-            raise rejected(e) from e
+        so = self.tools.constraint(plan)
         if so is None:
             return
         if params.structured_outputs is not None:

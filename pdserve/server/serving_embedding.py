@@ -18,7 +18,7 @@ from pdserve.api.errors import APIError
 from pdserve.api.request_fields import EMBEDDING_REFUSED, refused_field
 from pdserve.engine.client import EngineRequest, PromptType
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.server.serving import OpenAIServing, RequestContext, rejected
+from pdserve.server.serving import OpenAIServing, RequestContext
 
 
 class EmbeddingRequest(BaseModel):
@@ -85,5 +85,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     def _make(self, prompts: list[PromptType], rid: str, priority: int) -> list[EngineRequest]:
         try:
             return self.client.process_embedding_inputs(prompts, rid, priority)
-        except RequestRejected as e:
-            raise rejected(e, "input" if e.param == "prompt" else None) from e
+        except RequestRejected as e:  # named as this endpoint's field; answered by the app (api/errors.py)
+            if e.param == "prompt":
+                e.param = "input"
+            raise
