@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.launch import ServerProc, free_port, start_pdserve
 
-from conftest import make_tiny_hf_model
+from conftest import make_tiny_hf_model, start_all
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[PD]
     make_tiny_hf_model().save_pretrained(model, safe_serialization=True)
     tokenizer.save_pretrained(model)
     m = ["--model", str(model), *TINY]
-    pre = start(tmp, "serve", *m, "--role", "prefill", "--kv-transfer-timeout", "4")
-    dec = start(tmp, "serve", *m, "--role", "decode")
+    pre, dec = start_all(lambda: start(tmp, "serve", *m, "--role", "prefill", "--kv-transfer-timeout", "4"),
+                         lambda: start(tmp, "serve", *m, "--role", "decode"))
     router = start(tmp, "router", "--prefill", pre.base_url, "--decode", dec.base_url, "--poll-interval", "0.2")
     try:
         ref = httpx.post(dec.base_url + "/v1/completions", json=BODY, timeout=60)
