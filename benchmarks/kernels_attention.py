@@ -27,7 +27,7 @@ import pdserve.kernels as K
 from pdserve.model.attention import AttentionMetadata, PrefillChunk, SDPABackend
 
 HQ, HKV, D, BS, HIDDEN, INTER = 9, 3, 64, 16, 576, 1536
-LEVELS = ("generic", "avx2", "avx512")
+LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")  # avx512_bf16, amx: own kernels for bf16 caches only
 
 
 def timeit(fn: Callable[[], Any], repeats: int, sample_s: float = 0.02) -> float:
@@ -92,7 +92,7 @@ class Step:
 
 
 def levels(mod: Any) -> list[str]:
-    return [lv for lv in LEVELS if LEVELS.index(lv) <= LEVELS.index(mod.cpu_isa()) and lv != "generic"]
+    return [lv for lv in LEVELS if mod.cpu_supports(lv)]
 
 
 def native_times(mod: Any, fn: Callable[[], Any], repeats: int) -> list[float]:

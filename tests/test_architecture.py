@@ -6,6 +6,7 @@ Read with `ast` (nothing is imported), so the rules hold for every module, optio
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,51 @@ def test_functions_are_small() -> None:
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({n} lines)")
     assert long == []
+
+
+def _classes(path: Path) -> list[ast.ClassDef]:
+    return [n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, ast.ClassDef)]
+
+
+def test_one_forward_definition_per_architecture() -> None:
+    """Each decoder layer is written once (its `forward`); no `forward_native`-style second copy anywhere, and the
+    native code holds no hand-written decoder: the whole-stack program is recorded from the Python definition."""
+    layers, extra = [], []
+    for path in (PKG / "model").rglob("*.py"):
+        for cls in _classes(path):
+            methods = [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            if cls.name.endswith("DecoderLayer"):
+                layers.append(cls.name)
+                assert methods.count("forward") == 1 and not [m for m in methods if "forward" in m and
+                                                                 m != "forward"], f"{path.name}: {cls.name}"
+            extra += [f"{path.name}: {cls.name}.{m}" for m in methods if m.startswith(("forward_", "_forward_"))]
+    assert layers and extra == []
+    native = [f"{p.name}: {m.group(0)}" for p in (PKG / "kernels" / "csrc").iterdir()
+              for m in re.finditer(r"\b(?:class|struct)\s+\w*(?:Decoder|Layer|Model)\w*", p.read_text())]
+    assert native == []
+
+
+# feature probes of PyTorch itself, not choices among our own objects
+_HASATTR_ALLOWED = {("cpu_linear.py", "onednn_available")}
+
+
+def test_no_duck_typed_kernel_choice() -> None:
+    """The model layer picks kernels from typed objects (KernelSelection, PackedMatrix), never by asking an object
+    what it has: no getattr with a default, no hasattr, no `type: ignore[attr-defined]` under pdserve/model."""
+    bad = []
+    for path in (PKG / "model").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if "type: ignore[attr-defined]" in text:
+            bad.append(f"{path.name}: type: ignore[attr-defined]")
+        tree = ast.parse(text)
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in ast.walk(fn):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                    continue
+                if call.func.id == "getattr" and len(call.args) > 2:
+                    bad.append(f"{path.name}:{call.lineno} getattr with a default in {fn.name}")
+                if call.func.id == "hasattr" and (path.name, fn.name) not in _HASATTR_ALLOWED:
+                    bad.append(f"{path.name}:{call.lineno} hasattr in {fn.name}")
+    assert bad == []

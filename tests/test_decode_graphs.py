@@ -42,7 +42,7 @@ def _sched(reqs: list[ScheduledRequest], decode: bool) -> SchedulerOutput:
 def _plain_logits(runner: ModelRunner, sched: SchedulerOutput) -> torch.Tensor:
     inp = runner.prepare(sched)
     with torch.inference_mode():
-        hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+        hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta)
         return runner.model.compute_logits(hidden[inp.sample_rows])
 
 

@@ -103,8 +103,8 @@ def test_runner_with_explicit_device_matches_default(tiny_hf_model: Any, backend
     for sched in steps:
         ia, ib = a.prepare(sched), b.prepare(sched)
         with torch.inference_mode():
-            ha = a.model(ia.input_ids, ia.positions, a.kv_cache, ia.meta, a.backend)
-            hb = b.model(ib.input_ids, ib.positions, b.kv_cache, ib.meta, b.backend)
+            ha = a.model(ia.input_ids, ia.positions, a.kv_cache, ia.meta)
+            hb = b.model(ib.input_ids, ib.positions, b.kv_cache, ib.meta)
         torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-5)
         assert a.execute(sched).token_ids == b.execute(sched).token_ids
 

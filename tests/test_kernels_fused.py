@@ -1,4 +1,5 @@
-"""Native fused layer ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul) against PyTorch, on every
+"""Native fused layer ops (rms_norm, fused_add_rms_norm, rms_norm_heads, rotary_embedding, silu_and_mul) against
+PyTorch, on every
 ISA level this CPU has, over random shapes and row strides."""
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ def test_fused_add_rms_norm(isa: Any, t: int, h: int, pad: int, seed: int) -> No
     isa.fused_add_rms_norm(x, res, w, 1e-6)
     torch.testing.assert_close(res, want_res, rtol=0, atol=0)
     torch.testing.assert_close(x, want_x, rtol=RTOL, atol=ATOL)
+
+
+@SETTINGS
+@given(t=st.integers(1, 30), d=st.sampled_from([16, 32, 64, 128]), heads=st.integers(1, 9),
+       pad=st.sampled_from([0, 48]), seed=st.integers(0, 2**16))
+def test_rms_norm_heads(isa: Any, t: int, d: int, heads: int, pad: int, seed: int) -> None:  # noqa: F811
+    """Qwen3's q/k norm, in place on a column slice of the fused qkv output; the columns around it untouched."""
+    wide = strided(t, heads * d + 2 * pad, 0, seed)
+    before = wide.clone()
+    x = wide[:, pad:pad + heads * d]
+    w = torch.randn(d)
+    want = ref_rms(x.reshape(t, heads, d), w, 1e-6).reshape(t, heads * d)
+    isa.rms_norm_heads(x, w, 1e-6)
+    torch.testing.assert_close(x, want, rtol=RTOL, atol=ATOL)
+    assert torch.equal(wide[:, :pad], before[:, :pad]) and torch.equal(wide[:, pad + heads * d:],
+                                                                       before[:, pad + heads * d:])
+    with pytest.raises(RuntimeError, match="whole number of heads"):
+        isa.rms_norm_heads(x, torch.ones(d + 1), 1e-6)
 
 
 def rope_tables(positions: int, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

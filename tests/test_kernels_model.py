@@ -1,6 +1,6 @@
 """The native kernels inside the model: the build is present (CI fails without it), GGUF blocks stay blocks and run
-through QuantLinear, `--quantization int8|int4` on a float checkpoint, each ISA path gives the same answer, and the
-native model agrees with the PyTorch reference path on the same weights."""
+as the Linear modules' packed weights, `--quantization int8|int4` on a float checkpoint, each ISA path gives the
+same answer, and the native model agrees with the PyTorch reference path on the same weights."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from test_loader import tiny_model, write_gguf
 
 from pdserve import SamplingParams, kernels
 from pdserve.model.loader import load_gguf
-from pdserve.model.quant_linear import QuantEmbedding, QuantizedWeight, QuantLinear
+from pdserve.model.quant_linear import QuantizedWeight
 from pdserve.model.runner import ModelRunner
 
 ISAS = list(LEVELS)
@@ -72,7 +72,7 @@ def prefill_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     sched.num_prefill_tokens = len(ids)
     inp = runner.prepare(sched)
     with torch.inference_mode():
-        hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+        hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta)
         return runner.model.compute_logits(hidden)
 
 
@@ -81,8 +81,11 @@ def test_gguf_blocks_stay_blocks_and_agree_with_dequantized_reference(q41_gguf: 
     native = runner_for(load_gguf(str(path), keep_quantized=True), "native")
     ref = runner_for(load_gguf(str(path)), "torch")  # the same Q4_1/Q8_0 weights, dequantized to fp32
     layer = native.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.qtype == int(Q.Q4_1)
-    assert isinstance(native.model.embed_tokens, QuantEmbedding) and isinstance(native.model.lm_head, QuantLinear)
+    qkv = layer.self_attn.qkv_proj.packed
+    assert isinstance(qkv, QuantizedWeight) and qkv.qtype == int(Q.Q4_1)
+    assert isinstance(native.model.embed_tokens.packed, QuantizedWeight)
+    assert isinstance(native.model.lm_head.packed, QuantizedWeight)
+    assert native.model.program is not None  # the whole stack runs as one native program
     # the live roofline counts the bytes of the blocks, and the same number of weights
     assert native.step_cost_model().layer_weight_bytes < ref.step_cost_model().layer_weight_bytes / 5
     assert native.step_cost_model().layer_params == ref.step_cost_model().layer_params
@@ -109,7 +112,8 @@ def test_quantization_of_a_float_checkpoint(method: str, tiny_hf_model: Any) -> 
     loaded = loaded_from_hf(tiny_hf_model)
     q = runner_for(loaded, "native", method)
     qtype = 8 if method == "int8" else 3
-    assert isinstance(q.model.layers[0].mlp.down_proj, QuantLinear) and q.model.layers[0].mlp.down_proj.qtype == qtype
+    down = q.model.layers[0].mlp.down_proj.packed
+    assert isinstance(down, QuantizedWeight) and down.qtype == qtype
     same_weights = copy.copy(loaded)
     same_weights.state_dict = {k: QuantizedWeight.quantize(v, qtype).dequantize() if v.dim() == 2 and "embed" not in k
                                else v for k, v in loaded.state_dict.items()}

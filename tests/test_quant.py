@@ -11,24 +11,25 @@ from torch import nn
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig
-from pdserve.model.quant import Int8Linear
+from pdserve.model.quant import Int8Weight
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_paths_share_weights(bias: bool) -> None:
     torch.manual_seed(0)
     lin = nn.Linear(96, 80, bias=bias)
-    q = Int8Linear(lin)
+    q = Int8Weight(lin.weight)
     assert q.weight_int8.dtype == torch.int8 and q.weight_int8.abs().max() <= 127
     deq = q.weight_int8.float() * q.scale.float().unsqueeze(1)
     assert torch.equal(deq, q.weight_dequant)
     assert (deq - lin.weight).abs().max() <= q.scale.float().max() / 2 + 1e-6  # round to nearest
     big = torch.randn(q.max_int8_rows + 5, 96)
-    torch.testing.assert_close(q(big), F.linear(big, deq, lin.bias), rtol=0, atol=0)  # fp32 GEMM path: exact
+    want = F.linear(big, deq, lin.bias)
+    torch.testing.assert_close(q.forward(big, lin.bias), want, rtol=0, atol=0)  # fp32 GEMM path: exact
     small = big[:3]
     ref = F.linear(small, deq, lin.bias)
-    err = (q(small) - ref).abs().max() / ref.abs().max()
-    assert q(small).dtype == torch.float32 and err < 2e-2  # int8 kernel: bf16 activations
+    err = (q.forward(small, lin.bias) - ref).abs().max() / ref.abs().max()
+    assert q.forward(small, lin.bias).dtype == torch.float32 and err < 2e-2  # int8 kernel: bf16 activations
 
 
 def test_engine_int8_close_to_fp32(make_llm: Any) -> None:

@@ -45,6 +45,15 @@ class AttentionMetadata:
     dense_mask: torch.Tensor | None = None  # flex's dense mode: bool [T, slots], the block mask evaluated
 
 
+@dataclass
+class ForwardContext:
+    """What a step's attention layers share besides their inputs: the whole KV cache (each layer reads its own
+    `kv_cache[layer]`) and the step's metadata. Passed down explicitly, never kept between steps."""
+
+    kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, Hkv, D]
+    meta: AttentionMetadata
+
+
 class AttentionBackend(Protocol):
     name: str
     varlen: bool  # reads the varlen metadata (block_table / query_start_loc / seq_lens); else the sdpa form
@@ -128,18 +137,16 @@ class NativeBackend:
     name = "native"
     varlen = True
 
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib  # the native kernel module (pdserve.kernels.require())
+
     def prepare(self, meta: AttentionMetadata, positions: torch.Tensor, num_blocks: int, block_size: int) -> None:
         pass
-
-    def __init__(self) -> None:
-        from pdserve import kernels
-
-        self.ops = kernels.require()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert meta.block_table is not None and meta.query_start_loc is not None and meta.seq_lens is not None
-        self.ops.reshape_and_cache(k, v, layer_cache, meta.slot_mapping)
+        self.lib.reshape_and_cache(k, v, layer_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
-        self.ops.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale)
+        self.lib.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale)
         return out

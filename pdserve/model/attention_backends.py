@@ -1,4 +1,5 @@
-"""Choosing an attention backend by name: sdpa and native (model/attention.py), flex (model/flex_attention.py)."""
+"""Choosing the PyTorch path's attention backend by name: sdpa (model/attention.py), flex (model/flex_attention.py).
+The native kernels bring their own (model/native_ops.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,12 @@ import logging
 
 import torch
 
-from pdserve.model.attention import AttentionBackend, NativeBackend, SDPABackend
+from pdserve.model.attention import AttentionBackend, SDPABackend
 from pdserve.model.flex_attention import FlexBackend, flex_available
 
 
 def get_attention_backend(name: str, device: torch.device | str = "cpu") -> AttentionBackend:
-    """sdpa | flex | native. flex falls back to sdpa (with a warning) where this PyTorch has no FlexAttention."""
-    if name == "native":
-        return NativeBackend()
+    """sdpa | flex. flex falls back to sdpa (with a warning) where this PyTorch has no FlexAttention."""
     if name == "flex":
         if flex_available():
             return FlexBackend(device)
@@ -22,4 +21,4 @@ def get_attention_backend(name: str, device: torch.device | str = "cpu") -> Atte
         return SDPABackend()
     if name == "sdpa":
         return SDPABackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: ['flex', 'native', 'sdpa']")
+    raise ValueError(f"unknown attention backend {name!r}; available: ['flex', 'sdpa']")

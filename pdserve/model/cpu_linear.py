@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.layers.linear import Linear
+
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 PACKED_MAX_ROWS = 256  # measured: oneDNN packed wins up to ~a few hundred rows, MKL GEMM above
 
@@ -31,19 +33,37 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear with a pre-packed oneDNN copy of its weight for steps of up to PACKED_MAX_ROWS rows."""
+class OneDNNWeight:
+    """A float weight W [N, K] with a pre-packed oneDNN copy for steps of up to PACKED_MAX_ROWS rows (a
+    PackedMatrix, model/native_ops.py). The plain weight is kept, not copied: larger steps and embedding lookups of
+    a tied embedding read it."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight  # shared, not copied: a tied embedding keeps reading it
-        self.bias = linear.bias
-        self.packed = pack_weight(linear.weight)  # not a buffer: the roofline counts one copy of the weights
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.detach()
+        self.packed = pack_weight(weight)  # the roofline counts one copy of the weights: `nbytes` is the plain one's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    @property
+    def type_name(self) -> str:
+        return "F32"
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_linear(x.contiguous(), self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x.contiguous(), self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight
 
 
 def use_onednn(backend: str, dtype: torch.dtype) -> bool:
@@ -59,9 +79,7 @@ def use_onednn(backend: str, dtype: torch.dtype) -> bool:
 
 
 def pack_model_linears(model: nn.Module) -> None:
-    """Replace every nn.Linear under `model` (decoder projections and lm_head) by a PackedLinear, in place."""
-    for name, child in list(model.named_children()):
-        if type(child) is nn.Linear:  # not subclasses, not already-quantized layers
-            setattr(model, name, PackedLinear(child))
-        else:
-            pack_model_linears(child)
+    """Give every float Linear under `model` (decoder projections and lm_head) a OneDNNWeight, in place."""
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight is not None and m.weight.dtype == torch.float32:
+            m.set_packed(OneDNNWeight(m.weight))

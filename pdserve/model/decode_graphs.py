@@ -105,7 +105,7 @@ class DecodeGraphRunner:
             block_table=tables.to(torch.int32), query_start_loc=self.query_start_loc[:b + 1], seq_lens=seq_lens)
         positions = self.positions[:b]
         self.backend.prepare(meta, positions, self.kv_cache.shape[2], self.block_size)
-        hidden = self.model(self.input_ids[:b], positions, self.kv_cache, meta, self.backend)
+        hidden = self.model(self.input_ids[:b], positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden)  # type: ignore[operator, no-any-return]
 
     def _record(self, b: int) -> _Graph:

@@ -1,6 +1,6 @@
 """Weight-only quantization of float checkpoints (`--quantization int8|int4`).
 
-With the native kernels (the default where they are built), every projection becomes a `QuantLinear` over GGUF
+With the native kernels (the default where they are built), every projection's weight becomes GGUF
 blocks of 32 weights with their own scale (int8 -> Q8_0, int4 -> Q4_1), read as stored by pdserve/kernels. The rest
 of this file is the PyTorch path (`--kernels torch`, int8 only), through PyTorch's own CPU kernel:
 
@@ -19,17 +19,13 @@ Quality is that of the int8 weights either way; the bf16 activation rounding of 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.cpu_linear import PACKED_MAX_ROWS, pack_weight, packed_linear
-from pdserve.model.quant_linear import QUANTIZATION_QTYPES, QuantizedWeight, QuantLinear
-
-if TYPE_CHECKING:
-    from pdserve.model.llama import DecoderLayer, LlamaForCausalLM
+from pdserve.model.layers.linear import Linear
+from pdserve.model.quant_linear import QUANTIZATION_QTYPES, QuantizedWeight
 
 QUANTIZATION_METHODS = ("int8", "int4")
 # Steps with at most this many tokens read the int8 weights. Measured crossover on 2 AVX2 cores: 8-16 rows
@@ -38,57 +34,61 @@ INT8_MAX_ROWS = 12
 INT8_MAX_ROWS_VS_PACKED = 6
 
 
-class Int8Linear(nn.Module):
-    """Drop-in for nn.Linear: int8 weight [out, in] + bf16 per-channel scale; optional bias in the compute dtype."""
+class Int8Weight:
+    """A PackedMatrix (model/native_ops.py) of int8 weights [out, in] with a bf16 scale per output channel, made from
+    a float weight; computes in the float weight's dtype."""
 
-    def __init__(self, linear: nn.Linear, packed: bool = False) -> None:
-        super().__init__()
-        w = linear.weight.detach().float()
+    def __init__(self, weight: torch.Tensor, packed: bool = False) -> None:
+        w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)
         q = torch.round(w / scale.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-        self.out_features, self.in_features = w.shape
-        self.register_buffer("weight_int8", q.contiguous())
-        self.register_buffer("scale", scale)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.compute_dtype = linear.weight.dtype
-        # not a buffer: the live roofline counts the int8 bytes a bandwidth-bound step reads
+        self.weight_int8 = q.contiguous()
+        self.scale = scale
+        self.compute_dtype = weight.dtype
+        # the live roofline counts the int8 bytes a bandwidth-bound step reads (`nbytes`), not this copy
         self.weight_dequant = (q.float() * scale.float().unsqueeze(1)).to(self.compute_dtype)
         self.packed = pack_weight(self.weight_dequant) if packed else None  # oneDNN copy (cpu_linear.py)
         self.max_int8_rows = INT8_MAX_ROWS_VS_PACKED if packed else INT8_MAX_ROWS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight_int8.shape[0], self.weight_int8.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_int8.numel()
+
+    @property
+    def type_name(self) -> str:
+        return "int8"
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] <= self.max_int8_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight_int8, self.scale)
             y = y.to(x.dtype)
-            return y if self.bias is None else y + self.bias
+            return y if bias is None else y + bias
         if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
-            return packed_linear(x.contiguous(), self.packed, self.bias)
-        return F.linear(x, self.weight_dequant, self.bias)
+            return packed_linear(x.contiguous(), self.packed, bias)
+        return F.linear(x, self.weight_dequant, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight_dequant)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_dequant
 
 
-def quantize_model(model: LlamaForCausalLM, method: str, packed: bool = False,
-                   native: bool = False) -> LlamaForCausalLM:
-    """Replace every float decoder-layer projection and the lm_head by its quantized form, in place (projections
-    already in GGUF blocks are left as they are). The embedding table stays in the compute dtype (a step reads
-    only its own rows of it)."""
+def quantize_model(model: nn.Module, method: str, packed: bool = False, native: bool = False) -> None:
+    """Give every float decoder-layer projection and the lm_head its quantized form, in place (projections already
+    in GGUF blocks are left as they are). The embedding table stays in the compute dtype (a step reads only its own
+    rows of it)."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {method!r}; supported: {', '.join(QUANTIZATION_METHODS)}")
     if method == "int4" and not native:
         raise ValueError("--quantization int4 runs on the native kernels only (not with --kernels torch)")
-
-    def convert(linear: nn.Module) -> nn.Module:
-        if not isinstance(linear, nn.Linear):
-            return linear
-        if native:
-            weight = QuantizedWeight.quantize(linear.weight, QUANTIZATION_QTYPES[method])
-            return QuantLinear(weight, linear.bias)
-        return Int8Linear(linear, packed)
-
-    for layer in cast("list[DecoderLayer]", model.layers):
-        att, mlp = layer.self_attn, layer.mlp
-        att.qkv_proj = convert(att.qkv_proj)  # type: ignore[assignment]
-        att.o_proj = convert(att.o_proj)  # type: ignore[assignment]
-        mlp.gate_up_proj = convert(mlp.gate_up_proj)  # type: ignore[assignment]
-        mlp.down_proj = convert(mlp.down_proj)  # type: ignore[assignment]
-    model.lm_head = convert(model.lm_head)  # type: ignore[assignment]
-    return model
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight is not None:
+            if native:
+                m.set_packed(QuantizedWeight.quantize(m.weight, QUANTIZATION_QTYPES[method]))
+            else:
+                m.set_packed(Int8Weight(m.weight, packed))

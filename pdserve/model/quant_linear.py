@@ -1,21 +1,20 @@
-"""Linear layers and embeddings whose weights stay in GGUF block format, multiplied by the native kernels.
+"""Weights that stay in GGUF block format, multiplied by the native kernels.
 
 A `QuantizedWeight` is a weight matrix [N, K] stored as N rows of K/32 blocks (ggml's Q4_0, Q4_1 or Q8_0: 32
 weights and an fp16 scale per block, Q4_1 also an fp16 minimum). GGUF files hold them this way; `--quantization
 int8|int4` produces them from a float checkpoint (Q8_0 | Q4_1, i.e. per-group scales with groups of 32). Nothing is
 dequantized at load: a step's matmuls read the blocks (pdserve/kernels, quant_linear.cpp), so a bandwidth-bound
-decode step reads 4.5-8.5 bits per weight instead of 32.
+decode step reads 4.5-8.5 bits per weight instead of 32. It is a PackedMatrix (model/native_ops.py): the Linear and
+Embedding modules (model/layers/linear.py) hold it as they would any packed weight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
-from torch import nn
 
 from pdserve import kernels
 
@@ -45,6 +44,18 @@ class QuantizedWeight:
     def type_name(self) -> str:
         return QTYPES[self.qtype][0]
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] float32 @ W.T (+ bias) -> [M, N] float32."""
+        return kernels.require().quant_linear(x, self.data, self.qtype, bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows W[ids] as float32 [*ids.shape, K]."""
+        return kernels.require().embedding(ids, self.data, self.qtype, self.shape[1])
+
     def dequantize(self) -> torch.Tensor:
         return kernels.require().dequantize(self.data, self.qtype, self.shape[1])
 
@@ -65,40 +76,3 @@ class QuantizedWeight:
 
 
 StateDict = Mapping[str, "torch.Tensor | QuantizedWeight"]  # Hugging Face names -> float tensors or GGUF blocks
-
-
-class QuantLinear(nn.Module):
-    """nn.Linear with a QuantizedWeight: y = x @ W^T (+ bias), x and y float32."""
-
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.qtype = weight.qtype
-        self.register_buffer("qweight", weight.data)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), requires_grad=False)
-        self._ops = kernels.require()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ops.quant_linear(x, self.qweight, self.qtype, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, {QTYPES[self.qtype][0]}"
-
-
-class QuantEmbedding(nn.Module):
-    """nn.Embedding over a QuantizedWeight: rows are dequantized as they are looked up."""
-
-    def __init__(self, weight: QuantizedWeight) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.qtype = weight.qtype
-        self.register_buffer("qweight", weight.data)
-        self._ops = kernels.require()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._ops.embedding(ids, self.qweight, self.qtype, self.embedding_dim)
-
-    def as_linear(self) -> QuantLinear:
-        """The tied lm_head: the same blocks, not a copy."""
-        data = cast(torch.Tensor, self.qweight)
-        return QuantLinear(QuantizedWeight(data, self.qtype, (self.num_embeddings, self.embedding_dim)))

@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 import torch
-from torch import nn
 
 from pdserve.config import ModelArchConfig
+from pdserve.model.architectures import build_model
 from pdserve.model.attention import AttentionMetadata, PrefillChunk
-from pdserve.model.attention_backends import get_attention_backend
-from pdserve.model.cpu_linear import pack_model_linears, use_onednn
+from pdserve.model.cpu_linear import OneDNNWeight, pack_model_linears, use_onednn
 from pdserve.model.decode_graphs import DecodeGraphRunner
 from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput
-from pdserve.model.llama import LlamaForCausalLM, skip_weight_init
+from pdserve.model.layers.linear import Embedding, Linear
+from pdserve.model.native_ops import select_kernels
 from pdserve.model.quant import quantize_model
-from pdserve.model.quant_linear import QuantEmbedding, QuantLinear, StateDict
+from pdserve.model.quant_linear import StateDict
 from pdserve.model.sampler import Sampler, SamplerOutput, score_tokens
 from pdserve.outputs import TokenLogprobs
 from pdserve.roofline import StepCostModel
@@ -65,22 +64,18 @@ class ModelRunner:
         if not on_cpu and (native or quantization):
             raise ValueError("native kernels and --quantization are CPU-only; on cuda use --kernels torch and a "
                              "float checkpoint")
-        with skip_weight_init():  # uninitialised (untouched, so unpaged) parameters: the state dict fills them
-            model = LlamaForCausalLM(arch, max_positions=1)
-        model.rotary = type(model.rotary)(arch, max_model_len)
+        selection = select_kernels(kernels, attention_backend, self.device)
+        self.backend = selection.attention
+        model = build_model(arch, selection, max_model_len)
         model.load_hf_state_dict(state_dict)
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.model.rotary.to_device(self.device)
+        self.model.to_device(self.device)
         if quantization:
             quantize_model(self.model, quantization, packed=use_onednn(linear_backend, dtype), native=native)
         if on_cpu and use_onednn(linear_backend, dtype):
             pack_model_linears(self.model)  # the float projections that remain
         if native:
-            self.backend = get_attention_backend("native")
-            self.model.build_native_decoder(self.backend.ops)  # type: ignore[attr-defined]
-        else:
-            name = attention_backend if attention_backend != "auto" else ("sdpa" if on_cpu else "flex")
-            self.backend = get_attention_backend(name, self.device)
+            self.model.build_native_program()
         self.sampler = Sampler()
         self.decode_graphs: DecodeGraphRunner | None = None
         self._graphs_capture: bool | None = None  # set by enable_decode_graphs
@@ -148,7 +143,7 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in _weights(self.model))
+        return _stored_bytes(self.model)
 
     def step_cost_model(self) -> StepCostModel:
         """The live roofline's FLOP and byte counts, from the weights as stored (int8 weights count 1 byte, GGUF
@@ -158,12 +153,10 @@ class ModelRunner:
             p, b = _matrix_stats(layer)
             layer_params, layer_bytes = layer_params + p, layer_bytes + b
         head_params, head_bytes = _matrix_stats(self.model.lm_head)
-        emb = cast(nn.Module, self.model.embed_tokens)
-        emb_w = cast(torch.Tensor, emb.qweight if isinstance(emb, QuantEmbedding) else emb.weight)
-        emb_row_bytes = int(emb_w.shape[1] * emb_w.element_size())
         return StepCostModel.for_model(
             self.arch, layer_params=layer_params, layer_weight_bytes=layer_bytes, lm_head_params=head_params,
-            lm_head_bytes=head_bytes, embed_row_bytes=emb_row_bytes, kv_dtype_bytes=self.kv_cache.element_size())
+            lm_head_bytes=head_bytes, embed_row_bytes=self.model.embed_tokens.row_bytes,
+            kv_dtype_bytes=self.kv_cache.element_size())
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's tensors, built on the CPU from plain lists and copied to the device once each."""
@@ -251,7 +244,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
             return self.sampler(self.decode_graphs.run(sched), sched.sampling_metadata)
         inp = self.prepare(sched)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
         if inp.sample_rows:
             out = self.sampler(self.model.compute_logits(hidden[inp.sample_rows]), sched.sampling_metadata)
         else:
@@ -289,25 +282,20 @@ class ModelRunner:
 
 
 def _matrix_stats(module: torch.nn.Module) -> tuple[int, int]:
-    """(weights, bytes as stored) of the weight matrices under `module`; GGUF blocks count their real size."""
-    params = nbytes = 0
-    for m in module.modules():
-        if isinstance(m, QuantLinear):
-            params += m.out_features * m.in_features
-            nbytes += cast(torch.Tensor, m.qweight).numel()
-    for t in _weights(module):
-        if (t.dim() == 2 and t.is_floating_point()) or t.dtype == torch.int8:
-            params += t.numel()
-            nbytes += t.numel() * t.element_size()
-    return params, nbytes
+    """(weights, bytes as stored) of the weight matrices under `module`; packed formats count their real size."""
+    linears = [m for m in module.modules() if isinstance(m, Linear)]
+    return sum(m.in_features * m.out_features for m in linears), sum(m.stored_bytes for m in linears)
 
 
-def _weights(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters and buffers, each storage once (a tied lm_head is the embedding)."""
-    seen: set[int] = set()
-    out = []
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            out.append(t)
-    return out
+def _stored_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight as stored, each storage once (a tied lm_head is the embedding)."""
+    seen: dict[tuple[str, int], int] = {}
+    for m in model.modules():
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            seen["ptr", t.data_ptr()] = t.numel() * t.element_size()
+        packed = m.packed if isinstance(m, (Linear, Embedding)) else None
+        if isinstance(packed, OneDNNWeight):  # reads the plain weight above its row threshold: one copy
+            seen["ptr", packed.weight.data_ptr()] = packed.nbytes
+        elif packed is not None:
+            seen["obj", id(packed)] = packed.nbytes
+    return sum(seen.values())

@@ -1,9 +1,16 @@
 // Python bindings of paged attention and reshape_and_cache: argument checks, work split, ISA choice.
 //
-// paged_attention splits the step into groups (sequence, KV head, tile of query tokens). When there are too few
-// groups to keep every thread busy (a decode batch of 1-2 long sequences), a group's keys are split into partitions
-// (flash-decoding) whose partial results the last partition to finish merges. Tasks are claimed dynamically from
-// an atomic counter, largest first, by ATen's OpenMP team.
+// Batch invariance: a query row's output depends only on its sequence's keys, its position and its query, never on
+// the other rows of the step, how many rows its sequence has (decode, speculative verification, prefill chunk) or
+// the thread count. Every row's keys are cut into partitions at fixed offsets (0, kPartition, 2 kPartition, ...);
+// each partition is an online softmax of its own (a kernel call with AttnItem::part set) and the partitions are
+// folded left to right by fold_partition, then normalised. Which thread computes a partition and whether the
+// partitions of a group run as separate tasks (flash-decoding, when there are too few groups to keep the threads
+// busy) or one after the other in one task changes nothing in that sequence of operations. Within a partition
+// the kernels walk keys in tiles at fixed offsets, and a row's arithmetic does not depend on the rows beside it.
+//
+// Work: groups (sequence, KV head, tile of query tokens); tasks are claimed dynamically from an atomic counter,
+// largest first, by ATen's OpenMP team; the last partition of a split group to finish folds them all.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -23,14 +30,12 @@
 namespace pdserve {
 namespace {
 
-constexpr int64_t kMinPartition = 128;  // keys per flash-decoding partition, at least
-
 struct Group {
   AttnItem whole;   // the group's rows against all their keys
-  int nparts;
-  float* part;      // nparts slices of part_floats each (nullptr when nparts == 1)
+  int nparts;       // key partitions: ceil(whole.k1 / kPartition)
+  bool split;       // partitions run as separate tasks into part
+  float* part;      // split groups: nparts partial results of part_floats each
   int64_t part_floats;
-  int64_t step;     // keys per partition (a multiple of kKeyTile unless nparts == 1)
 };
 
 struct Task {
@@ -39,11 +44,24 @@ struct Task {
   int64_t cost;
 };
 
-AttnFn pick_kernel(int64_t d) {
-  static const IsaTable<AttnFn> table = {
+// The bf16 dot-product kernels (bf16 caches, levels avx512_bf16 and amx) from this many query heads per KV head
+// on; below it the fp32 kernels run. Their per-key-tile cost (transposing K, interleaving V) is shared by the
+// rows of a group, so decode (G rows per group) is slower than the fp32 kernel below G = 4 and faster above it,
+// while prefill is ~3x faster at every G (BENCHMARKS.md). The choice depends on the model's shape only, so every
+// row of a model still runs one arithmetic; change it only before serving (a row's bits depend on it).
+std::atomic<int64_t> g_bf16_min_group{4};
+
+AttnFn pick_kernel(int64_t d, bool kv_bf16, int64_t group) {
+  static const IsaTable<AttnFn> f32 = {
       {Isa::kGeneric, attn_item_generic},
       PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512})};
-  return d == 64 || d == 128 ? table.pick() : attn_item_generic;  // the vector kernels take these head sizes
+  static const IsaTable<AttnFn> bf16 = {
+      {Isa::kGeneric, attn_item_generic},
+      PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512},
+                  {Isa::kAvx512Bf16, attn_item_avx512bf16}, {Isa::kAmx, attn_item_amx})};
+  if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
+  const bool dot = kv_bf16 && group >= g_bf16_min_group.load(std::memory_order_relaxed);
+  return dot ? bf16.pick() : f32.pick();
 }
 
 void check_kv(const at::Tensor& kv) {
@@ -94,40 +112,40 @@ std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int3
         const int64_t t1 = std::min<int64_t>(qsl[s + 1], t0 + tile), pos0 = ctx + (t0 - qsl[s]);
         const AttnItem it{int32_t(s), int32_t(h), int32_t(t0), int32_t(t1), int32_t(pos0), 0,
                           int32_t(pos0 + (t1 - t0)), nullptr};
-        groups.push_back({it, 1, nullptr, 0, it.k1});
+        groups.push_back({it, static_cast<int>((it.k1 + kPartition - 1) / kPartition), false, nullptr, 0});
       }
     }
   }
   return groups;
 }
 
-// Split the keys of groups into partitions when there are fewer groups than ~4 per thread; returns the tasks.
+// Split groups into their key partitions when there are fewer groups than ~4 per thread; returns the tasks.
 std::vector<Task> make_tasks(std::vector<Group>& groups, std::vector<float>& parts, int64_t nthreads, int64_t hq_per_kv,
                              int64_t d) {
-  const int64_t ng = static_cast<int64_t>(groups.size());
-  const int64_t want = (nthreads > 1 && ng < 4 * nthreads) ? (8 * nthreads + ng - 1) / ng : 1;
+  const bool split = nthreads > 1 && static_cast<int64_t>(groups.size()) < 4 * nthreads;
   int64_t total = 0;
   for (Group& gr : groups) {
-    const int64_t keys = gr.whole.k1, rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv;
-    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinPartition));
-    const int64_t len = ((keys + n - 1) / n + kKeyTile - 1) / kKeyTile * kKeyTile;
-    gr.nparts = static_cast<int>((keys + len - 1) / len);
-    gr.step = gr.nparts > 1 ? len : keys;
-    gr.part_floats = rows * (d + 2);
-    if (gr.nparts > 1) total += gr.nparts * gr.part_floats;
+    gr.part_floats = (gr.whole.t1 - gr.whole.t0) * hq_per_kv * (d + 2);
+    gr.split = split && gr.nparts > 1;
+    if (gr.split) total += gr.nparts * gr.part_floats;
   }
   parts.resize(total);
   std::vector<Task> tasks;
   float* next = parts.data();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& gr = groups[gi];
-    const int64_t rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv, keys = gr.whole.k1, step = gr.step;
-    if (gr.nparts > 1) gr.part = next, next += gr.nparts * gr.part_floats;
+    const int64_t rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv, keys = gr.whole.k1;
+    if (!gr.split) {
+      tasks.push_back({gr.whole, int32_t(gi), rows * keys});
+      continue;
+    }
+    gr.part = next;
+    next += gr.nparts * gr.part_floats;
     for (int p = 0; p < gr.nparts; ++p) {
       AttnItem it = gr.whole;
-      it.k0 = int32_t(p * step);
-      it.k1 = int32_t(std::min<int64_t>(keys, (p + 1) * step));
-      it.part = gr.nparts > 1 ? gr.part + p * gr.part_floats : nullptr;
+      it.k0 = int32_t(p * kPartition);
+      it.k1 = int32_t(std::min<int64_t>(keys, (p + 1) * kPartition));
+      it.part = gr.part + p * gr.part_floats;
       tasks.push_back({it, int32_t(gi), rows * (it.k1 - it.k0)});
     }
   }
@@ -135,30 +153,61 @@ std::vector<Task> make_tasks(std::vector<Group>& groups, std::vector<float>& par
   return tasks;
 }
 
-// out rows of a split group = sum_p w_p acc_p / sum_p w_p l_p with w_p = exp(m_p - max_p m_p).
-void merge_partitions(const AttnArgs& a, const Group& gr) {
-  const int64_t g = a.hq / a.hkv, d = a.d, rows = (gr.whole.t1 - gr.whole.t0) * g;
+// state = state (+) partial, row by row, for the partial layout of AttnItem::part ([rows][d] acc, m[rows], l[rows]).
+// An empty state row (l = 0) takes the partial as it is; a partial row without keys (l = 0) changes nothing;
+// otherwise acc = ws * acc + wp * acc_p, l = ws * l + wp * l_p with w = exp(m - max(m, m_p)).
+void fold_partition(float* state, const float* part, int64_t rows, int64_t d) {
+  float *sm = state + rows * d, *sl = sm + rows;
+  const float *pm = part + rows * d, *pl = pm + rows;
   for (int64_t r = 0; r < rows; ++r) {
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int p = 0; p < gr.nparts; ++p) mx = std::max(mx, gr.part[p * gr.part_floats + rows * d + r]);
-    float* dst = a.out + (gr.whole.t0 + r / g) * a.out_stride + (gr.whole.kvh * g + r % g) * d;
-    std::fill(dst, dst + d, 0.f);
-    float l = 0.f;
-    for (int p = 0; p < gr.nparts; ++p) {
-      const float* pp = gr.part + p * gr.part_floats;
-      const float w = pp[rows * d + rows + r] > 0.f ? std::exp(pp[rows * d + r] - mx) : 0.f;
-      if (w == 0.f) continue;
-      l += w * pp[rows * d + rows + r];
-      for (int64_t i = 0; i < d; ++i) dst[i] += w * pp[r * d + i];
+    if (pl[r] == 0.f) continue;
+    float* acc = state + r * d;
+    const float* pacc = part + r * d;
+    if (sl[r] == 0.f) {
+      std::copy(pacc, pacc + d, acc);
+      sm[r] = pm[r], sl[r] = pl[r];
+      continue;
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int64_t i = 0; i < d; ++i) dst[i] *= inv;
+    const float mx = std::max(sm[r], pm[r]), ws = std::exp(sm[r] - mx), wp = std::exp(pm[r] - mx);
+    for (int64_t i = 0; i < d; ++i) acc[i] = ws * acc[i] + wp * pacc[i];
+    sl[r] = ws * sl[r] + wp * pl[r];
+    sm[r] = mx;
   }
+}
+
+// out rows of a group = acc / l of the folded state (the same multiply by 1 / l as the kernels' direct output).
+void write_state(const AttnArgs& a, const Group& gr, const float* state) {
+  const int64_t g = a.hq / a.hkv, d = a.d, rows = (gr.whole.t1 - gr.whole.t0) * g;
+  const float* l = state + rows * d + rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = a.out + (gr.whole.t0 + r / g) * a.out_stride + (gr.whole.kvh * g + r % g) * d;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = state[r * d + i] * inv;
+  }
+}
+
+// A group's partitions in order: computed here one after another (not split) or already by their tasks (split).
+void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
+  thread_local std::vector<float> buf;
+  buf.assign(2 * gr.part_floats, 0.f);  // the state (l = 0: empty) and, unsplit, the current partition
+  float *state = buf.data(), *cur = state + gr.part_floats;
+  const int64_t rows = (gr.whole.t1 - gr.whole.t0) * (a.hq / a.hkv);
+  for (int p = 0; p < gr.nparts; ++p) {
+    if (!gr.split) {
+      AttnItem it = gr.whole;
+      it.k0 = int32_t(p * kPartition);
+      it.k1 = int32_t(std::min<int64_t>(gr.whole.k1, (p + 1) * kPartition));
+      it.part = cur;
+      fn(a, it);
+    }
+    fold_partition(state, gr.split ? gr.part + p * gr.part_floats : cur, rows, a.d);
+  }
+  write_state(a, gr, state);
 }
 
 void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::vector<Task>& tasks,
                int64_t nthreads) {
-  const AttnFn fn = pick_kernel(a.d);
+  const AttnFn fn = pick_kernel(a.d, a.kv_bf16, a.hq / a.hkv);
   std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
   for (size_t i = 0; i < groups.size(); ++i) left[i].store(groups[i].nparts, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
@@ -166,10 +215,16 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
   auto worker = [&] {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const Task& tk = tasks[i];
-      fn(a, tk.item);
       const Group& gr = groups[tk.group];
-      // the last partition of a split group to finish sees the others' writes (acq_rel) and merges them
-      if (gr.nparts > 1 && left[tk.group].fetch_sub(1, std::memory_order_acq_rel) == 1) merge_partitions(a, gr);
+      if (gr.nparts == 1) {
+        fn(a, tk.item);  // one partition: the kernel writes the normalised output
+      } else if (!gr.split) {
+        finish_group(a, fn, gr);
+      } else {
+        fn(a, tk.item);
+        // the last partition to finish sees the others' writes (acq_rel) and folds them
+        if (left[tk.group].fetch_sub(1, std::memory_order_acq_rel) == 1) finish_group(a, fn, gr);
+      }
     }
   };
   if (n <= 1 || nthreads <= 1) {
@@ -245,6 +300,12 @@ void register_attention(pybind11::module_& m) {
         "causal attention of the step's query rows over the paged KV cache, written into out [T, Hq, D]",
         py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"));
+  m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
+        "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels)");
+  m.def("set_attention_bf16_min_group", [](int64_t g) {
+          TORCH_CHECK(g >= 1, "group must be >= 1");
+          g_bf16_min_group.store(g);
+        }, py::arg("group"), "change it (tests, benchmarks; before serving only: a row's bits depend on it)");
   m.def("reshape_and_cache", &reshape_and_cache, "write K/V rows [T, Hkv, D] into their cache slots (slot < 0: skip)",
         py::arg("k"), py::arg("v"), py::arg("kv_layer"), py::arg("slot_mapping"));
 }

@@ -35,13 +35,19 @@ struct AttnItem {
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
 
-// Keys per tile of the vector kernels (and the alignment of key partitions).
+// Keys per tile of the vector kernels. Every kernel walks an item's keys in tiles at fixed offsets from k0.
 constexpr int kKeyTile = 16;
+// Keys per partition (attention.cpp): partitions start at multiples of this in every sequence, so a row's
+// arithmetic is the same whatever the batch (a multiple of every kernel's key tile).
+constexpr int64_t kPartition = 256;
 
 void attn_item_generic(const AttnArgs& a, const AttnItem& it);
 #if defined(__x86_64__)
 void attn_item_avx2(const AttnArgs& a, const AttnItem& it);    // d in {64, 128}
 void attn_item_avx512(const AttnArgs& a, const AttnItem& it);  // d in {64, 128}
+// bf16 caches only, d in {64, 128}: bf16 dot products (attention_bf16.h)
+void attn_item_avx512bf16(const AttnArgs& a, const AttnItem& it);
+void attn_item_amx(const AttnArgs& a, const AttnItem& it);
 #endif
 
 }  // namespace pdserve

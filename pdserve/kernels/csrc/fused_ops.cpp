@@ -1,5 +1,5 @@
-// Python bindings of the fused layer ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul): argument
-// checks, ISA choice, row split across ATen's threads. The kernels are in fused_ops_{generic,avx2,avx512}.cpp.
+// Python bindings of the fused layer ops (rms_norm, fused_add_rms_norm, rms_norm_heads, rotary_embedding,
+// silu_and_mul): argument checks, ISA choice, row split across ATen's threads. The kernels are in fused_ops_{generic,avx2,avx512}.cpp.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -68,6 +68,20 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   });
 }
 
+void rms_norm_heads(at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t t = x.size(0), w = x.dim() == 2 ? x.size(1) : 0, d = weight.dim() == 1 ? weight.size(0) : 0;
+  check_rows(x, "x", t, w);
+  check_vec(weight, "weight", d, at::kFloat);
+  TORCH_CHECK(d > 0 && w % d == 0, "x width ", w, " is not a whole number of heads of ", d);
+  const auto fn = kernels().rms_norm;  // each head is a row of d floats, d apart: the row kernel as it is
+  float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const int64_t xs = x.stride(0), heads = w / d;
+  at::parallel_for(0, t, grain(w), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fn(xp + r * xs, d, xp + r * xs, d, wp, d, static_cast<float>(eps), 0, heads);
+  });
+}
+
 void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t head_dim) {
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even, got ", head_dim);
@@ -116,6 +130,10 @@ void register_fused(pybind11::module_& m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual <- x + residual; x <- rms_norm(residual) * weight (both in place)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm_heads", &rms_norm_heads,
+        "in place: each head_dim-wide head of each row of x [T, heads * head_dim] (rows may be strided) is "
+        "rms-normed and scaled by weight [head_dim] (Qwen3's q/k norm)", py::arg("x"), py::arg("weight"),
+        py::arg("eps"));
   m.def("rotary_embedding", &rotary_embedding, "in-place rotate-half (neox) rotary on q [T, Hq*D] and k [T, Hkv*D]",
         py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("head_dim"));
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]", py::arg("out"), py::arg("x"));

@@ -1,4 +1,4 @@
-// The tensor-level entry points of the kernel families, for C++ callers (model_forward.cpp) as well as Python.
+// The tensor-level entry points of the kernel families, for C++ callers (native_program.cpp) as well as Python.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,6 +19,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
 // fused_ops.cpp
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rms_norm_heads(at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t head_dim);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);

@@ -1,0 +1,223 @@
+// Shared by the bf16 dot-product attention kernels (attention_amx.cpp: AMX tiles, attention_avx512bf16.cpp:
+// vdpbf16ps) for bf16 KV caches and head_dim 64 or 128. Include after a `#pragma GCC target` with avx512f, bw, vl,
+// dq and avx512bf16.
+//
+// GEMM-shaped flash attention over an item (attention_kernels.h): the item's rows (query tokens x the G heads of a
+// KV head) in blocks of 16, its keys in tiles of 32 at fixed offsets from k0 (a partition start). Per key tile the
+// K rows are transposed once into VNNI tiles K^T [d/2 pairs][32 keys] and the V rows interleaved into
+// [16 key pairs][d] (the operand layouts of AMX B tiles and of vdpbf16ps), then every row block multiplies:
+//   S = bf16(q * scale) . K^T      (fp32 accumulation)
+//   online softmax per row on the tile (fp32: running max m, 16 lane-wise partial sums l16), p masked causally
+//   acc = acc * alpha + bf16(p) . V
+// Every step is per row: which rows share a block, how many rows the item has and which thread runs it never
+// change a row's bits (AMX and vdpbf16ps compute each output row from its own A row). Queries and probabilities
+// are rounded to bf16 (about 3 significant digits), as bf16 flash attention does on GPUs.
+// Cache element types: kv_row() is the one place that reads a K/V row; an int8/fp8 cache (issue 32) would convert
+// its row to bf16 there (into a scratch row) and keep everything else.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention_kernels.h"
+#include "vec_avx512.h"
+
+namespace pdserve::attn_bf16 {
+
+constexpr int kTile = 32;  // keys per tile: one AMX K step of 32 bf16 in the P . V product
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The bf16 row of key `key` (plane 0: K, 1: V) of the item's KV head.
+inline const uint16_t* kv_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key) {
+  const int64_t blk = a.block_table[it.seq * a.bt_stride + key / a.block_size];
+  const int64_t off = ((plane * a.num_blocks + blk) * a.block_size + key % a.block_size) * a.hkv * a.d + it.kvh * a.d;
+  return static_cast<const uint16_t*>(a.kv) + off;
+}
+
+// Per-thread buffers of one item.
+struct Scratch {
+  std::vector<uint16_t> q;   // A tiles of bf16(q * scale): [row block][d / 32][16 rows][32]
+  std::vector<uint32_t> kt;  // K^T tiles of the key tile: [d / 32][2 key halves][16 pairs][16 keys]
+  std::vector<uint32_t> vt;  // V tiles of the key tile: [d / 16 dim panels][16 key pairs][16 dims]
+  std::vector<float> acc, m, l16;  // per row: [d], max, 16 lane-wise sums
+  std::vector<int64_t> last;        // per row: its position (it sees keys <= last)
+  std::vector<uint16_t> p;   // bf16(p) of a row block: an A tile [16 rows][32 keys]
+  std::vector<float> s;      // scores of a row block [16][32], and P . V panels [16][16]
+};
+
+// Rows of the item: row r is token t0 + r / g, head kvh * g + r % g; it sees keys <= pos0 + r / g.
+inline int64_t item_rows(const AttnArgs& a, const AttnItem& it) { return (it.t1 - it.t0) * (a.hq / a.hkv); }
+
+// Fill s.q (rows padded to a multiple of 16 with zeros) and reset acc, m, l16.
+template <int D>
+void prepare(const AttnArgs& a, const AttnItem& it, Scratch& s) {
+  const int64_t g = a.hq / a.hkv, rows = item_rows(a, it), blocks = (rows + 15) / 16;
+  s.q.assign(blocks * 16 * D, 0);
+  s.acc.assign(rows * D, 0.f);
+  s.m.assign(blocks * 16, kNegInf);
+  s.last.resize(blocks * 16);
+  for (int64_t r = 0; r < blocks * 16; ++r) s.last[r] = r < rows ? it.pos0 + r / g : -1;  // padding sees nothing
+  s.l16.assign(blocks * 16 * 16, 0.f);
+  s.p.assign(16 * kTile, 0);
+  s.s.resize(16 * kTile);
+  s.kt.resize(D / 2 * kTile);
+  s.vt.resize(D / 2 * kTile);
+  const __m512 sc = _mm512_set1_ps(a.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = a.q + (it.t0 + r / g) * a.q_stride + (it.kvh * g + r % g) * D;
+    for (int st = 0; st < D / 32; ++st) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + 32 * st), sc);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(src + 32 * st + 16), sc);
+      uint16_t* dst = s.q.data() + ((r / 16 * (D / 32) + st) * 16 + r % 16) * 32;
+      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// 16 x 16 transpose of 32-bit elements: r[i] lane j -> r[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // u[4q + c] lane L: column 4L + c of rows 4q .. 4q + 3
+    u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes per c
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// K^T and V tiles of keys kt .. kt + n - 1 (n <= 32; missing keys are zero).
+template <int D>
+void prepare_kv(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, Scratch& s) {
+  for (int h = 0; h < 2; ++h) {
+    const uint16_t* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = 16 * h + j < n ? kv_row(a, it, 0, kt + 16 * h + j) : nullptr;
+    for (int st = 0; st < D / 32; ++st) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 32 * st) : _mm512_setzero_si512();
+      transpose16(r);
+      uint32_t* dst = s.kt.data() + (st * 2 + h) * 256;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + 16 * i, r[i]);
+    }
+  }
+  // V: dword (v[2i][dim], v[2i + 1][dim]) at [dim / 16][i][dim % 16]
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int i = 0; i < kTile / 2; ++i) {
+    const uint16_t* v0 = 2 * i < n ? kv_row(a, it, 1, kt + 2 * i) : nullptr;
+    const uint16_t* v1 = 2 * i + 1 < n ? kv_row(a, it, 1, kt + 2 * i + 1) : nullptr;
+    for (int seg = 0; seg < D / 32; ++seg) {
+      const __m512i x = v0 ? _mm512_loadu_si512(v0 + 32 * seg) : _mm512_setzero_si512();
+      const __m512i y = v1 ? _mm512_loadu_si512(v1 + 32 * seg) : _mm512_setzero_si512();
+      _mm512_storeu_si512(s.vt.data() + ((2 * seg) * 16 + i) * 16, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_storeu_si512(s.vt.data() + ((2 * seg + 1) * 16 + i) * 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
+  }
+}
+
+// Keys of the tile at kt (n of them) that row r sees: 0 (skip the row) .. n.
+inline int visible(const Scratch& s, int64_t r, int64_t kt, int n) {
+  return static_cast<int>(std::clamp<int64_t>(s.last[r] - kt + 1, 0, n));
+}
+
+// The online-softmax step of the 16 rows of block b on their scores s.s [16][32] (lanes >= a row's visible keys
+// masked): updates m and l16, writes bf16(p) to s.p [16][32] (zero for rows that see no key of the tile) and the
+// factor for acc to alpha[16]; returns the mask of rows that see the tile. Lane i of every vector step is row i
+// alone.
+inline __mmask16 softmax_block(Scratch& s, int64_t b, int64_t kt, int n, float* alpha) {
+  alignas(64) float mx[16];
+  __mmask16 seen = 0;
+  __mmask16 k0[16], k1[16];
+  for (int i = 0; i < 16; ++i) {
+    const int nv = visible(s, 16 * b + i, kt, n);
+    k0[i] = nv >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nv) - 1);
+    k1[i] = nv >= 32 ? __mmask16(0xFFFF) : nv > 16 ? __mmask16((1u << (nv - 16)) - 1) : 0;
+    mx[i] = kNegInf;
+    if (nv == 0) continue;
+    seen |= __mmask16(1u << i);
+    mx[i] = _mm512_mask_reduce_max_ps(k0[i], _mm512_loadu_ps(s.s.data() + 32 * i));
+    if (k1[i]) mx[i] = std::max(mx[i], _mm512_mask_reduce_max_ps(k1[i], _mm512_loadu_ps(s.s.data() + 32 * i + 16)));
+  }
+  float* m = s.m.data() + 16 * b;
+  const __m512 mo = _mm512_loadu_ps(m), mn = _mm512_max_ps(mo, _mm512_load_ps(mx));
+  // alpha = exp(m_old - m_new): exactly 1 when the max stays, 0 on a row's first tile (m_old = -inf)
+  __m512 al = _mm512_mask_mov_ps(vec::exp16(_mm512_sub_ps(mo, mn)), _mm512_cmp_ps_mask(mo, mn, _CMP_EQ_OQ),
+                                 _mm512_set1_ps(1.f));
+  al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mo, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ), _mm512_setzero_ps());
+  _mm512_storeu_ps(alpha, al);
+  _mm512_mask_storeu_ps(m, seen, mn);
+  alignas(64) float mnv[16];
+  _mm512_store_ps(mnv, mn);
+  for (int i = 0; i < 16; ++i) {
+    uint16_t* pb = s.p.data() + 32 * i;
+    if (!(seen >> i & 1)) {
+      _mm512_storeu_si512(pb, _mm512_setzero_si512());
+      continue;
+    }
+    const __m512 mi = _mm512_set1_ps(mnv[i]);
+    const __m512 p0 = _mm512_maskz_mov_ps(k0[i], vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i), mi)));
+    const __m512 p1 =
+        _mm512_maskz_mov_ps(k1[i], vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i + 16), mi)));
+    float* l16 = s.l16.data() + 16 * (16 * b + i);
+    _mm512_storeu_ps(l16, _mm512_add_ps(_mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(alpha[i]), p0), p1));
+    _mm512_storeu_si512(pb, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  }
+  return seen;
+}
+
+// The item's key tiles in order and, per tile, every row block with a row that sees it: scores(b) fills s.s with
+// the block's scores, softmax_block turns them into s.p, then pv(b, seen, alpha) adds P . V to the rows' acc.
+template <int D, class Scores, class Pv>
+void walk(const AttnArgs& a, const AttnItem& it, Scratch& s, Scores scores, Pv pv) {
+  const int64_t rows = item_rows(a, it), g = a.hq / a.hkv;
+  alignas(64) float alpha[16];
+  for (int64_t kt = it.k0; kt < it.k1; kt += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, it.k1 - kt));
+    const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
+    if (r0 >= rows) break;
+    prepare_kv<D>(a, it, kt, n, s);
+    for (int64_t b = r0 / 16; b * 16 < rows; ++b) {
+      scores(b);
+      const __mmask16 seen = softmax_block(s, b, kt, n, alpha);
+      pv(b, seen, alpha);
+    }
+  }
+}
+
+// The item's results: normalised rows into out, or (it.part) acc, m, l for attention.cpp's fold.
+template <int D>
+void finish(const AttnArgs& a, const AttnItem& it, const Scratch& s) {
+  const int64_t g = a.hq / a.hkv, rows = item_rows(a, it);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(s.l16.data() + 16 * r));
+    const float* acc = s.acc.data() + r * D;
+    if (it.part != nullptr) {
+      std::copy(acc, acc + D, it.part + r * D);
+      it.part[rows * D + r] = s.m[r];
+      it.part[rows * D + rows + r] = l;
+      continue;
+    }
+    float* dst = a.out + (it.t0 + r / g) * a.out_stride + (it.kvh * g + r % g) * D;
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
+    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), inv));
+  }
+}
+
+}  // namespace pdserve::attn_bf16

@@ -1,0 +1,283 @@
+// A model's forward pass as a short program of native ops, replayed in one call per step.
+//
+// The program is not written here: pdserve/model/native_program.py records it once at load by running the model's
+// one Python definition with a recording ops backend, and this file only executes what was recorded (no
+// architecture knowledge). A batch-1 decode step then pays one Python call for the whole stack instead of ~10 per
+// layer, and a new architecture needs only its Python modules (plus a new op here if it brings one).
+//
+// Values are the tensors of a step: 0 the token ids [T], 1 the positions [T], then one per recorded result, each a
+// float32 [T, width] matrix or a column slice of one (kNarrow). In-place ops (kAddRmsNorm, kHeadRmsNorm, kRotary)
+// write values already defined. Outputs the executor allocates live in slots (one [T, width] buffer per slot and
+// step, shared by values whose lifetimes do not overlap, as the recorder assigned them); every value is released
+// after its last use, so a long prefill holds a layer's activations, not the whole stack's.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+#include "packed_weight.h"
+#include "registry.h"
+
+namespace pdserve {
+namespace {
+
+enum class Op : int64_t {
+  kNarrow,       // in [x]; ints [col, cols] -> view x[:, col:col + cols]
+  kEmbedding,    // in [ids]; ints [weight] -> rows of the weight
+  kRmsNorm,      // in [x]; ints [w const]; floats [eps] -> new (slot)
+  kAddRmsNorm,   // in [x, residual]; ints [w const]; floats [eps]: residual += x; x = rms_norm(residual) (in place)
+  kHeadRmsNorm,  // in [x]; ints [w const]; floats [eps]: each head of x rms-normed in place
+  kRotary,       // in [positions, q, k]; ints [cos const, sin const, head_dim]: q and k rotated in place
+  kAttention,    // in [q, k, v]; ints [layer, Hq, Hkv, D]; floats [scale] -> new (slot): KV write + paged attention
+  kSiluMul,      // in [x]; -> new (slot) silu(x[:, :I]) * x[:, I:]
+  kLinear,       // in [x]; ints [weight, bias const or -1] -> x @ W.T (+ bias)
+  kNumOps
+};
+
+const std::map<std::string, Op>& op_names() {
+  static const std::map<std::string, Op> names = {
+      {"narrow", Op::kNarrow},         {"embedding", Op::kEmbedding}, {"rms_norm", Op::kRmsNorm},
+      {"add_rms_norm", Op::kAddRmsNorm}, {"head_rms_norm", Op::kHeadRmsNorm}, {"rotary", Op::kRotary},
+      {"attention", Op::kAttention},   {"silu_and_mul", Op::kSiluMul}, {"linear", Op::kLinear}};
+  return names;
+}
+
+// How many inputs / ints / floats each op takes, for the checks in append().
+struct Arity {
+  size_t in, ints, floats;
+  bool out;
+};
+Arity arity(Op op) {
+  switch (op) {
+    case Op::kNarrow: return {1, 2, 0, true};
+    case Op::kEmbedding: return {1, 1, 0, true};
+    case Op::kRmsNorm: return {1, 1, 1, true};
+    case Op::kAddRmsNorm: return {2, 1, 1, false};
+    case Op::kHeadRmsNorm: return {1, 1, 1, false};
+    case Op::kRotary: return {3, 3, 0, false};
+    case Op::kAttention: return {3, 4, 1, true};
+    case Op::kSiluMul: return {1, 0, 0, true};
+    case Op::kLinear: return {1, 2, 0, true};
+    default: break;
+  }
+  TORCH_CHECK(false, "unknown op ", static_cast<int64_t>(op));
+  return {};
+}
+
+// oneDNN's linear on a weight reordered once by torch.ops.mkldnn._reorder_linear_weight (model/cpu_linear.py),
+// called through the dispatcher (boxed: no C++ signature to keep in step with torch).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x.contiguous());
+  stack.emplace_back(packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(c10::IValue());
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One weight matrix W [N, K] in any format the Python Linear/Embedding modules hold (model/layers/linear.py).
+struct Weight {
+  at::Tensor blocks;  // GGUF blocks (uint8), with qtype and k
+  int64_t qtype = -1, k = 0;
+  PackedWeightPtr packed;       // the kernels' PackedWeight
+  at::Tensor dense, onednn;     // float32 [N, K]; oneDNN's reordered copy, used up to onednn_max_rows rows
+  int64_t onednn_max_rows = 0;
+
+  at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
+    if (blocks.defined()) return quant_linear(x, blocks, qtype, bias);
+    if (packed) return packed_linear(*packed, x, bias);
+    if (onednn.defined() && x.size(0) <= onednn_max_rows) return onednn_linear(x, onednn, bias);
+    return at::linear(x, dense, bias);
+  }
+  at::Tensor rows(const at::Tensor& ids) const {
+    if (blocks.defined()) return embedding(ids, blocks, qtype, k);
+    if (packed) return packed_rows(*packed, ids);
+    return at::embedding(dense, ids);
+  }
+};
+
+struct Instr {
+  Op op;
+  std::vector<int64_t> in;
+  int64_t out, slot;  // value written (-1: none); slot of an executor-allocated output (-1: none)
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  std::vector<int64_t> frees;  // values whose last use this is
+};
+
+class NativeProgram {
+ public:
+  int64_t add_const(at::Tensor t) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                "program constants must be contiguous float32 CPU tensors");
+    consts_.push_back(std::move(t));
+    return static_cast<int64_t>(consts_.size()) - 1;
+  }
+  int64_t add_blocks(at::Tensor w, int64_t qtype, int64_t k) {
+    Weight x;
+    x.blocks = std::move(w), x.qtype = qtype, x.k = k;
+    return add_weight(std::move(x));
+  }
+  int64_t add_packed(std::shared_ptr<PackedWeight> w) {
+    TORCH_CHECK(w != nullptr, "packed weight is None");
+    Weight x;
+    x.packed = std::move(w);
+    return add_weight(std::move(x));
+  }
+  int64_t add_dense(at::Tensor w, std::optional<at::Tensor> onednn, int64_t onednn_max_rows) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "dense weights must be float32 [N, K]");
+    Weight x;
+    x.dense = std::move(w), x.onednn = onednn.value_or(at::Tensor()), x.onednn_max_rows = onednn_max_rows;
+    return add_weight(std::move(x));
+  }
+
+  void append(const std::string& name, std::vector<int64_t> in, int64_t out, int64_t slot, std::vector<int64_t> ints,
+              std::vector<double> floats, std::vector<int64_t> frees) {
+    const auto it = op_names().find(name);
+    TORCH_CHECK(it != op_names().end(), "unknown native program op '", name, "'");
+    const Arity a = arity(it->second);
+    TORCH_CHECK(in.size() == a.in && ints.size() == a.ints && floats.size() == a.floats && (out >= 0) == a.out,
+                name, ": wrong number of operands");
+    for (int64_t v : in) TORCH_CHECK(v >= 0 && v < num_values_ && defined_[v], name, " reads undefined value ", v);
+    if (out >= 0) {
+      TORCH_CHECK(out == num_values_, name, " must define the next value ", num_values_, ", got ", out);
+      ++num_values_;
+      defined_.push_back(true);
+    }
+    const bool owns = it->second == Op::kRmsNorm || it->second == Op::kAttention || it->second == Op::kSiluMul;
+    TORCH_CHECK(owns == (slot >= 0) && slot < static_cast<int64_t>(slot_widths_.size()), name,
+                ": bad slot ", slot);
+    for (int64_t v : frees) TORCH_CHECK(v >= 0 && v < num_values_, name, " frees unknown value ", v);
+    instrs_.push_back(Instr{it->second, std::move(in), out, slot, std::move(ints), std::move(floats),
+                            std::move(frees)});
+  }
+
+  int64_t add_slot(int64_t width) {
+    TORCH_CHECK(width > 0, "slot width must be positive");
+    slot_widths_.push_back(width);
+    return static_cast<int64_t>(slot_widths_.size()) - 1;
+  }
+
+  void set_output(int64_t value) {
+    TORCH_CHECK(value >= 0 && value < num_values_, "output ", value, " is not a value");
+    output_ = value;
+  }
+
+  // ids, positions: long [T]; kv_cache [layers, 2, NB, BS, Hkv, D]; the attention metadata of the step (varlen
+  // form, model/attention.py). Returns the recorded output (the final hidden states [T, hidden]).
+  at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_cache,
+                 const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_start_loc,
+                 const at::Tensor& seq_lens) const {
+    TORCH_CHECK(output_ >= 0, "the program has no output");
+    const int64_t t = ids.size(0);
+    std::vector<at::Tensor> v(num_values_);
+    std::vector<at::Tensor> slots(slot_widths_.size());
+    v[0] = ids, v[1] = positions;
+    for (const Instr& I : instrs_) {
+      at::Tensor out;
+      if (I.slot >= 0) {
+        at::Tensor& s = slots[I.slot];
+        if (!s.defined()) s = at::empty({t, slot_widths_[I.slot]}, at::kFloat);
+        out = s;
+      }
+      exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens);
+      if (I.out >= 0) v[I.out] = std::move(out);
+      for (int64_t f : I.frees) v[f] = at::Tensor();
+    }
+    return v[output_];
+  }
+
+  std::vector<std::string> ops() const {
+    std::vector<std::string> out;
+    for (const Instr& I : instrs_)
+      for (const auto& [name, op] : op_names())
+        if (op == I.op) out.push_back(name);
+    return out;
+  }
+  int64_t num_slots() const { return static_cast<int64_t>(slot_widths_.size()); }
+
+ private:
+  int64_t add_weight(Weight w) {
+    weights_.push_back(std::move(w));
+    return static_cast<int64_t>(weights_.size()) - 1;
+  }
+  const at::Tensor& c(int64_t i) const {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(consts_.size()), "constant ", i, " out of range");
+    return consts_[i];
+  }
+  const Weight& w(int64_t i) const {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(weights_.size()), "weight ", i, " out of range");
+    return weights_[i];
+  }
+
+  // One instruction; `out` is the slot buffer of an executor-allocated output, and receives the result otherwise.
+  void exec(const Instr& I, std::vector<at::Tensor>& v, at::Tensor& out, const at::Tensor& kv_cache,
+            const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_start_loc,
+            const at::Tensor& seq_lens) const {
+    const auto& n = I.ints;
+    switch (I.op) {
+      case Op::kNarrow: out = v[I.in[0]].narrow(1, n[0], n[1]); break;
+      case Op::kEmbedding: out = w(n[0]).rows(v[I.in[0]]); break;
+      case Op::kRmsNorm: rms_norm(out, v[I.in[0]], c(n[0]), I.floats[0]); break;
+      case Op::kAddRmsNorm: fused_add_rms_norm(v[I.in[0]], v[I.in[1]], c(n[0]), I.floats[0]); break;
+      case Op::kHeadRmsNorm: rms_norm_heads(v[I.in[0]], c(n[0]), I.floats[0]); break;
+      case Op::kRotary: rotary_embedding(v[I.in[0]], v[I.in[1]], v[I.in[2]], c(n[0]), c(n[1]), n[2]); break;
+      case Op::kAttention: {
+        const int64_t t = v[I.in[0]].size(0), hq = n[1], hkv = n[2], d = n[3];
+        TORCH_CHECK(n[0] >= 0 && n[0] < kv_cache.size(0), "layer ", n[0], " is not in the KV cache");
+        at::Tensor layer_cache = kv_cache.select(0, n[0]);
+        reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, slot_mapping);
+        at::Tensor o = out.view({t, hq, d});
+        paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, block_table, query_start_loc, seq_lens,
+                        I.floats[0]);
+        break;
+      }
+      case Op::kSiluMul: silu_and_mul(out, v[I.in[0]]); break;
+      case Op::kLinear:
+        out = w(n[0]).linear(v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt);
+        break;
+      default: TORCH_CHECK(false, "unknown op");
+    }
+  }
+
+  std::vector<at::Tensor> consts_;
+  std::vector<Weight> weights_;
+  std::vector<Instr> instrs_;
+  std::vector<int64_t> slot_widths_;
+  std::vector<bool> defined_ = {true, true};  // ids, positions
+  int64_t num_values_ = 2, output_ = -1;
+};
+
+void register_native_program(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<NativeProgram>(m, "NativeProgram",
+                            "a model's forward as recorded native ops, run in one call (model/native_program.py)")
+      .def(py::init<>())
+      .def("add_const", &NativeProgram::add_const, py::arg("t"))
+      .def("add_blocks", &NativeProgram::add_blocks, py::arg("w"), py::arg("qtype"), py::arg("k"))
+      .def("add_packed", &NativeProgram::add_packed, py::arg("w"))
+      .def("add_dense", &NativeProgram::add_dense, py::arg("w"), py::arg("onednn"), py::arg("onednn_max_rows"))
+      .def("add_slot", &NativeProgram::add_slot, py::arg("width"))
+      .def("append", &NativeProgram::append, py::arg("op"), py::arg("inputs"), py::arg("out"), py::arg("slot"),
+           py::arg("ints"), py::arg("floats"), py::arg("frees"))
+      .def("set_output", &NativeProgram::set_output, py::arg("value"))
+      .def("run", &NativeProgram::run, py::arg("ids"), py::arg("positions"), py::arg("kv_cache"),
+           py::arg("slot_mapping"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("ops", &NativeProgram::ops, "the op name of each instruction, in order")
+      .def_property_readonly("num_slots", &NativeProgram::num_slots);
+}
+
+}  // namespace
+PDSERVE_REGISTER(register_native_program);
+}  // namespace pdserve

@@ -1,0 +1,125 @@
+// AMX-INT8 qgemm tile: 16 activation rows x one 16-column panel per tdpbssd (A: s8 activations, 16 rows x S
+// bytes; B: the decoded weight vectors, which are already AMX's B layout, S/4 rows of 16 columns x 4 values, here
+// shifted to the signed values u - off by decode16, so no zero-point term is left). One tile product per sub-block
+// gives the same exact int32 sums as vpdpbusd; the fp32 steps per sub-block are the VNNI path's (qgemm.h), so AMX
+// and non-AMX rows are bitwise equal. Two C tiles alternate so the vector post-processing of one sub-block overlaps
+// the tile product of the next. Everything else is the avx512 level's.
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <cstring>
+#include <initializer_list>
+
+#include "qgemm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")
+
+namespace pdserve::qgemm {
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0/3: C (16 x 16 int32); 1/4: A (16 rows x S bytes); 2/5: B (S/4 rows x 64 bytes).
+void configure(int s) {
+  TileConfig cfg;
+  for (int t : {0, 3}) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  for (int t : {1, 4}) { cfg.rows[t] = 16; cfg.colsb[t] = static_cast<uint16_t>(s); }
+  for (int t : {2, 5}) { cfg.rows[t] = static_cast<uint8_t>(s / 4); cfg.colsb[t] = 64; }
+  // Not _tile_loadconfig: GCC 12's declares an 8-byte operand, so the compiler may drop the stores of the rest.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+struct Ctx {
+  const Dec& d;
+  const Act& a;
+  int64_t s0, r0;
+};
+
+// Sub-block i (relative to s0) of the 16 rows into C tile C (via A tile A and B tile B).
+// GCC's tile intrinsics paste the tile number into the assembly, so it must be a literal: a macro per tile set.
+#define PDSERVE_QGEMM_PRODUCT(NAME, C, A, B)                              \
+  template <int S>                                                       \
+  inline void NAME(const Ctx& x, int64_t i) {                            \
+    _tile_zero(C);                                                       \
+    _tile_loadd(A, x.a.q + x.a.qi(x.r0, x.s0 + i), S);                   \
+    _tile_loadd(B, x.d.wq + i * S * kPanel, kVec);                       \
+    _tile_dpbssd(C, A, B);                                               \
+  }
+PDSERVE_QGEMM_PRODUCT(product0, 0, 1, 2)
+PDSERVE_QGEMM_PRODUCT(product1, 3, 4, 5)
+#undef PDSERVE_QGEMM_PRODUCT
+
+template <int S, bool MIN>
+inline void post(const Ctx& x, int64_t i, const int32_t* buf, __m512 (&c)[16]) {
+  const int64_t s = x.s0 + i;
+  const __m512 dws = _mm512_loadu_ps(x.d.dw + i * kPanel);
+  const float* dx = x.a.dx + x.a.di(x.r0, s * S / QK);  // the 16 rows' scales, consecutive
+  const float* xs = x.a.xs + x.a.si(x.r0, s);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m512 p = _mm512_mul_ps(dws, _mm512_set1_ps(dx[r]));
+    c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(buf + r * 16)), p, c[r]);
+    if (MIN) c[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x.d.mw + i * kPanel), _mm512_set1_ps(xs[r]), c[r]);
+  }
+}
+
+template <int S, bool MIN>
+void tile16_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc) {
+  const Ctx x{d, a, s0, r0};
+  alignas(64) int32_t buf[4][256];
+  __m512 c[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) c[r] = _mm512_loadu_ps(acc + r * kPanel);
+  // Sub-block i: its product is issued two half-steps ahead, its C tile stored to buf[i % 4], post-processed a
+  // half-step later (reading a tile store back at once stalls) and before the next products are issued: tile
+  // instructions enter the core in order, so vector work placed before them is what overlaps the tile unit's.
+  product0<S>(x, 0);
+  if (nsubs > 1) product1<S>(x, 1);
+  int64_t i = 0;
+  for (; i < nsubs; i += 2) {
+    if (i >= 2) post<S, MIN>(x, i - 2, buf[(i - 2) & 3], c);
+    _tile_stored(0, buf[i & 3], kVec);
+    if (i + 2 < nsubs) product0<S>(x, i + 2);
+    if (i >= 1) post<S, MIN>(x, i - 1, buf[(i - 1) & 3], c);
+    if (i + 1 < nsubs) {
+      _tile_stored(3, buf[(i + 1) & 3], kVec);
+      if (i + 3 < nsubs) product1<S>(x, i + 3);
+    }
+  }
+  for (int64_t j = i - 2; j < nsubs; ++j) post<S, MIN>(x, j, buf[j & 3], c);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(acc + r * kPanel, c[r]);
+}
+
+void tile16(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc) {
+  if (t.s == 32) (t.min ? tile16_t<32, true> : tile16_t<32, false>)(d, nsubs, a, s0, r0, acc);
+  else (t.min ? tile16_t<16, true> : tile16_t<16, false>)(d, nsubs, a, s0, r0, acc);
+}
+
+// The avx512 decoder's values shifted to u - off (signed bytes: every type's fit) for tdpbssd; configures the
+// calling thread's tiles for tile16 (end16 releases them).
+void decode16(const QType& t, const uint8_t* packed, int64_t n, const Dec& d) {
+  configure(t.s);
+  avx512::decode(t, packed, n, d);
+  if (t.off == 0) return;
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(t.off));
+  for (int64_t i = 0; i < n * t.qb * kPanel; i += kVec)
+    _mm512_storeu_si512(d.wq + i, _mm512_sub_epi8(_mm512_loadu_si512(d.wq + i), off));
+}
+
+void end16() { _tile_release(); }
+
+}  // namespace
+
+const Ops kAmxOps = {avx512::quantize_act, avx512::decode, avx512::tile, 8, avx512::gemv, decode16, tile16,
+                      end16};
+
+}  // namespace pdserve::qgemm
+
+#pragma GCC pop_options
+#endif  // __x86_64__

@@ -1,0 +1,195 @@
+// AVX2 qgemm kernels: a panel's 16 columns as two ymm of 8 lanes; vpmaddubsw (u8 weights x s8 activations ->
+// int16 pairs) then vpmaddwd by ones -> int32. No int16 saturation: activations are within +-127 and unsigned
+// weights below 64, so two maddubs results (2 * 2 * 63 * 127 = 32004) still fit before the widening; the signed
+// 8-bit types (off = 128: Q8_0, IQ4_*) take llama.cpp's sign trick, |w| x sign(x, w) (2 * 128 * 127 = 32512), and
+// sum q*x directly (the same int32 as the other levels' init + sum u*x). The fp32 steps are qgemm_generic.cpp's.
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <array>
+#include <cstring>
+#include <utility>
+
+#include "qgemm.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+#include "qgemm_decode.h"
+
+namespace pdserve::qgemm {
+namespace {
+
+struct P256 {
+  struct V { __m256i a, b; };
+  struct F { __m256 a, b; };
+  static __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V load(const uint8_t* p) { return {ld(p), ld(p + 32)}; }
+  static void store(uint8_t* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v.a);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), v.b);
+  }
+  static V zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static V and8(V v, uint8_t m) {
+    const __m256i mm = _mm256_set1_epi8(static_cast<char>(m));
+    return {_mm256_and_si256(v.a, mm), _mm256_and_si256(v.b, mm)};
+  }
+  static V or_(V x, V y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+  static V srl(V v, int n) {
+    const __m128i c = _mm_cvtsi32_si128(n);
+    return {_mm256_srl_epi16(v.a, c), _mm256_srl_epi16(v.b, c)};
+  }
+  static V sll(V v, int n) {
+    const __m128i c = _mm_cvtsi32_si128(n);
+    return {_mm256_sll_epi16(v.a, c), _mm256_sll_epi16(v.b, c)};
+  }
+  static V lut(V v) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Table)));
+    return {_mm256_shuffle_epi8(t, v.a), _mm256_shuffle_epi8(t, v.b)};
+  }
+  static __m256 h8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F half(const uint8_t* p) { return {h8(p), h8(p + 16)}; }
+  static __m256i b8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static __m256i sb8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static F u8(const uint8_t* p) { return {_mm256_cvtepi32_ps(b8(p)), _mm256_cvtepi32_ps(b8(p + 8))}; }
+  static F s8(const uint8_t* p) { return {_mm256_cvtepi32_ps(sb8(p)), _mm256_cvtepi32_ps(sb8(p + 8))}; }
+  static F lo4(const uint8_t* p) {
+    const __m256i m = _mm256_set1_epi32(15);
+    return {_mm256_cvtepi32_ps(_mm256_and_si256(b8(p), m)), _mm256_cvtepi32_ps(_mm256_and_si256(b8(p + 8), m))};
+  }
+  static F hi4(const uint8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_srli_epi32(b8(p), 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b8(p + 8), 4))};
+  }
+  static F mul(F x, F y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+  static F neg(F x) {
+    const __m256 s = _mm256_set1_ps(-0.0f);
+    return {_mm256_xor_ps(x.a, s), _mm256_xor_ps(x.b, s)};
+  }
+  static void store(float* p, F f) {
+    _mm256_storeu_ps(p, f.a);
+    _mm256_storeu_ps(p + 8, f.b);
+  }
+};
+
+int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// As qgemm_generic.cpp's quantize_act: d = amax/127, q = round half to even (x * (1/d)).
+void quantize_rows(const QType& t, const float* x, int64_t ldx, int64_t r0, int64_t r1, const Act& a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < a.nb32; ++b) {
+      const float* xb = x + r * ldx + b * QK;
+      __m256 v[4], mx = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+      }
+      const float d = hmax(mx) / 127.0f;
+      const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      alignas(32) int8_t qb[QK];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(qb),
+                         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      int32_t sums[2];
+      if (t.s == QK) {
+        sums[0] = hsum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+      } else {
+        sums[0] = hsum(_mm256_add_epi32(q[0], q[1]));
+        sums[1] = hsum(_mm256_add_epi32(q[2], q[3]));
+      }
+      put_block(t, a, r, b, qb, d, sums);
+    }
+  }
+}
+
+// The exact int32 sums of one sub-block for 8 columns (wq: the half's weight vectors, stride 64 bytes).
+template <int G, bool SGN>
+inline __m256i dot8(const uint8_t* wq, const int8_t* x, int32_t init) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = SGN ? _mm256_setzero_si256() : _mm256_set1_epi32(init);
+  for (int g = 0; g < G; g += SGN ? 1 : 2) {
+    int32_t x0;
+    std::memcpy(&x0, x + 4 * g, 4);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + g * kVec));
+    __m256i p;
+    if constexpr (SGN) {
+      const __m256i ws = _mm256_xor_si256(w0, _mm256_set1_epi8(static_cast<char>(0x80)));
+      p = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(_mm256_set1_epi32(x0), ws));
+    } else {
+      int32_t x1;
+      std::memcpy(&x1, x + 4 * g + 4, 4);
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (g + 1) * kVec));
+      p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                           _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+    }
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+  }
+  return acc;
+}
+
+template <int S, bool MIN, bool SGN, int MR>
+void tile_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc) {
+  constexpr int G = S / 4;
+  __m256 c[MR][2];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) c[r][h] = _mm256_loadu_ps(acc + r * kPanel + 8 * h);
+  for (int64_t i = 0; i < nsubs; ++i) {
+    const int64_t s = s0 + i;
+    const int8_t* x = a.q + a.qi(r0, s);  // row r at x + r * S (rows r0..r0+MR share a 16-row tile)
+    const float* dx = a.dx + a.di(r0, s * S / QK);
+    const int32_t* init = a.init + a.si(r0, s);
+    const float* xs = a.xs + a.si(r0, s);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 dxr = _mm256_set1_ps(dx[r]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i isum = dot8<G, SGN>(d.wq + i * G * kVec + 32 * h, x + r * S, init[r]);
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(d.dw + i * kPanel + 8 * h), dxr);
+        c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), p, c[r][h]);
+        if (MIN)
+          c[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(d.mw + i * kPanel + 8 * h), _mm256_set1_ps(xs[r]), c[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kPanel + 8 * h, c[r][h]);
+}
+
+using TileFn = void (*)(const Dec&, int64_t, const Act&, int64_t, int64_t, float*);
+constexpr int kMaxRows = 4;
+
+template <int S, bool MIN, bool SGN, int... R>
+constexpr std::array<TileFn, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
+  return {tile_t<S, MIN, SGN, R + 1>...};
+}
+
+void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr, float* acc) {
+  using Seq = std::make_integer_sequence<int, kMaxRows>;
+  static constexpr auto k32 = tiles<32, false, false>(Seq()), k32m = tiles<32, true, false>(Seq());
+  static constexpr auto k32s = tiles<32, false, true>(Seq());
+  static constexpr auto k16 = tiles<16, false, false>(Seq()), k16m = tiles<16, true, false>(Seq());
+  const auto& table = t.off == 128 ? k32s : t.s == 32 ? (t.min ? k32m : k32) : (t.min ? k16m : k16);
+  table[mr - 1](d, nsubs, a, s0, r0, acc);
+}
+
+}  // namespace
+
+const Ops kAvx2Ops = {quantize_rows, decode<P256>, tile_rows, kMaxRows, nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace pdserve::qgemm
+
+#pragma GCC pop_options
+#endif  // __x86_64__

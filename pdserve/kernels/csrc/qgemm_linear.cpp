@@ -1,0 +1,253 @@
+// PackedWeight over GGUF blocks (qgemm.h): pack_gguf, the forward's threading and buffers, dequantize and rows.
+// The arithmetic lives in qgemm_{generic,avx2,avx512,amx}.cpp, picked per call through one IsaTable.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include "dispatch.h"
+#include "packed_weight.h"
+#include "qgemm.h"
+#include "registry.h"
+
+namespace pdserve {
+namespace {
+
+using qgemm::kPanel;
+
+const qgemm::Ops& ops() {
+  static const IsaTable<const qgemm::Ops*> table = {
+      {Isa::kGeneric, &qgemm::kGenericOps},
+      PDSERVE_X86({Isa::kAvx2, &qgemm::kAvx2Ops}, {Isa::kAvx512, &qgemm::kAvx512Ops}, {Isa::kAmx, &qgemm::kAmxOps})};
+  return *table.pick();
+}
+
+// A grow-only 64-byte-aligned scratch buffer (one per thread: no allocation on the hot path once warm).
+class Scratch {
+ public:
+  uint8_t* get(size_t bytes) {
+    if (bytes > size_) {
+      size_ = (bytes + 4095) / 4096 * 4096;
+      buf_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size_)));
+      TORCH_CHECK(buf_, "out of memory for a ", size_, "-byte kernel buffer");
+    }
+    return buf_.get();
+  }
+
+ private:
+  struct Free { void operator()(uint8_t* p) const { std::free(p); } };
+  std::unique_ptr<uint8_t, Free> buf_;
+  size_t size_ = 0;
+};
+
+// A buffer the forward streams: from 2 MiB on, 2 MiB-aligned and advised into transparent huge pages (where the
+// system leaves THP to madvise, as Debian does). A decode GEMV over 4 KiB pages streamed 7 GB/s on one core here,
+// over huge pages 10.7 GB/s, the core's read bandwidth (measured on a 19 MB Q4_K weight, cold).
+at::Tensor stream_buffer(int64_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  if (static_cast<size_t>(bytes) < kHuge) return at::empty({bytes}, at::kByte);
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, kHuge, static_cast<size_t>(bytes)) == 0, "out of memory for ", bytes,
+              " bytes of packed weights");
+#if defined(__linux__)
+  madvise(p, static_cast<size_t>(bytes), MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
+#endif
+  return at::from_blob(p, {bytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+}
+
+class QgemmWeight final : public PackedWeight {
+ public:
+  QgemmWeight(const qgemm::QType& t, const at::Tensor& data, int64_t n, int64_t k)
+      : PackedWeight(n, k), t_(t), nchunks_(k / t.qb), npanels_((n + kPanel - 1) / kPanel) {
+    packed_ = stream_buffer(npanels_ * nchunks_ * t.chunk_bytes());
+    const uint8_t* src = data.data_ptr<uint8_t>();
+    uint8_t* dst = packed_.data_ptr<uint8_t>();
+    at::parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) { qgemm::pack_panels(t_, src, n, k, p0, p1, dst); });
+  }
+
+  std::string type_name() const override { return t_.name; }
+  int64_t nbytes() const override { return packed_.numel(); }
+  void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override;
+  at::Tensor dequantize() const override;
+  void rows(const int64_t* ids, int64_t t, float* out) const override;
+
+ private:
+  const uint8_t* panel(int64_t p) const { return packed_.data_ptr<uint8_t>() + p * nchunks_ * t_.chunk_bytes(); }
+  void run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
+               const float* bias) const;
+  void run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
+                const float* bias) const;
+  void store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy, const float* bias) const;
+  // Columns c0 <= c < c1 of panel p, dequantized, into out[(c - c0) * k].
+  void dequant_panel(int64_t p, int c0, int c1, float* out) const;
+
+  const qgemm::QType& t_;
+  int64_t nchunks_, npanels_;
+  at::Tensor packed_;
+};
+
+void QgemmWeight::store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy,
+                        const float* bias) const {
+  const int64_t c0 = p * kPanel, nc = std::min<int64_t>(kPanel, n() - c0);
+  for (int64_t r = 0; r < mr; ++r) {
+    float* yr = y + (r0 + r) * ldy + c0;
+    const float* ar = acc + r * kPanel;
+    for (int64_t c = 0; c < nc; ++c) yr[c] = bias ? ar[c] + bias[c0 + c] : ar[c];
+  }
+}
+
+// Rows from which the amx level multiplies on AMX tiles (all rows then: the activations are padded to 16-row tiles).
+// benchmarks/kernels_qgemm.py here: at 16 rows the VNNI tiles were as fast or faster (up to 1.25x), from 32 AMX won.
+constexpr int64_t kAmxMinRows = 32;
+// Decoded panels per block on the many-rows path: the block (in L2) serves every row tile while a row tile's
+// activations stay in L1/L2 across the block's panels.
+constexpr size_t kBlockBytes = size_t{1} << 19;
+
+bool use_amx(const qgemm::Ops& o, int64_t m) { return o.tile16 && m > o.max_rows && m >= kAmxMinRows; }
+
+// Few rows: one row tile per panel, its accumulators carried along K; the weight vectors decoded in registers
+// straight from the packed panel where the level can (gemv), else ~256 values of K at a time into L1.
+void QgemmWeight::run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
+                          int64_t ldy, const float* bias) const {
+  thread_local Scratch dec_buf, acc_buf;
+  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
+  const int64_t cb = t_.chunk_bytes(), ns = t_.nsub(), group = std::max<int64_t>(1, 256 / t_.qb);
+  const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));
+  for (int64_t p = p0; p < p1; ++p) {
+    std::fill(acc, acc + m * kPanel, 0.0f);
+    if (o.gemv) {
+      o.gemv(t_, panel(p), nchunks_, a, 0, m, acc);
+    } else {
+      for (int64_t c0 = 0; c0 < nchunks_; c0 += group) {
+        const int64_t g = std::min(group, nchunks_ - c0);
+        const uint8_t* src = panel(p) + c0 * cb;
+        // the next group into L1 while this one computes (a line in two: the pair prefetcher brings the other):
+        // +15% on a cold decode GEMV here; the hardware prefetchers alone leave the stream idle during the tile
+        for (int64_t b = g * cb; b < 2 * g * cb; b += 128) __builtin_prefetch(src + b, 0, 3);
+        o.decode(t_, src, g, d);
+        o.tile(t_, d, g * ns, a, c0 * ns, 0, m, acc);
+      }
+    }
+    store(acc, p, 0, m, y, ldy, bias);
+  }
+}
+
+// More rows: decode a block of panels whole (L2) and run every row tile over each (AMX tiles of 16 rows where the
+// level has them). As on the few-rows path, each output is one fixed sequence of operations over K (qgemm.h).
+void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
+                           int64_t ldy, const float* bias) const {
+  thread_local Scratch dec_buf, acc_buf;
+  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
+  const bool amx = use_amx(o, m);
+  const int64_t ns = t_.nsub(), step = amx ? 16 : o.max_rows;
+  const size_t per = qgemm::dec_bytes(t_, nchunks_);
+  const int64_t pb = std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / per), 1, 16);
+  uint8_t* buf = dec_buf.get(per * pb);
+  for (int64_t b0 = p0; b0 < p1; b0 += pb) {
+    const int64_t nb = std::min(pb, p1 - b0);
+    for (int64_t j = 0; j < nb; ++j)
+      (amx ? o.decode16 : o.decode)(t_, panel(b0 + j), nchunks_, qgemm::dec_view(t_, nchunks_, buf + j * per));
+    for (int64_t r0 = 0; r0 < m; r0 += step) {
+      const int64_t mr = std::min(step, m - r0);
+      for (int64_t j = 0; j < nb; ++j) {
+        const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf + j * per);
+        std::fill(acc, acc + step * kPanel, 0.0f);
+        if (amx) o.tile16(t_, d, nchunks_ * ns, a, 0, r0, acc);
+        else o.tile(t_, d, nchunks_ * ns, a, 0, r0, mr, acc);
+        store(acc, b0 + j, r0, mr, y, ldy, bias);
+      }
+    }
+  }
+  if (amx) o.end16();
+}
+
+void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const {
+  const qgemm::Ops& o = ops();
+  thread_local Scratch act_buf;
+  const int64_t rows = use_amx(o, m) ? (m + 15) / 16 * 16 : m;  // AMX tiles read whole 16-row tiles
+  const qgemm::Act a = qgemm::act_view(t_, rows, k(), act_buf.get(qgemm::act_bytes(t_, rows, k())));
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { o.quantize_act(t_, x, ldx, r0, r1, a); });
+  if (rows > m) qgemm::zero_rows(a, m, rows);
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t grain = (npanels_ + threads - 1) / threads;  // even split: each thread one contiguous stream
+  at::parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) {
+    if (m <= o.max_rows) run_few(o, a, m, p0, p1, y, ldy, bias);
+    else run_many(o, a, m, p0, p1, y, ldy, bias);
+  });
+}
+
+void QgemmWeight::dequant_panel(int64_t p, int c0, int c1, float* out) const {
+  thread_local Scratch buf;
+  const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf.get(qgemm::dec_bytes(t_, nchunks_)));
+  ops().decode(t_, panel(p), nchunks_, d);
+  qgemm::dequant_decoded(t_, d, nchunks_, c0, c1, out, k());
+}
+
+at::Tensor QgemmWeight::dequantize() const {
+  at::Tensor out = at::empty({n(), k()}, at::kFloat);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      dequant_panel(p, 0, static_cast<int>(std::min<int64_t>(kPanel, n() - p * kPanel)), op + p * kPanel * k());
+  });
+  return out;
+}
+
+void QgemmWeight::rows(const int64_t* ids, int64_t t, float* out) const {
+  at::parallel_for(0, t, 8, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int c = static_cast<int>(ids[i] % kPanel);
+      dequant_panel(ids[i] / kPanel, c, c + 1, out + i * k());
+    }
+  });
+}
+
+std::string type_list() {
+  std::string s;
+  for (const qgemm::QType* t = qgemm::all_types(); t->name; ++t)
+    s += std::string(s.empty() ? "" : ", ") + t->name + "=" + std::to_string(t->id);
+  return s;
+}
+
+}  // namespace
+
+std::shared_ptr<PackedWeight> pack_gguf(const at::Tensor& data, int64_t ggml_type, int64_t k) {
+  const qgemm::QType* t = qgemm::find_type(static_cast<int>(ggml_type));
+  TORCH_CHECK(t, "pack_gguf: ggml type ", ggml_type, " is not supported (", type_list(), ")");
+  TORCH_CHECK(data.scalar_type() == at::kByte, "data must be uint8 GGUF blocks, got ", data.scalar_type());
+  TORCH_CHECK(data.dim() == 2, "data must be 2-D [N, row_bytes], got ", data.dim(), "-D");
+  TORCH_CHECK(data.device().is_cpu(), "data must be on the CPU");
+  TORCH_CHECK(k > 0 && k % t->qb == 0, t->name, " needs K a positive multiple of ", t->qb, ", got ", k);
+  const int64_t row_bytes = k / t->qb * t->gguf_bytes;
+  TORCH_CHECK(data.size(1) == row_bytes, "data has ", data.size(1), " bytes per row; ", t->name, " with K=", k,
+              " needs ", row_bytes);
+  TORCH_CHECK(data.size(0) > 0, "data has no rows");
+  return std::make_shared<QgemmWeight>(*t, data.contiguous(), data.size(0), k);
+}
+
+namespace {
+
+void register_qgemm(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("pack_gguf", &pack_gguf, py::arg("data"), py::arg("ggml_type"), py::arg("k"),
+        py::call_guard<py::gil_scoped_release>(),
+        "PackedWeight of GGUF blocks data (uint8 [N, row_bytes] as stored) of ggml type ggml_type, K values per "
+        "row: repacked once into 16-column panels; forward quantizes activations per 32 to int8");
+  m.def("pack_gguf_types", [] {
+          py::dict out;
+          for (const qgemm::QType* t = qgemm::all_types(); t->name; ++t) out[py::str(t->name)] = t->id;
+          return out;
+        }, "the ggml types pack_gguf takes: {name: ggml type id}");
+}
+
+}  // namespace
+PDSERVE_REGISTER(register_qgemm);
+}  // namespace pdserve

@@ -1,0 +1,132 @@
+"""What every decoder-only architecture shares: the token embedding, decoder layers in vLLM's residual form, the
+final norm and the lm_head, run on flat token batches.
+
+`forward(input_ids [T], positions [T], kv_cache, meta)` runs every token of a step (decodes and prefill chunks of
+many sequences) as one [T, hidden] matrix; only attention looks at sequence boundaries. Its Python definition is
+`hidden_states`: embed, then `hidden, residual = layer(positions, hidden, residual, ctx)` for every layer, then the
+final norm with the last residual add fused in. An architecture subclasses CausalLM, builds its layers from the shared
+modules (model/layers/) and maps its checkpoint's weight names (`load_hf_state_dict`, with `WeightLoader`).
+
+With the native kernels the same definition is recorded once into a NativeProgram (model/native_program.py) that
+runs the whole stack in one native call per step; the Python definition stays the only one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.config import ModelArchConfig
+from pdserve.model.attention import AttentionMetadata, ForwardContext
+from pdserve.model.layers.linear import Embedding, Linear
+from pdserve.model.layers.norm import RMSNorm
+from pdserve.model.layers.rotary import RotaryEmbedding
+from pdserve.model.native_ops import KernelSelection
+from pdserve.model.quant_linear import QuantizedWeight, StateDict
+
+logger = logging.getLogger(__name__)
+
+
+class CausalLM(nn.Module):
+    embed_tokens: Embedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+    lm_head: Linear
+
+    def __init__(self, cfg: ModelArchConfig, kernels: KernelSelection) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.kernels = kernels
+        self.program: Any = None  # the native whole-stack program, once build_native_program succeeded
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden]; call `compute_logits` on the rows that need sampling."""
+        if self.program is not None:
+            return self.program.run(input_ids, positions, kv_cache, meta.slot_mapping, meta.block_table,
+                                    meta.query_start_loc, meta.seq_lens)
+        return self.hidden_states(input_ids, positions, ForwardContext(kv_cache, meta))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The model's one definition (see the module docstring)."""
+        hidden, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> the first layer's input (Gemma would scale it by sqrt(hidden) here)."""
+        return self.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def build_native_program(self) -> bool:
+        """Record `hidden_states` into a NativeProgram that `forward` runs from then on (native kernels only).
+        A model the recorder cannot express keeps running its Python definition, with a warning."""
+        from pdserve.model.native_program import ProgramUnsupported, record_program
+
+        try:
+            self.program = record_program(self)
+        except ProgramUnsupported as e:
+            logger.warning("native whole-stack program unavailable (%s): the layers run one native call per op", e)
+            self.program = None
+        return self.program is not None
+
+    def to_device(self, device: torch.device) -> None:
+        """Move what `nn.Module.to` does not (the float32 rope tables)."""
+        for m in self.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.to_device(device)
+
+    def load_hf_state_dict(self, sd: StateDict) -> None:
+        raise NotImplementedError
+
+
+class WeightLoader:
+    """Copies Hugging Face-named weights into a model, fusing parts into one matrix; remembers what it used so that
+    `finish` can refuse a checkpoint with weights the architecture does not know."""
+
+    def __init__(self, sd: StateDict) -> None:
+        self.sd = sd
+        self.used: set[str] = set()
+
+    def take(self, name: str) -> torch.Tensor | QuantizedWeight:
+        if name not in self.sd:
+            raise KeyError(f"checkpoint lacks {name}")
+        self.used.add(name)
+        return self.sd[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A weight that is always float (norms, biases): GGUF blocks are dequantized."""
+        w = self.take(name)
+        return w.dequantize() if isinstance(w, QuantizedWeight) else w
+
+    @torch.no_grad()
+    def matrix(self, module: Linear | Embedding, names: list[str], bias: list[str] | None = None) -> None:
+        """Fill `module` with the row-concatenation of the named weights: as GGUF blocks when every part is blocks
+        of one type (kept as stored), else as floats (parts in other block types are dequantized)."""
+        parts = [self.take(n) for n in names]
+        qparts = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if qparts and len(qparts) == len(parts) and len({p.qtype for p in qparts}) == 1:
+            module.set_packed(QuantizedWeight.cat(qparts))
+        else:
+            assert module.weight is not None
+            module.weight.copy_(torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]))
+        if bias is not None:
+            assert isinstance(module, Linear) and module.bias is not None
+            module.bias.copy_(torch.cat([self.tensor(n) for n in bias]))
+
+    @torch.no_grad()
+    def copy(self, param: nn.Parameter, name: str) -> None:
+        param.copy_(self.tensor(name))
+
+    def finish(self) -> None:
+        """Raise on weights no module took (Hugging Face's rotary buffers aside)."""
+        unexpected = [k for k in self.sd if k not in self.used and "rotary_emb" not in k]
+        if unexpected:
+            raise KeyError(f"checkpoint has unexpected weights, e.g. {unexpected[:5]}")

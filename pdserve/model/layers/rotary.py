@@ -1,0 +1,75 @@
+"""Rotary position embedding (Hugging Face's rotate-half form) with a cos/sin table precomputed per position.
+
+One instance per distinct (head_dim, base, scaling): the layers that share it hold the same module (Gemma 3's local
+and global layers would hold two, each with its own base). q and k are [T, heads * head_dim], possibly column slices
+of the fused qkv output: the native kernel rotates them in place there, the reference returns new tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.model.native_ops import KernelSelection
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """The inverse frequencies [head_dim / 2] of a rope base, with Hugging Face's linear or llama3 scaling."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None,
+                 kernels: KernelSelection) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, base, scaling))
+        # plain attributes, not buffers: they stay float32 when the model is cast to bf16 (to_device moves them)
+        self.cos = freqs.cos()  # [P, D/2]
+        self.sin = freqs.sin()
+        self.kernels = kernels
+        self._impl = self._native if kernels.native is not None else self._reference
+
+    def to_device(self, device: torch.device) -> None:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._impl(positions, q, k)
+
+    def _reference(self, positions: torch.Tensor, q: torch.Tensor,
+                   k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
+        return _rotate(q, cos, sin, self.head_dim), _rotate(k, cos, sin, self.head_dim)
+
+    def _native(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kernels.ops.rotary(positions, q, k, self.cos, self.sin)
+        return q, k
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.unflatten(-1, (-1, head_dim)).float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype).flatten(-2)

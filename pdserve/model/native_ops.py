@@ -1,0 +1,145 @@
+"""Which kernels a model's layer modules run, chosen once when the model is built.
+
+`KernelSelection` is the one object that says it: the attention backend (sdpa | flex for the PyTorch reference,
+native with the native kernels) and `native`, the native layer ops or None for the PyTorch reference. Every layer
+module (model/layers/) takes it at construction and binds its PyTorch or its native implementation then; nothing
+asks a backend what it can do at run time.
+
+`NativeOps` is the native side: one method per layer op, on float32 activations [T, width] whose rows may be strided
+(a column slice of a wider matrix, e.g. q out of the fused qkv output). The same methods are what
+model/native_program.py records to build the whole-stack program, so a layer module reaches the native kernels only
+through them.
+
+`PackedMatrix` is what a Linear or Embedding module accepts besides a float tensor: a weight matrix W [N, K] in a
+packed format, with forward / rows / dequantize. GGUF blocks (model/quant_linear.py QuantizedWeight), the kernels'
+PackedWeight objects (csrc/packed_weight.h), oneDNN's reordered copy and the PyTorch path's int8 weights all are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.model.attention import AttentionBackend, ForwardContext, NativeBackend
+
+
+class PackedMatrix(Protocol):
+    """A weight W [N, K] as stored for its kernels; activations float (float32 for the native formats)."""
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one pass over W reads (what a batch-1 decode step streams for it)."""
+        ...
+
+    @property
+    def type_name(self) -> str:
+        """The stored type, as GGUF names it where it has a name: Q4_K, Q8_0, BF16, F32, ..."""
+        ...
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ W.T (+ bias) -> [M, N]."""
+        ...
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] as [*ids.shape, K] (W read as an embedding table)."""
+        ...
+
+    def dequantize(self) -> torch.Tensor:
+        """W as a float tensor [N, K]: the values the kernels multiply by."""
+        ...
+
+
+Weight = torch.Tensor | PackedMatrix  # what Linear and Embedding hold
+
+
+class NativeOps:
+    """The native layer ops (pdserve/kernels). In-place ops say so; the others return a new float32 tensor."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.attention_backend = NativeBackend(lib)
+
+    def embedding(self, ids: torch.Tensor, weight: Weight) -> torch.Tensor:
+        return F.embedding(ids, weight) if isinstance(weight, torch.Tensor) else weight.rows(ids)
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else weight.forward(x, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self.lib.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """In place: residual += x; x = rms_norm(residual) * weight."""
+        self.lib.fused_add_rms_norm(x, residual, weight, eps)
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """In place: every head (weight.numel() wide) of every row of x rms-normed and scaled."""
+        self.lib.rms_norm_heads(x, weight, eps)
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> None:
+        """In place: rotate-half RoPE of every head of q and k at rows `positions` of cos/sin [P, head_dim / 2]."""
+        self.lib.rotary_embedding(positions, q, k, cos, sin, 2 * cos.shape[1])
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.float32)
+        self.lib.silu_and_mul(out, x)
+        return out
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+        """Write k/v [T, Hkv * D] into layer `layer` of the cache, attend q [T, Hq * D] -> [T, Hq * D]."""
+        t = q.shape[0]
+        out = self.attention_backend.forward(q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
+                                             v.view(t, num_kv_heads, head_dim), ctx.kv_cache[layer], ctx.meta, scale)
+        return out.view(t, num_heads * head_dim)
+
+
+@dataclass
+class KernelSelection:
+    """The kernels of one model, fixed at construction (see the module docstring)."""
+
+    attention: AttentionBackend
+    native: NativeOps | None = None  # None: the PyTorch reference ops
+
+    @property
+    def ops(self) -> NativeOps:
+        """The native ops; only the native implementations of the layer modules call this."""
+        assert self.native is not None, "the PyTorch reference path has no native ops"
+        return self.native
+
+    @contextlib.contextmanager
+    def recording(self, recorder: NativeOps) -> Iterator[None]:
+        """Route the native ops to `recorder` for the duration (model/native_program.py builds a program so)."""
+        saved, self.native = self.ops, recorder
+        try:
+            yield
+        finally:
+            self.native = saved
+
+
+def select_kernels(kernels: str, attention_backend: str = "auto",
+                   device: torch.device | str = "cpu") -> KernelSelection:
+    """`kernels`: native | torch (the engine resolves auto before this). `attention_backend` (torch kernels): sdpa
+    | flex | auto (flex on cuda, sdpa on cpu)."""
+    from pdserve import kernels as native_kernels
+    from pdserve.model.attention_backends import get_attention_backend
+
+    if kernels == "native":
+        ops = NativeOps(native_kernels.require())
+        return KernelSelection(ops.attention_backend, ops)
+    if kernels != "torch":
+        raise ValueError(f"kernels must be native or torch here, got {kernels!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    name = attention_backend if attention_backend != "auto" else ("sdpa" if on_cpu else "flex")
+    return KernelSelection(get_attention_backend(name, device))

@@ -1,0 +1,250 @@
+"""The native whole-stack program: a model's one Python definition, recorded once into native ops.
+
+`record_program(model)` runs `model.hidden_states` once on a two-token dummy step with the model's NativeOps
+replaced by a `ProgramRecorder`: every op the layer modules call is appended to a NativeProgram
+(csrc/native_program.cpp) instead of running, its tensor arguments resolved to program values (the step's ids and
+positions, an earlier op's result, or a column slice of one), its weights and constants handed over once. Each step
+then runs the whole stack in one native call (`NativeProgram.run`), so a batch-1 decode step pays one Python call
+instead of ~10 per layer. Nothing here knows an architecture: a new one records as it is written.
+
+What a definition may do between native ops: take column slices of op results (`split`, `narrow`, slicing the last
+dimension) and pass values along; anything else (arithmetic on tensors, reshapes that copy) produces a tensor no op
+made, which the recorder refuses (ProgramUnsupported) - a new computation is a new NativeOps method and program op.
+tests/test_native_program.py checks per architecture that the program computes bit for bit what the Python
+definition computes on the native ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdserve.model.attention import AttentionMetadata, ForwardContext
+from pdserve.model.cpu_linear import PACKED_MAX_ROWS, OneDNNWeight
+from pdserve.model.native_ops import NativeOps, Weight
+from pdserve.model.quant_linear import QuantizedWeight
+
+if TYPE_CHECKING:
+    from pdserve.model.causal_lm import CausalLM
+
+RECORD_TOKENS = 2  # rows of the dummy step: more than one, so that row strides are seen
+OWNED_OPS = ("rms_norm", "attention", "silu_and_mul")  # ops whose output buffer the executor allocates (slots)
+
+
+class ProgramUnsupported(ValueError):
+    """The definition does something the native program cannot express (the model runs its Python loop)."""
+
+
+@dataclass
+class _Instr:
+    op: str
+    inputs: list[int]
+    out: int = -1
+    width: int = 0  # of `out`, for ops in OWNED_OPS
+    ints: list[int] = field(default_factory=list)
+    floats: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Value:
+    root: int  # the value whose buffer this one views (itself for a buffer)
+    width: int  # columns; 0 for the 1-D step inputs
+    col: int = 0  # first column within the root
+
+
+class ProgramRecorder(NativeOps):
+    """NativeOps that record instead of running (see the module docstring). Results are fresh empty tensors of the
+    right shape, kept alive so that no address is reused while recording."""
+
+    def __init__(self, lib: Any, ids: torch.Tensor, positions: torch.Tensor) -> None:
+        super().__init__(lib)
+        self.prog = lib.NativeProgram()
+        self.instrs: list[_Instr] = []
+        self.values: list[_Value] = []
+        self._by_storage: dict[int, int] = {}  # storage address -> root value
+        self._views: dict[tuple[int, int, int], int] = {}  # (root, col, cols) -> value
+        self._consts: dict[int, int] = {}
+        self._weights: dict[int, int] = {}
+        self._alive: list[Any] = []
+        self.frees: dict[int, list[int]] = {}  # instruction -> values released after it (set by finish)
+        for t in (ids, positions):  # values 0 and 1
+            self._by_storage[t.untyped_storage().data_ptr()] = len(self.values)
+            self.values.append(_Value(len(self.values), 0))
+            self._alive.append(t)
+
+    # ---- values, constants and weights ------------------------------------------------------------------------
+    def _new(self, width: int) -> tuple[torch.Tensor, int]:
+        t = torch.empty(RECORD_TOKENS, width, dtype=torch.float32)
+        vid = len(self.values)
+        self._by_storage[t.untyped_storage().data_ptr()] = vid
+        self.values.append(_Value(vid, width))
+        self._alive.append(t)
+        return t, vid
+
+    def _use(self, t: torch.Tensor) -> int:
+        """The value `t` is: a step input, an op result, or a column slice of one (recorded as a narrow)."""
+        root = self._by_storage.get(t.untyped_storage().data_ptr())
+        if root is None:
+            raise ProgramUnsupported(f"a tensor {tuple(t.shape)} that no native op produced (computed in Python "
+                                     "between ops?)")
+        base = self.values[root]
+        if base.width == 0:
+            if t.dim() != 1 or t.storage_offset() != 0:
+                raise ProgramUnsupported("a step input must be passed whole")
+            return root
+        col, cols = int(t.storage_offset()), int(t.shape[-1]) if t.dim() == 2 else -1
+        if (t.dim() != 2 or t.shape[0] != RECORD_TOKENS or t.stride(0) != base.width
+                or (t.stride(1) != 1 and cols > 1) or col + cols > base.width):
+            raise ProgramUnsupported(f"{tuple(t.shape)} strides {t.stride()} is not a column slice of a "
+                                     f"[T, {base.width}] result")
+        if col == 0 and cols == base.width:
+            return root
+        key = (root, col, cols)
+        if key not in self._views:
+            self._views[key] = vid = len(self.values)
+            self.values.append(_Value(root, cols, col))
+            self.instrs.append(_Instr("narrow", [root], vid, ints=[col, cols]))
+        return self._views[key]
+
+    def _const(self, t: torch.Tensor) -> int:
+        if id(t) not in self._consts:
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ProgramUnsupported(f"constant of dtype {t.dtype} on {t.device}: the program runs float32 on "
+                                         "the CPU")
+            c = t.detach().contiguous()
+            self._alive.append(t)
+            self._consts[id(t)] = self.prog.add_const(c)
+        return self._consts[id(t)]
+
+    def _weight(self, w: Weight) -> int:
+        if id(w) not in self._weights:
+            self._alive.append(w)
+            self._weights[id(w)] = self._add_weight(w)
+        return self._weights[id(w)]
+
+    def _add_weight(self, w: Weight) -> int:
+        if isinstance(w, QuantizedWeight):
+            return int(self.prog.add_blocks(w.data, w.qtype, w.shape[1]))
+        if isinstance(w, OneDNNWeight):
+            return int(self.prog.add_dense(w.weight.float().contiguous(), w.packed, PACKED_MAX_ROWS))
+        if isinstance(w, torch.Tensor):
+            if w.dtype != torch.float32:
+                raise ProgramUnsupported(f"a {w.dtype} weight: the program runs float32")
+            return int(self.prog.add_dense(w.detach().contiguous(), None, 0))
+        if isinstance(w, self.lib.PackedWeight):
+            return int(self.prog.add_packed(w))
+        raise ProgramUnsupported(f"a weight of type {type(w).__name__} has no native program form")
+
+    def _emit(self, op: str, inputs: list[torch.Tensor], width: int = 0, ints: list[int] | None = None,
+              floats: list[float] | None = None) -> torch.Tensor | None:
+        """Append `op`; a result of `width` columns is a new value (returned as its recording tensor)."""
+        ins = [self._use(t) for t in inputs]
+        result, out = None, -1
+        if width:
+            result, out = self._new(width)
+        self.instrs.append(_Instr(op, ins, out, width, ints or [], floats or []))
+        return result
+
+    # ---- the ops (NativeOps' signatures) ----------------------------------------------------------------------
+    def embedding(self, ids: torch.Tensor, weight: Weight) -> torch.Tensor:
+        return self._result("embedding", [ids], weight.shape[1], [self._weight(weight)])
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        ints = [self._weight(weight), -1 if bias is None else self._const(bias)]
+        return self._result("linear", [x], weight.shape[0], ints)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._result("rms_norm", [x], x.shape[1], [self._const(weight)], [eps])
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        self._emit("add_rms_norm", [x, residual], ints=[self._const(weight)], floats=[eps])
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        self._emit("head_rms_norm", [x], ints=[self._const(weight)], floats=[eps])
+
+    def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> None:
+        self._emit("rotary", [positions, q, k], ints=[self._const(cos), self._const(sin), 2 * cos.shape[1]])
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._result("silu_and_mul", [x], x.shape[1] // 2)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
+                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+        return self._result("attention", [q, k, v], num_heads * head_dim,
+                            [layer, num_heads, num_kv_heads, head_dim], [scale])
+
+    def _result(self, op: str, inputs: list[torch.Tensor], width: int, ints: list[int] | None = None,
+                floats: list[float] | None = None) -> torch.Tensor:
+        out = self._emit(op, inputs, width, ints, floats)
+        assert out is not None
+        return out
+
+    # ---- the program ------------------------------------------------------------------------------------------
+    def finish(self, output: torch.Tensor) -> Any:
+        """Hand the recorded instructions to the NativeProgram, with buffer slots and release points."""
+        out = self._use(output)
+        last = self._last_uses(out)
+        slot_of = self._assign_slots(last)
+        for vid, i in last.items():
+            if i < len(self.instrs):
+                self.frees.setdefault(i, []).append(vid)
+        for i, ins in enumerate(self.instrs):
+            self.prog.append(ins.op, ins.inputs, ins.out, slot_of.get(i, -1), ins.ints, ins.floats,
+                             sorted(self.frees.get(i, [])))
+        self.prog.set_output(out)
+        return self.prog
+
+    def _last_uses(self, output: int) -> dict[int, int]:
+        """Per value (step inputs aside), the last instruction reading it or a view of it (len(instrs): never)."""
+        last: dict[int, int] = {}
+        for i, ins in enumerate(self.instrs):
+            if ins.out >= 0:
+                last.setdefault(ins.out, i)
+            for v in ins.inputs:
+                last[v] = i
+                last[self.values[v].root] = max(last.get(self.values[v].root, i), i)
+        for v in (output, self.values[output].root):
+            last[v] = len(self.instrs)
+        for v in (0, 1):
+            last.pop(v, None)
+        return last
+
+    def _assign_slots(self, last: dict[int, int]) -> dict[int, int]:
+        """Instruction index -> slot of its executor-allocated output: a slot is reused by a later output of the same
+        width once the value holding it is dead (its last use before that instruction)."""
+        holder: list[int] = []  # slot -> value holding it
+        slot_of: dict[int, int] = {}
+        for i, ins in enumerate(self.instrs):
+            if ins.op not in OWNED_OPS:
+                continue
+            free = [s for s, v in enumerate(holder) if last[v] < i and self.values[v].width == ins.width]
+            if free:
+                slot = free[0]
+            else:
+                slot = int(self.prog.add_slot(ins.width))
+                holder.append(-1)
+            holder[slot] = ins.out
+            slot_of[i] = slot
+        return slot_of
+
+
+def record(model: CausalLM) -> ProgramRecorder:
+    """Record `model.hidden_states`; the recorder's `prog` is then the finished NativeProgram."""
+    ops = model.kernels.ops
+    ids = torch.zeros(RECORD_TOKENS, dtype=torch.long)
+    positions = torch.arange(RECORD_TOKENS, dtype=torch.long)
+    recorder = ProgramRecorder(ops.lib, ids, positions)
+    empty = torch.empty(0, dtype=torch.long)
+    ctx = ForwardContext(torch.empty(0), AttentionMetadata(empty, 0, None, None, []))  # never read while recording
+    with model.kernels.recording(recorder), torch.inference_mode():
+        hidden = model.hidden_states(ids, positions, ctx)
+    recorder.finish(hidden)
+    return recorder
+
+
+def record_program(model: CausalLM) -> Any:
+    """The NativeProgram of `model.hidden_states` (see the module docstring)."""
+    return record(model).prog

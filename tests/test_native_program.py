@@ -1,0 +1,184 @@
+"""The native whole-stack program is the Python definition: recorded from it (model/native_program.py), it computes
+bit for bit what the layer modules compute one native op at a time, for every architecture and weight format; it
+refuses what it cannot express (the model then runs its Python definition), and holds activations per layer, not
+per stack."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_loader import tiny_model, write_gguf
+
+from pdserve import kernels
+from pdserve.model.attention import ForwardContext
+from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput
+from pdserve.model.layers.linear import Embedding, Linear
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.loader import LoadedModel, load_gguf
+from pdserve.model.native_program import RECORD_TOKENS, ProgramRecorder, ProgramUnsupported, record
+from pdserve.model.runner import ModelRunner
+
+from conftest import loaded_from_hf
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels are not built")
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]  # qwen2: q/k/v bias; qwen3: q/k norm per head
+# a layer after its input norm (the column slices q, k, v of the qkv output are taken where first used)
+LAYER_OPS = {"llama": ["linear", "narrow", "narrow", "rotary", "narrow", "attention", "linear", "add_rms_norm",
+                       "linear", "silu_and_mul", "linear"],
+             "qwen3": ["linear", "narrow", "head_rms_norm", "narrow", "head_rms_norm", "rotary", "narrow",
+                       "attention", "linear", "add_rms_norm", "linear", "silu_and_mul", "linear"]}
+
+
+def loaded(kind: str, weights: str, tmp_path: Path) -> LoadedModel:
+    model = tiny_model(kind, seed=5)
+    if weights == "float":
+        return loaded_from_hf(model)
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(path, model, kind, qtype=lambda name, w: Q.Q8_0 if "embed" in name or "lm_head" in name else Q.Q4_1)
+    return load_gguf(str(path), keep_quantized=True)
+
+
+def native_runner(lm: LoadedModel, linear_backend: str = "auto") -> ModelRunner:
+    return ModelRunner(lm.arch, lm.state_dict, torch.float32, num_blocks=16, block_size=16, max_model_len=256,
+                       kernels="native", linear_backend=linear_backend)
+
+
+STEPS = [  # two prefills, then a decode beside a chunk with context
+    SchedulerOutput([ScheduledRequest("x", list(range(5, 45)), 0, [3, 7, 1], True),
+                     ScheduledRequest("y", list(range(9, 20)), 0, [2], True)], num_prefill_tokens=51,
+                    sampling_metadata=SamplingMetadata.greedy_rows(2)),
+    SchedulerOutput([ScheduledRequest("y", [21], 11, [2], True),
+                     ScheduledRequest("x", list(range(45, 60)), 40, [3, 7, 1, 9], True)],
+                    num_prefill_tokens=15, num_decode_tokens=1, sampling_metadata=SamplingMetadata.greedy_rows(2)),
+]
+
+
+def assert_program_equals_definition(runner: ModelRunner) -> None:
+    """Each step through the program and through the Python definition from the same cache: same bits."""
+    model = runner.model
+    assert model.program is not None
+    for sched in STEPS:
+        inp = runner.prepare(sched)
+        kv_program, kv_python = runner.kv_cache.clone(), runner.kv_cache.clone()
+        with torch.inference_mode():
+            a = model(inp.input_ids, inp.positions, kv_program, inp.meta)
+            b = model.hidden_states(inp.input_ids, inp.positions, ForwardContext(kv_python, inp.meta))
+        assert torch.equal(a, b) and torch.equal(kv_program, kv_python)
+        runner.kv_cache.copy_(kv_program)
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+@pytest.mark.parametrize("weights", ["gguf", "float"])
+def test_program_equals_the_python_definition(kind: str, weights: str, tmp_path: Path) -> None:
+    """GGUF blocks, and float weights with oneDNN's packed copies (the default for float32 checkpoints)."""
+    assert_program_equals_definition(native_runner(loaded(kind, weights, tmp_path)))
+
+
+def test_program_with_plain_float_weights(tmp_path: Path) -> None:
+    assert_program_equals_definition(native_runner(loaded("qwen2", "float", tmp_path), linear_backend="torch"))
+
+
+def pack(lib: Any, w: Any, fmt: str) -> Any:
+    if fmt == "gguf":
+        return lib.pack_gguf(w.data, w.qtype, w.shape[1])  # the same blocks, repacked into the qgemm panels
+    return lib.pack_float(w.detach(), fmt)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "gguf"])
+def test_program_with_the_kernels_packed_weights(fmt: str, tmp_path: Path) -> None:
+    """The kernels' PackedWeight objects (pack_float's, pack_gguf's) are a loader's choice: the same modules take
+    them in place of float weights or GGUF blocks, the program records them, and the logits stay those of the
+    weights they replace up to the format's rounding (bf16 or int8 activations)."""
+    lib = kernels.require()
+    runner = native_runner(loaded("qwen3", "gguf" if fmt == "gguf" else "float", tmp_path), linear_backend="torch")
+    inp = runner.prepare(STEPS[0])
+    with torch.inference_mode():
+        before = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
+    for m in runner.model.modules():
+        if isinstance(m, (Linear, Embedding)):
+            m.set_packed(pack(lib, m.stored, fmt))
+    assert runner.model.build_native_program()
+    assert_program_equals_definition(runner)
+    with torch.inference_mode():
+        after = runner.model.compute_logits(runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta))
+    assert (after - before).abs().max() <= {"f32": 1e-4, "bf16": 3e-2, "gguf": 3e-2}[fmt] * before.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_program_is_the_definitions_ops_in_order(kind: str, tmp_path: Path) -> None:
+    runner = native_runner(loaded(kind, "gguf", tmp_path))
+    program = runner.model.program
+    layer = LAYER_OPS[kind]
+    assert program.ops() == ["embedding", "rms_norm", *layer, "add_rms_norm", *layer, "add_rms_norm"]
+    # buffers for the first norm's output, the attention outputs and the activations, shared by every layer and by
+    # each other where their widths agree (never two live values in one)
+    cfg = runner.model.cfg
+    assert program.num_slots == len({cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size})
+
+
+def live_values(recorder: ProgramRecorder) -> int:
+    """The most values the executor holds at once, following the recorded releases."""
+    live, most = 0, 0
+    for i, ins in enumerate(recorder.instrs):
+        live += ins.out >= 0
+        most = max(most, live)
+        live -= len(recorder.frees.get(i, []))
+    return most
+
+
+def recorded(kind: str, layers: int) -> ProgramRecorder:
+    from pdserve.model.native_ops import select_kernels
+
+    lm = loaded_from_hf(tiny_model(kind, num_hidden_layers=layers))
+    model = LlamaForCausalLM(lm.arch, select_kernels("native"), 64)
+    model.load_hf_state_dict(lm.state_dict)
+    return record(model)
+
+
+def test_activations_are_released_layer_by_layer() -> None:
+    """A long prefill holds one layer's activations at a time: the values alive at once do not grow with depth,
+    and every value but the output is released exactly once."""
+    two, six = recorded("qwen3", 2), recorded("qwen3", 6)
+    assert live_values(two) == live_values(six) <= 8
+    freed = [v for vs in six.frees.values() for v in vs]
+    assert len(freed) == len(set(freed)) == len(six.values) - 3  # not the ids, the positions, the output
+
+
+def test_recorder_refuses_what_it_cannot_express() -> None:
+    lib = kernels.require()
+    ids, positions = torch.zeros(RECORD_TOKENS, dtype=torch.long), torch.arange(RECORD_TOKENS)
+    rec = ProgramRecorder(lib, ids, positions)
+    x = rec.embedding(ids, torch.randn(10, 8))
+    w = torch.ones(8)
+    with pytest.raises(ProgramUnsupported, match="no native op produced"):
+        rec.rms_norm(x * 2, w, 1e-5)  # arithmetic between ops
+    with pytest.raises(ProgramUnsupported, match="column slice"):
+        rec.rms_norm(x.view(RECORD_TOKENS * 2, 4), torch.ones(4), 1e-5)  # rows regrouped
+    with pytest.raises(ProgramUnsupported, match="float32"):
+        rec.linear(x, torch.randn(4, 8, dtype=torch.bfloat16), None)
+    rec.rms_norm(x[:, 2:6], torch.ones(4), 1e-5)  # a column slice is fine: one narrow
+    assert [i.op for i in rec.instrs] == ["embedding", "narrow", "rms_norm"]
+
+
+class ScaledEmbeddingLlama(LlamaForCausalLM):
+    """Gemma's embedding scale written as Python arithmetic instead of a native op: not recordable."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * 2.0
+
+
+def test_a_definition_the_recorder_refuses_runs_in_python(tmp_path: Path, caplog: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.model import architectures
+
+    monkeypatch.setitem(architectures.MODEL_CLASSES, "LlamaForCausalLM", ScaledEmbeddingLlama)
+    with caplog.at_level(logging.WARNING, logger="pdserve.model.causal_lm"):
+        runner = native_runner(loaded("llama", "gguf", tmp_path))
+    assert runner.model.program is None and "program unavailable" in caplog.text
+    assert runner.execute(STEPS[0]).token_ids  # the Python definition on the native ops
