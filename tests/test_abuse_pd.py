@@ -27,7 +27,8 @@ from conftest import make_tiny_hf_model, start_all
 pytestmark = pytest.mark.slow
 
 SECRET = "test-secret-不要告诉别人"
-TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1"]
+TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1",
+        "--device-peaks", "off"]  # no roofline here; a busy start would measure the peaks anew
 PROMPT = "你好，世界！请用中文介绍一下你自己。The quick brown fox jumps over the lazy dog. " * 2
 BODY = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 

@@ -31,7 +31,10 @@ PROMPTS = [
     "你好，世界！请用中文介绍一下你自己，谢谢。" * 2,
     "Hi",
 ]
-TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1"]
+# --device-peaks off: no roofline is checked here, and a start on a busy host measures the peaks anew each time
+# (about 1.5 s of CPU and 3 s of wall per server: a busy measurement is never cached)
+TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1",
+        "--device-peaks", "off"]
 # Client and router timeouts: far above a request's time even on a busy host. A test that checks how fast a failure
 # is noticed compares with them (a closed connection is seen at once, a hung one only after the timeout).
 TIMEOUT = 300.0
@@ -106,7 +109,7 @@ def metric(srv: ServerProc, name: str) -> float:
 # ---- the real model (first: no tiny deployment of this module idles beside it) ---------------------------------------
 @pytest.mark.slow
 def test_real_model_router_equals_colocated(tmp_path: Path) -> None:
-    m = ["--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--num-threads", "1"]
+    m = ["--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--num-threads", "1", "--device-peaks", "off"]
     servers = start_all(*[partial(start_server, tmp_path, *m, *role, timeout=TIMEOUT)
                           for role in ([], ["--role", "prefill"], ["--role", "decode"])])
     colo, pre, dec = servers
