@@ -59,7 +59,7 @@ class CausalLM(nn.Module):
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids -> the first layer's input (Gemma would scale it by sqrt(hidden) here)."""
+        """Token ids -> the first layer's input (Gemma's embedding module scales it by sqrt(hidden))."""
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,8 +122,10 @@ class WeightLoader:
             module.bias.copy_(torch.cat([self.tensor(n) for n in bias]))
 
     @torch.no_grad()
-    def copy(self, param: nn.Parameter, name: str) -> None:
-        param.copy_(self.tensor(name))
+    def copy(self, param: nn.Parameter, name: str, offset: float = 0.0) -> None:
+        """param = the named weight (+ offset: Gemma's norms scale by 1 + w, their weight becomes 1 + w here)."""
+        w = self.tensor(name)
+        param.copy_(w + offset if offset else w)
 
     def finish(self) -> None:
         """Raise on weights no module took (Hugging Face's rotary buffers aside)."""
