@@ -1,5 +1,6 @@
 """Native paged attention and reshape_and_cache against float64 references and the SDPA backend, on every ISA level
-this CPU has: ragged batches, block sizes 1/16/32, non-contiguous block tables, GQA, f32 and bf16 caches."""
+this CPU has: ragged batches, block sizes 1/16/32, non-contiguous block tables, GQA, f32 and bf16 caches, head_dim
+40/64/128/256, sliding windows."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def check(mod: Any, c: Case) -> None:
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), bs=st.sampled_from([1, 16, 32]), hkv=st.integers(1, 4), group=st.sampled_from([1, 3, 4]),
-       d=st.sampled_from([64, 128, 40]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       d=st.sampled_from([64, 128, 40, 256]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        nseq=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_paged_attention_random(isa: Any, data: st.DataObject, bs: int, hkv: int, group: int, d: int,  # noqa: F811
                                 dtype: torch.dtype, nseq: int, seed: int) -> None:
@@ -129,7 +130,7 @@ def test_sliding_window_changes_only_rows_past_it(isa: Any) -> None:  # noqa: F8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_split_keys_single_sequence(isa: Any, d: int, dtype: torch.dtype) -> None:  # noqa: F811
     """Batch 1 with a long context splits the keys into partitions (flash-decoding) and merges them."""
     torch.set_num_threads(2)

@@ -42,6 +42,17 @@ class CausalLM(nn.Module):
         self.kernels = kernels
         self.program: Any = None  # the native whole-stack program, once build_native_program succeeded
 
+    def build(self, layers: list[nn.Module], embed_scale: float | None = None) -> None:
+        """The shared parts around an architecture's `layers`: embedding (times `embed_scale`), final norm, lm_head
+        (the embedding's weight when tied)."""
+        cfg, kernels = self.cfg, self.kernels
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kernels, scale=embed_scale)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden]; call `compute_logits` on the rows that need sampling."""

@@ -18,7 +18,6 @@ from torch import nn
 from pdserve.config import ModelArchConfig
 from pdserve.model.attention import ForwardContext
 from pdserve.model.causal_lm import CausalLM, WeightLoader
-from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.layers.norm import RMSNorm
 from pdserve.model.layers.rotary import RotaryEmbedding
 from pdserve.model.llama import LlamaAttention, LlamaMLP, load_attention, load_embeddings, load_mlp
@@ -57,14 +56,8 @@ class Gemma3ForCausalLM(CausalLM):
         positions = max_positions or cfg.max_position_embeddings
         global_rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, kernels)
         local_rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta or cfg.rope_theta, None, kernels)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kernels, scale=cfg.hidden_size ** 0.5)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, local_rope if cfg.layer_window(i) else global_rope, kernels)
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.build([Gemma3DecoderLayer(cfg, i, local_rope if cfg.layer_window(i) else global_rope, kernels)
+                    for i in range(cfg.num_hidden_layers)], embed_scale=cfg.hidden_size ** 0.5)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: StateDict) -> None:

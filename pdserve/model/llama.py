@@ -14,7 +14,7 @@ from pdserve.config import ModelArchConfig
 from pdserve.model.attention import ForwardContext
 from pdserve.model.causal_lm import CausalLM, WeightLoader
 from pdserve.model.layers.activation import GeluTanhAndMul, SiluAndMul
-from pdserve.model.layers.linear import Embedding, Linear
+from pdserve.model.layers.linear import Linear
 from pdserve.model.layers.norm import HeadRMSNorm, RMSNorm
 from pdserve.model.layers.paged_attention import PagedAttention
 from pdserve.model.layers.rotary import RotaryEmbedding
@@ -83,12 +83,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg, kernels)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling, kernels)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kernels)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.build([LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers)])
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: StateDict) -> None:

@@ -64,6 +64,7 @@ AttnFn pick_kernel(int64_t d, bool kv_bf16, int64_t group) {
       {Isa::kGeneric, attn_item_generic},
       PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512},
                   {Isa::kAvx512Bf16, attn_item_avx512bf16}, {Isa::kAmx, attn_item_amx})};
+  if (d == 256) return f32.pick();                     // Gemma: the fp32 kernels (bf16 caches widened per tile)
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
   const bool dot = kv_bf16 && group >= g_bf16_min_group.load(std::memory_order_relaxed);
   return dot ? bf16.pick() : f32.pick();
