@@ -34,8 +34,6 @@ from pdserve.roofline.cost import (
     prefill_cost,
 )
 from pdserve.roofline.devices import DEVICE_PRESETS, DeviceSpec, device_preset, usable_cores
-from pdserve.roofline.measure import measure_device
-from pdserve.roofline.peaks import save_measured_device
 
 # --------------------------------------------------------------------------------------------------------------------
 # Models
@@ -300,6 +298,9 @@ def add_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 def run_calc(args: argparse.Namespace) -> int:
     if args.measure:
+        from pdserve.roofline.measure import measure_device  # torch: only when measuring
+        from pdserve.roofline.peaks import save_measured_device
+
         threads = args.threads or usable_cores()
         device = measure_device(threads)
         path = save_measured_device(device, threads)  # the engine's live roofline (--device-peaks auto) uses it
