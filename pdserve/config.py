@@ -77,7 +77,7 @@ def parse_size(value: str | int) -> int:
 class ModelArchConfig:
     """Shape of a Llama-family decoder, in Hugging Face config.json terms."""
 
-    architecture: str = "LlamaForCausalLM"  # or MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    architecture: str = "LlamaForCausalLM"  # or Mistral-, Qwen2-, Qwen3-, Gemma3ForCausalLM
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -91,18 +91,35 @@ class ModelArchConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on q and k per head
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Gemma 3: local (sliding-window) and global layers, the local ones with their own rope base
+    layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention" | "full_attention"; None: all full
+    sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
+    rope_local_theta: float | None = None  # rope base of the sliding layers (unscaled); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim ** -0.5
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_attention layers need a positive sliding_window")
+
+    def layer_window(self, layer: int) -> int:
+        """Keys layer `layer`'s queries see (their own included); 0: all earlier keys (a global layer)."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return 0
+        return int(self.sliding_window or 0)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
         archs = cfg.get("architectures") or [by_type.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")]
         arch = archs[0]
         n_heads = cfg["num_attention_heads"]
@@ -110,6 +127,9 @@ class ModelArchConfig:
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         rope_params = cfg.get("rope_parameters")  # transformers>=5 moves theta and scaling here
+        gemma = _gemma_fields(cfg, arch)
+        if isinstance(rope_params, dict) and "full_attention" in rope_params:  # per layer type (Gemma 3)
+            rope_params = rope_params["full_attention"]
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
@@ -131,15 +151,36 @@ class ModelArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),  # Qwen2: always
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            **gemma,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""
         elt = dtype.itemsize
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
+
+
+def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 3's ModelArchConfig fields from a config.json (transformers 4's keys or 5's rope_parameters)."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # older configs: every `pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    local = cfg.get("rope_local_base_freq", 10000.0)
+    rope_params = cfg.get("rope_parameters")
+    if isinstance(rope_params, dict) and isinstance(rope_params.get("sliding_attention"), dict):
+        local = rope_params["sliding_attention"].get("rope_theta", local)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return {"layer_types": tuple(types), "sliding_window": cfg.get("sliding_window"),
+            "rope_local_theta": float(local), "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar")
+                                                                              or head_dim)}
 
 
 DEVICES = ("cpu", "cuda")
@@ -277,7 +318,8 @@ class EngineConfig:
     """All engine options; each is a keyword of `pdserve.LLM` and a flag of the CLI."""
 
     model: str | None = option(
-        None, "a model name (`smollm2-135m`), a `.gguf` file or a Hugging Face directory", "`smollm2-135m`")
+        None, "a model name (`smollm2-135m`, `gemma3-270m`), a `.gguf` file or a Hugging Face directory",
+        "`smollm2-135m`")
     dtype: str = option(
         "auto", "`float32` or `bfloat16`; `auto` takes bf16 only where the CPU has native bf16 matmul (AVX-512 bf16 "
         "/ AMX), else fp32 (on AVX2, bf16 matmuls are emulated and ~8x slower)")

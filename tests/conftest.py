@@ -8,16 +8,23 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import Any
 
-import httpx
-import pytest
-import torch
-import uvicorn
-
-from pdserve.launch import free_port
-
+# Before torch loads its OpenMP runtime (read once, at load), in this process and in every server it starts: idle
+# OpenMP threads sleep instead of spinning. On a shared 2-core host a spinning team waits a whole time slice for a
+# descheduled member at every barrier: SmolLM2 decode steps took 4-5 s instead of ~0.1 s (BENCHMARKS.md, suite time).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+
+from pdserve.launch import ServerProc, free_port  # noqa: E402
+
 # Tests never read or write the user's cache (~/.cache/pdserve: converted tokenizers, measured device peaks): one
 # directory for the whole session, set before anything runs so server subprocesses inherit it. The tokenizer is then
 # converted once per session (seconds); device peaks are measured fresh, never taken from an earlier busy start.
@@ -62,9 +69,12 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     if arch == "qwen3":
         kw.setdefault("head_dim", 16)
+    if arch == "gemma3":  # local layers with a window shorter than the test prompts, each rope base its own
+        kw = {**kw, **GEMMA3_TINY, **overrides}
     cfg = cls_cfg(**kw)
     torch.manual_seed(seed)
     model = cls_model(cfg).eval()
@@ -74,7 +84,17 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
                 p.normal_(0, 0.35 if "embed" in name else 0.25)
             elif "bias" in name:
                 p.normal_(0, 0.1)
+            elif "norm" in name and arch == "gemma3":  # Gemma's norms scale by 1 + w, w initialised to 0
+                p.normal_(0, 0.2)
     return model
+
+
+GEMMA3_TINY: dict[str, Any] = dict(
+    num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=24, rms_norm_eps=1e-6,
+    tie_word_embeddings=False,  # tied, the scaled-up random embedding makes one token win every step
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"], hidden_activation="gelu_pytorch_tanh",
+    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
 
 
 def loaded_from_hf(model: Any) -> Any:
@@ -153,3 +173,18 @@ def serve_app(app: Any) -> tuple[str, Callable[[], None]]:
         thread.join(10)
 
     return base, stop
+
+
+def start_all(*starts: Callable[[], ServerProc]) -> list[ServerProc]:
+    """Run several process starts at once, in order of the arguments: a start is mostly one core's imports and
+    loading, so on two cores two of them overlap. If one fails, the others are stopped and its error is raised."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+        wait_all(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]  # type: ignore[misc]
+    return [f.result() for f in futures]

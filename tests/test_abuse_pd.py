@@ -22,12 +22,13 @@ import pytest
 
 from pdserve.launch import ServerProc, free_port, start_pdserve
 
-from conftest import make_tiny_hf_model
+from conftest import make_tiny_hf_model, start_all
 
 pytestmark = pytest.mark.slow
 
 SECRET = "test-secret-不要告诉别人"
-TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1"]
+TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1",
+        "--device-peaks", "off"]  # no roofline here; a busy start would measure the peaks anew
 PROMPT = "你好，世界！请用中文介绍一下你自己。The quick brown fox jumps over the lazy dog. " * 2
 BODY = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 
@@ -55,8 +56,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[PD]
     make_tiny_hf_model().save_pretrained(model, safe_serialization=True)
     tokenizer.save_pretrained(model)
     m = ["--model", str(model), *TINY]
-    pre = start(tmp, "serve", *m, "--role", "prefill", "--kv-transfer-timeout", "4")
-    dec = start(tmp, "serve", *m, "--role", "decode")
+    pre, dec = start_all(lambda: start(tmp, "serve", *m, "--role", "prefill", "--kv-transfer-timeout", "4"),
+                         lambda: start(tmp, "serve", *m, "--role", "decode"))
     router = start(tmp, "router", "--prefill", pre.base_url, "--decode", dec.base_url, "--poll-interval", "0.2")
     try:
         ref = httpx.post(dec.base_url + "/v1/completions", json=BODY, timeout=60)

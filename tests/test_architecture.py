@@ -506,7 +506,7 @@ class GemmaForCausalLM(CausalLM):
 class Stray:
     def _forward_fast(self): ...
 """
-    assert len(forward_problems({**sources, "model/gemma.py": second}, registry)) == 4
+    assert len(forward_problems({**sources, "model/second_copy.py": second}, registry)) == 4
     stray = registry.replace('"Qwen3ForCausalLM": LlamaForCausalLM,', '"Qwen3ForCausalLM": Stray,')
     assert len(forward_problems(sources, stray)) == 1
 

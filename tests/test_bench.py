@@ -251,13 +251,26 @@ def sse(*objs: Any) -> bytes:
     return b"".join(f"data: {o if isinstance(o, str) else json.dumps(o)}\n\n".encode() for o in objs)
 
 
-def run_client(handler: Any, chat: bool = False) -> RequestRecord:
+def run_client(handler: Any, chat: bool = False, clock: Any = time.perf_counter) -> RequestRecord:
     async def go() -> RequestRecord:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
             target = Target("http://x/v1/chat/completions" if chat else "http://x/v1/completions", "m", chat)
-            return await send_request(http, target, SampleRequest("hi", 1, 3), RequestRecord(0, 1, 3), 0.0)
+            return await send_request(http, target, SampleRequest("hi", 1, 3), RequestRecord(0, 1, 3), 0.0, clock)
 
     return asyncio.run(go())
+
+
+def test_client_stamps_latencies_with_the_injected_clock() -> None:
+    """A clock that advances one "second" per reading: the send, then one reading per data line (the first text
+    chunk, a text chunk, an empty-text chunk, the usage chunk, [DONE]), then the end of the stream."""
+    ticks = iter(range(100))
+    d = {"id": "c"}
+    r = run_client(lambda req: httpx.Response(200, content=sse(
+        {**d, "choices": [{"index": 0, "text": "你"}]}, {**d, "choices": [{"index": 0, "text": "好"}]},
+        {**d, "choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+        {**d, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}, "[DONE]")),
+        clock=lambda: float(next(ticks)))
+    assert r.success and (r.ttft, r.itl, r.e2el) == (1.0, [1.0], 6.0) and r.tpot == 5.0
 
 
 def test_client_streams_chat_and_reads_usage() -> None:

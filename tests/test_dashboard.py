@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.diagnose import Verdict
 from pdserve.launch import ServerProc, free_port, start_pdserve, start_server
 
+from conftest import start_all
+
 KEY = "sk-dash"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1",
@@ -130,8 +132,8 @@ class PD:
 def pd(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[PD]:
     tmp = tmp_path_factory.mktemp("dash-pd")
     m = ["--model", str(tiny_dir), *TINY]
-    pre = start_server(tmp, *m, "--role", "prefill")
-    dec = start_server(tmp, *m, "--role", "decode")
+    pre, dec = start_all(lambda: start_server(tmp, *m, "--role", "prefill"),
+                         lambda: start_server(tmp, *m, "--role", "decode"))
     port = free_port()
     router = start_pdserve(tmp, "router", ["router", "--port", str(port), "--prefill", pre.base_url, "--decode",
                                            dec.base_url, "--poll-interval", "0.2"], f"http://127.0.0.1:{port}", 60)

@@ -69,10 +69,21 @@ def test_padded_decode_equals_plain_path(tiny_hf_model: Any, backend: str) -> No
         replays = graphs.replays
         got = graphs.run(sched)
         assert graphs.replays == replays + 1 and got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        changed = (runner.kv_cache != before).flatten(3).any(-1).any(0).any(0)  # [blocks, slots]: rewritten
-        # the real rows rewrote their own slot with the same values; only the scratch block may change
-        assert not changed[:runner.num_blocks].any()
+        # The padded batch has more rows than the plain one, and the torch path's GEMMs (oneDNN, MKL) choose their
+        # blocking by row count and by the CPU's caches: the real rows' sums may round differently (seen: 2e-5 with
+        # oneDNN limited to AVX2). Equal up to that rounding; the same greedy tokens.
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        changed = (runner.kv_cache != before).flatten(4).any(-1).any(0).any(0)  # [blocks, slots]: rewritten
+        own = torch.zeros_like(changed)
+        for r in reqs:
+            pos = r.num_computed_tokens
+            own[r.block_ids[pos // BS], pos % BS] = True
+        # the real rows rewrote only their own slot, with the same values up to that rounding; padding rows wrote
+        # only the scratch block
+        assert not (changed[:runner.num_blocks] & ~own[:runner.num_blocks]).any()
+        blocks, offsets = own.nonzero(as_tuple=True)
+        torch.testing.assert_close(runner.kv_cache[:, :, blocks, offsets], before[:, :, blocks, offsets],
+                                   rtol=1e-4, atol=1e-4)
         assert runner.greedy_step(sched) == want.argmax(-1).tolist()
     scratch = runner.kv_cache[:, :, runner.num_blocks]
     assert scratch.abs().sum() > 0  # padding rows wrote there

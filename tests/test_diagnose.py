@@ -1,7 +1,8 @@
 """`pdserve diagnose`: the knee and verdict rules on synthetic numbers (fast), the report and CLI wiring (fast), and
 planted cases against real `pdserve serve` processes (slow): a tiny KV pool (kv-capacity-bound, with its knee),
 long prompts without chunked prefill (prefill-bound), a small load (healthy). The slow tests read only measured
-numbers: the diagnosis is never told the server's configuration."""
+numbers: the diagnosis is never told the server's configuration. They time with the server's CPU clock
+(ServerCPUClock), so a busy machine neither plants a problem nor hides one."""
 
 from __future__ import annotations
 
@@ -267,9 +268,36 @@ def test_cli_registered_and_unreachable_server(capsys: pytest.CaptureFixture[str
 
 
 # ---- planted cases against real servers --------------------------------------------------------------------------
+THREADS = ["--num-threads", "2"]  # the servers' compute threads: ServerCPUClock divides by them
+
+
+class ServerCPUClock:
+    """Seconds of CPU the server process's threads have run (/proc/PID/task/*/schedstat, ns), divided by its
+    compute threads: about the wall time of an idle machine, where they run side by side. Latencies stamped by it
+    count the server's own work (a request queued behind others waits while the server works on them), not the
+    time a busy host kept the server off the cores, so a loaded machine cannot plant a problem. It needs idle
+    OpenMP threads that sleep (OMP_WAIT_POLICY=PASSIVE, set by conftest): a spinning one would count its waiting.
+    A thread that exits keeps its last reading: the clock never goes back."""
+
+    def __init__(self, pid: int, threads: int = 2) -> None:
+        self.task_dir = Path(f"/proc/{pid}/task")
+        self.threads = threads
+        self.per_thread: dict[str, int] = {}
+
+    def __call__(self) -> float:
+        for task in self.task_dir.iterdir():
+            try:
+                ns = int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # exited meanwhile
+            self.per_thread[task.name] = max(ns, self.per_thread.get(task.name, 0))
+        return sum(self.per_thread.values()) / 1e9 / self.threads
+
+
 def run_diagnose(srv: ServerProc, out: Path, **kw: Any) -> DiagnoseResult:
     t0 = time.perf_counter()
-    res = asyncio.run(diagnose(DiagnoseConfig(base_url=srv.base_url, out_dir=str(out), **kw)))
+    res = asyncio.run(diagnose(DiagnoseConfig(base_url=srv.base_url, out_dir=str(out), **kw),
+                               ServerCPUClock(srv.proc.pid)))
     print(f"diagnose took {time.perf_counter() - t0:.1f} s", *res.verdict_lines(), sep="\n")
     assert res.report_path is not None and "## Verdict" in res.report_path.read_text(encoding="utf-8")
     return res
@@ -279,7 +307,7 @@ def run_diagnose(srv: ServerProc, out: Path, **kw: Any) -> DiagnoseResult:
 def long_prompt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """No chunked prefill: a 2048-token prompt is one forward pass."""
     srv = start_server(tmp_path_factory.mktemp("diag-prefill"), "--dtype", "float32", "--no-chunked-prefill",
-                       "--max-num-batched-tokens", "4096", "--max-model-len", "4096")
+                       "--max-num-batched-tokens", "4096", "--max-model-len", "4096", *THREADS)
     yield srv
     srv.stop()
 
@@ -287,7 +315,7 @@ def long_prompt_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 @pytest.mark.slow
 def test_planted_tiny_kv_pool_is_kv_capacity_bound(tmp_path: Path) -> None:
     # 14 blocks of 16 tokens: four sequences of 16 + 32 tokens (3 blocks each) fit, a fifth does not
-    srv = start_server(tmp_path, "--dtype", "float32", "--num-kv-blocks", "14", "--max-num-seqs", "32")
+    srv = start_server(tmp_path, "--dtype", "float32", "--num-kv-blocks", "14", "--max-num-seqs", "32", *THREADS)
     try:
         res = run_diagnose(srv, tmp_path / "kv", experiments=("c",), concurrency_levels=(1, 2, 4, 8),
                            sweep_prompt_len=16, sweep_output_len=32, requests_per_level=1.0)

@@ -1,5 +1,6 @@
 """Native paged attention and reshape_and_cache against float64 references and the SDPA backend, on every ISA level
-this CPU has: ragged batches, block sizes 1/16/32, non-contiguous block tables, GQA, f32 and bf16 caches."""
+this CPU has: ragged batches, block sizes 1/16/32, non-contiguous block tables, GQA, f32 and bf16 caches, head_dim
+40/64/128/256, sliding windows."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Case:
     qsl: torch.Tensor  # int32 [S + 1]
     seq_lens: torch.Tensor  # int32 [S]
     scale: float
+    window: int = 0  # sliding window (0: none)
 
 
 def make_case(ctx: list[int], qlen: list[int], bs: int, hkv: int, group: int, d: int, dtype: torch.dtype,
@@ -64,14 +66,17 @@ def reference(c: Case) -> torch.Tensor:
         k, v = (c.kv[i, blocks].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1) for i in (0, 1))
         scores = torch.einsum("qhd,khd->hqk", c.q[q0:q1].double(), k) * c.scale
         pos = n - (q1 - q0) + torch.arange(q1 - q0)
-        scores.masked_fill_(torch.arange(n)[None, None, :] > pos[None, :, None], float("-inf"))
+        key = torch.arange(n)[None, None, :]
+        scores.masked_fill_(key > pos[None, :, None], float("-inf"))
+        if c.window:
+            scores.masked_fill_(key <= pos[None, :, None] - c.window, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
 
 def run_kernel(mod: Any, c: Case) -> torch.Tensor:
     out = torch.full(c.q.shape, float("nan"))
-    mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale)
+    mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale, c.window)
     return out
 
 
@@ -81,7 +86,7 @@ def check(mod: Any, c: Case) -> None:
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), bs=st.sampled_from([1, 16, 32]), hkv=st.integers(1, 4), group=st.sampled_from([1, 3, 4]),
-       d=st.sampled_from([64, 128, 40]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       d=st.sampled_from([64, 128, 40, 256]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        nseq=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_paged_attention_random(isa: Any, data: st.DataObject, bs: int, hkv: int, group: int, d: int,  # noqa: F811
                                 dtype: torch.dtype, nseq: int, seed: int) -> None:
@@ -90,8 +95,42 @@ def test_paged_attention_random(isa: Any, data: st.DataObject, bs: int, hkv: int
     check(isa, make_case(ctx, qlen, bs, hkv, group, d, dtype, seed))
 
 
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), bs=st.sampled_from([1, 16]), group=st.sampled_from([1, 4]), d=st.sampled_from([64, 128, 256]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([1, 7, 100, 300]),
+       nseq=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_sliding_window(isa: Any, data: st.DataObject, bs: int, group: int, d: int, dtype: torch.dtype,  # noqa: F811
+                        window: int, nseq: int, seed: int) -> None:
+    """Gemma 3's local layers: a row at position p sees keys p - window < j <= p only (ragged batches of decodes and
+    chunks whose rows' windows start in different blocks and key partitions; NaN in the blocks before a window is
+    still only read where the window reaches)."""
+    ctx = data.draw(st.lists(st.integers(0, 700), min_size=nseq, max_size=nseq))
+    qlen = data.draw(st.lists(st.sampled_from([1, 2, 17, 70]), min_size=nseq, max_size=nseq))
+    c = make_case(ctx, qlen, bs, 2, group, d, dtype, seed)
+    c.window = window
+    check(isa, c)
+
+
+def test_sliding_window_changes_only_rows_past_it(isa: Any) -> None:  # noqa: F811
+    """Rows whose position is inside the window equal plain causal attention; later rows do not."""
+    c = make_case([0], [40], 16, 1, 4, 64, torch.float32, 9)
+    full = run_kernel(isa, c)
+    c.window = 16
+    local = run_kernel(isa, c)
+    assert torch.equal(local[:16], full[:16])
+    assert not torch.allclose(local[16:], full[16:])
+    with pytest.raises(RuntimeError, match="sliding_window"):
+        c.window = -1
+        run_kernel(isa, c)
+    torch.set_num_threads(2)  # a lone decode splits its window's keys into partitions, the first one partial
+    for window in (300, 512, 513):
+        c = make_case([1500], [1], 16, 1, 4, 128, torch.float32, 10)
+        c.window = window
+        check(isa, c)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_split_keys_single_sequence(isa: Any, d: int, dtype: torch.dtype) -> None:  # noqa: F811
     """Batch 1 with a long context splits the keys into partitions (flash-decoding) and merges them."""
     torch.set_num_threads(2)

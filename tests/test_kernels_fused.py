@@ -131,6 +131,29 @@ def test_silu_and_mul_extremes(isa: Any) -> None:  # noqa: F811
     torch.testing.assert_close(out, (F.silu(g.double()) * 2).float(), rtol=1e-5, atol=1e-30)
 
 
+@SETTINGS
+@given(t=st.integers(1, 30), i=st.sampled_from([1, 5, 16, 37, 2048]), pad=st.sampled_from([0, 8]),
+       seed=st.integers(0, 2**16))
+def test_gelu_tanh_and_mul(isa: Any, t: int, i: int, pad: int, seed: int) -> None:  # noqa: F811
+    """Gemma's GeGLU: gelu(gate, approximate="tanh") * up against float64."""
+    x = strided(t, 2 * i, pad, seed) * 4
+    out = torch.full((t, i), float("nan"))
+    isa.gelu_tanh_and_mul(out, x)
+    x64 = x.double()
+    want = F.gelu(x64[:, :i], approximate="tanh") * x64[:, i:]
+    torch.testing.assert_close(out, want.float(), rtol=RTOL, atol=ATOL)
+
+
+def test_gelu_tanh_and_mul_extremes(isa: Any) -> None:  # noqa: F811
+    g = torch.tensor([[-1000.0, -100.0, -20.0, -5.0, -1e-30, 0.0, 1e-30, 0.5, 5.0, 20.0, 100.0, 1000.0]])
+    x = torch.cat([g, torch.full_like(g, 2.0)], 1)
+    out = torch.empty_like(g)
+    isa.gelu_tanh_and_mul(out, x)
+    want = (F.gelu(g.double(), approximate="tanh") * 2).float()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-30)
+
+
 def test_argument_errors(isa: Any) -> None:  # noqa: F811
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match="float32"):

@@ -84,12 +84,18 @@ _HF_TO_GGUF = {
 }
 
 
-def _gguf_name(hf: str) -> str:
+_GEMMA3_TO_GGUF = {  # llama.cpp's gemma3 names of the sandwich norms
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf: str, arch: str = "llama") -> str:
+    names = {**_HF_TO_GGUF, **_GEMMA3_TO_GGUF} if arch == "gemma3" else _HF_TO_GGUF
     base, suffix = hf.rsplit(".", 1)
-    if base in _HF_TO_GGUF:
-        return f"{_HF_TO_GGUF[base]}.{suffix}"
+    if base in names:
+        return f"{names[base]}.{suffix}"
     _, _, layer, rest = base.split(".", 3)
-    return f"blk.{layer}.{_HF_TO_GGUF[rest]}.{suffix}"
+    return f"blk.{layer}.{names[rest]}.{suffix}"
 
 
 def _llamacpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -117,6 +123,14 @@ def tiny_model(kind: str, seed: int = 0, **overrides: Any) -> transformers.PreTr
     elif kind == "qwen3":  # head_dim != hidden/heads, as in real Qwen3
         cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True, **overrides})
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "gemma3":  # local/global layers; the GGUF fixes the pattern (6) and the local rope base (10000)
+        types = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"]
+        cfg = transformers.Gemma3TextConfig(**{
+            **common, "num_hidden_layers": 7, "head_dim": 32, "sliding_window": 5, "layer_types": types,
+            "query_pre_attn_scalar": 32, "tie_word_embeddings": True, "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, **overrides})
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     with torch.no_grad():  # random norms/biases so that a mix-up would show
@@ -140,7 +154,10 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch in ("llama", "mistral"):
         w.add_rope_dimension_count(head_dim)
@@ -171,14 +188,16 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
             data = _llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch in ("llama", "mistral") and ".k_proj." in name:
             data = _llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp stores Gemma's norms as 1 + w
         qt = qtype(name, data) if data.ndim == 2 else Q.F32  # llama.cpp keeps 1-D tensors in F32
         chosen[name] = qt
         if qt == Q.F32:
-            w.add_tensor(_gguf_name(name), data.astype(np.float32))
+            w.add_tensor(_gguf_name(name, arch), data.astype(np.float32))
         elif qt == Q.F16:
-            w.add_tensor(_gguf_name(name), data.astype(np.float16))
+            w.add_tensor(_gguf_name(name, arch), data.astype(np.float16))
         else:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qt), raw_dtype=qt)
+            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(data, qt), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -42,6 +42,8 @@ from pdserve.deploy.ray.config import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parent.parent
+WAIT = 300.0  # seconds: the bound of a wait for Ray to act (polled: a passing run waits as long as Ray takes)
+READ = 60.0  # seconds: an HTTP read of a status endpoint while the replicas are busy
 RAY_BIN = str(Path(sys.executable).parent / "ray")
 GCS_PORT = 6390
 SECRET = "ray-test-secret"
@@ -130,7 +132,7 @@ def test_autoscaling_scales_up_under_load_and_back_down(tiny_dir: Path) -> None:
             "downscale_delay_s": 5, "look_back_period_s": 2}}})
     ray.init(num_cpus=2, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     base = "http://127.0.0.1:8932"
-    stop = [time.monotonic() + 120]
+    stop = [time.monotonic() + 2 * WAIT]
 
     def load() -> None:
         while time.monotonic() < stop[0]:
@@ -143,14 +145,14 @@ def test_autoscaling_scales_up_under_load_and_back_down(tiny_dir: Path) -> None:
         threads = [threading.Thread(target=load) for _ in range(6)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + WAIT
         while len(replicas(base)) < 2:
             assert time.monotonic() < deadline, "no scale-up under load"
             time.sleep(1.0)
         stop[0] = 0.0
         for t in threads:
-            t.join(150)
-        deadline = time.monotonic() + 90
+            t.join(WAIT)
+        deadline = time.monotonic() + WAIT
         while len(replicas(base)) > 1:
             assert time.monotonic() < deadline, "no scale-down when idle"
             time.sleep(1.0)
@@ -236,13 +238,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
 
 
 def replicas(base: str) -> list[dict[str, Any]]:
-    return list(httpx.get(base + "/v1/replicas", timeout=10).json()["data"])
+    return list(httpx.get(base + "/v1/replicas", timeout=READ).json()["data"])
 
 
 def kv_at_baseline(url: str, timeout: float = 20.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
-        kv = httpx.get(url + "/debug/kv", timeout=10).json()
+        kv = httpx.get(url + "/debug/kv", timeout=READ).json()
         if (kv["num_used_blocks"] == 0 and kv["open_requests"] == 0 and kv.get("num_pinned_blocks", 0) == 0) \
                 or time.monotonic() > deadline:
             return dict(kv)

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from pdserve.launch import start_server
+from pdserve.launch import ServerProc, start_server
 
-from conftest import make_tiny_hf_model
+from conftest import make_tiny_hf_model, start_all
 from test_disagg import PROMPTS, TINY, Cluster, complete, metric, start_router, wait_baseline
 
 SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
@@ -43,22 +44,19 @@ def spec_cluster(tmp_path_factory: pytest.TempPathFactory, alphabet_dir: Path) -
     method, each behind its own router."""
     tmp = tmp_path_factory.mktemp("pd-spec")
     m = ["--model", str(alphabet_dir), *TINY]
-    colo = start_server(tmp, *m)
-    pre = start_server(tmp, *m, "--role", "prefill")
-    clusters: dict[str, Cluster] = {}
+    specs = {name: {**spec, "model": str(alphabet_dir)} if name == "draft_model" else spec
+             for name, spec in SPECS.items()}
+    colo, pre, *decs = start_all(
+        partial(start_server, tmp, *m), partial(start_server, tmp, *m, "--role", "prefill"),
+        *[partial(start_server, tmp, *m, "--role", "decode", "--speculative-config", json.dumps(spec))
+          for spec in specs.values()])
+    routers: list[ServerProc] = []
     try:
-        for name, spec in SPECS.items():
-            if name == "draft_model":
-                spec = {**spec, "model": str(alphabet_dir)}
-            dec = start_server(tmp, *m, "--role", "decode", "--speculative-config", json.dumps(spec))
-            clusters[name] = Cluster(colo, pre, [dec], start_router(tmp, [pre.base_url], [dec.base_url]))
-        yield clusters
+        routers = start_all(*[partial(start_router, tmp, [pre.base_url], [dec.base_url]) for dec in decs])
+        yield {name: Cluster(colo, pre, [dec], router) for name, dec, router in zip(specs, decs, routers)}
     finally:
-        for c in clusters.values():
-            c.router.stop()
-            c.decode[0].stop()
-        pre.stop()
-        colo.stop()
+        for s in [*routers, *decs, pre, colo]:
+            s.stop()
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,33 +153,37 @@ class _StreamFailed(Exception):
     pass
 
 
+Clock = Callable[[], float]  # seconds; the latency stamps' clock
+
+
 async def send_request(http: httpx.AsyncClient, target: Target, sample: SampleRequest, rec: RequestRecord,
-                       t0: float) -> RequestRecord:
+                       t0: float, clock: Clock = time.perf_counter) -> RequestRecord:
     """Send `sample`, stream the answer into `rec` (its index/arrival already set) and return it. Never raises for
-    a failed request: the error text and status code go into the record."""
-    t_send = time.perf_counter()
-    rec.send = t_send - t0
+    a failed request: the error text and status code go into the record. `clock` stamps TTFT, ITL and E2EL (wall
+    time by default; `rec.send`, an offset from the run's start `t0`, is always wall time)."""
+    rec.send = time.perf_counter() - t0
+    t_send = clock()
     stream = _Stream(rec, t_send, target.chat)
     try:
         async with http.stream("POST", target.url, json=build_body(target, sample), headers=target.headers) as resp:
             rec.status_code = resp.status_code
             if resp.status_code != 200:
                 rec.error = error_message(resp.status_code, await resp.aread())
-                rec.e2el = time.perf_counter() - t_send
+                rec.e2el = clock() - t_send
                 return rec
             async for line in resp.aiter_lines():
-                now = time.perf_counter()
                 if not line.startswith("data:"):
                     continue  # blank separators, comments, event names
+                now = clock()
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
                 stream.on_data(data, now)
-        stream.finish(time.perf_counter())
+        stream.finish(clock())
     except _StreamFailed as e:
         rec.error = str(e)[:MAX_ERROR_CHARS]
-        rec.e2el = time.perf_counter() - t_send
+        rec.e2el = clock() - t_send
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS] if str(e) else type(e).__name__
-        rec.e2el = time.perf_counter() - t_send
+        rec.e2el = clock() - t_send
     return rec

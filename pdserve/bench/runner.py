@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pdserve.bench import datasets
-from pdserve.bench.client import RequestRecord, Target, error_message, send_request
+from pdserve.bench.client import Clock, RequestRecord, Target, error_message, send_request
 from pdserve.bench.config import BenchConfig, BenchError
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.report import BenchResult
@@ -117,7 +117,7 @@ def _slot(limit: asyncio.Semaphore | None) -> contextlib.AbstractAsyncContextMan
 
 
 async def warm_up(http: httpx.AsyncClient, target: Target, samples: Sequence[SampleRequest],
-                  cfg: BenchConfig) -> list[str]:
+                  cfg: BenchConfig, clock: Clock = time.perf_counter) -> list[str]:
     """Send cfg.num_warmups requests (the first samples) and wait for them; returns their errors (also printed)."""
     if cfg.num_warmups == 0:
         return []
@@ -127,7 +127,8 @@ async def warm_up(http: httpx.AsyncClient, target: Target, samples: Sequence[Sam
     async def one(i: int) -> RequestRecord:
         s = samples[i % len(samples)]
         async with _slot(limit):
-            return await send_request(http, target, s, RequestRecord(-1 - i, s.prompt_len, s.output_len), t0)
+            return await send_request(http, target, s, RequestRecord(-1 - i, s.prompt_len, s.output_len), t0,
+                                      clock)
 
     recs = await asyncio.gather(*(one(i) for i in range(cfg.num_warmups)))
     errors = [r.error for r in recs if not r.success]
@@ -138,9 +139,10 @@ async def warm_up(http: httpx.AsyncClient, target: Target, samples: Sequence[Sam
 
 
 async def run_load(http: httpx.AsyncClient, target: Target, samples: Sequence[SampleRequest],
-                   cfg: BenchConfig) -> tuple[list[RequestRecord], float]:
+                   cfg: BenchConfig, clock: Clock = time.perf_counter) -> tuple[list[RequestRecord], float]:
     """Send every sample at its scheduled arrival, at most cfg.max_concurrency in flight; (records in sample
-    order, duration from the first arrival to the last request's end)."""
+    order, duration from the first arrival to the last request's end). Arrivals and the duration are wall time;
+    `clock` stamps each request's latencies (see send_request)."""
     offsets = arrival_times(len(samples), cfg.request_rate, cfg.burstiness, cfg.seed)
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = tqdm(total=len(samples), disable=cfg.disable_tqdm, file=sys.stderr, unit="req", desc="pdserve bench")
@@ -154,7 +156,7 @@ async def run_load(http: httpx.AsyncClient, target: Target, samples: Sequence[Sa
             await asyncio.sleep(delay)
         rec = RequestRecord(i, sample.prompt_len, sample.output_len, arrival=float(offset))
         async with _slot(limit):
-            await send_request(http, target, sample, rec, t0)
+            await send_request(http, target, sample, rec, t0, clock)
         if not rec.success:
             failed += 1
             bar.set_postfix(failed=failed, refresh=False)
@@ -168,9 +170,12 @@ async def run_load(http: httpx.AsyncClient, target: Target, samples: Sequence[Sa
     return list(records), time.perf_counter() - t0
 
 
-async def run_benchmark(cfg: BenchConfig, samples: Sequence[SampleRequest] | None = None) -> BenchResult:
+async def run_benchmark(cfg: BenchConfig, samples: Sequence[SampleRequest] | None = None,
+                        clock: Clock = time.perf_counter) -> BenchResult:
     """Run one benchmark against cfg.base_url. `samples` replaces the configured dataset (for callers that build
-    their own prompts, e.g. ablations); cfg.num_prompts then does not apply."""
+    their own prompts, e.g. ablations); cfg.num_prompts then does not apply. `clock` stamps the latencies (TTFT,
+    ITL, E2EL); wall time unless a caller injects another (tests: the server's CPU time, which load does not
+    stretch)."""
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = httpx.Timeout(cfg.request_timeout, connect=30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency or 100)
@@ -183,9 +188,9 @@ async def run_benchmark(cfg: BenchConfig, samples: Sequence[SampleRequest] | Non
         if not samples:
             raise BenchError("no requests to send")
         target = Target(cfg.base_url + cfg.endpoint, model, cfg.is_chat, cfg.temperature, cfg.ignore_eos)
-        warmup_errors = await warm_up(http, target, samples, cfg)
+        warmup_errors = await warm_up(http, target, samples, cfg, clock)
         before = await scrape(http, cfg.base_url) if cfg.server_metrics else None
-        records, duration = await run_load(http, target, samples, cfg)
+        records, duration = await run_load(http, target, samples, cfg, clock)
         after = await scrape(http, cfg.base_url) if cfg.server_metrics else None
     fill_output_counts(records, tokenizer)
     return BenchResult(cfg, model, tokenizer_id, records, duration, server_deltas(before, after), date,

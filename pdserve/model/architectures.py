@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from pdserve.config import ModelArchConfig
 from pdserve.model.causal_lm import CausalLM
+from pdserve.model.gemma import Gemma3ForCausalLM
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.native_ops import KernelSelection
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v bias: ModelArchConfig.attention_bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norm per head: ModelArchConfig.qk_norm
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only; local/global layers: ModelArchConfig.layer_types
 }
 
 

@@ -12,7 +12,7 @@ chunk sees its own keys as well as those of earlier chunks and prefix-cache hits
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # int32 [S]
     block_mask: Any = None  # the flex backend's BlockMask of the step (model/flex_attention.py)
     dense_mask: torch.Tensor | None = None  # flex's dense mode: bool [T, slots], the block mask evaluated
+    window_masks: dict[int, Any] = field(default_factory=dict)  # flex: sliding window -> its masks (built lazily)
+    window_mask_builder: Any = None  # flex: sliding window -> (block mask, dense mask) of this step
 
 
 @dataclass
@@ -63,8 +65,9 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D], layer_cache [2, num_blocks, block_size, Hkv, D] -> out [T, Hq, D]."""
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D], layer_cache [2, num_blocks, block_size, Hkv, D] -> out [T, Hq, D].
+        `sliding_window` > 0: the query at position p sees keys p - sliding_window < j <= p only."""
         ...
 
 
@@ -85,7 +88,7 @@ class SDPABackend:
         pass
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
         write_kv(layer_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -93,13 +96,16 @@ class SDPABackend:
             assert meta.decode_block_tables is not None and meta.decode_mask is not None
             kd, vd = self._gather(layer_cache, meta.decode_block_tables)  # [nd, Hkv, L, D]
             qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                                enable_gqa=True)
+            mask = meta.decode_mask
+            if sliding_window:  # the valid keys are a prefix 0..position: keep the last sliding_window of them
+                last = mask.sum(-1, keepdim=True) - 1
+                mask = mask & (torch.arange(mask.shape[-1], device=q.device) > last - sliding_window)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
             out[:nd] = od.squeeze(2)
         for chunk in meta.prefills:
             s, n = chunk.start, chunk.num_tokens
             qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            if chunk.num_context == 0:  # whole sequence is in this chunk: plain causal attention
+            if chunk.num_context == 0 and not sliding_window:  # the whole sequence: plain causal attention
                 kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
                 vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
                 op = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), is_causal=True,
@@ -109,7 +115,8 @@ class SDPABackend:
                 kp, vp = self._gather(layer_cache, chunk.block_ids.unsqueeze(0), total)
                 # query i sits at position num_context + i and sees keys 0..num_context + i
                 qpos = torch.arange(chunk.num_context, total, device=q.device).unsqueeze(1)
-                mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos
+                key = torch.arange(total, device=q.device).unsqueeze(0)
+                mask = (key <= qpos) & (key > qpos - sliding_window) if sliding_window else key <= qpos
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s:s + n] = op.squeeze(0).transpose(0, 1)
         return out
@@ -144,9 +151,10 @@ class NativeBackend:
         pass
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
         assert meta.block_table is not None and meta.query_start_loc is not None and meta.seq_lens is not None
         self.lib.reshape_and_cache(k, v, layer_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
-        self.lib.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale)
+        self.lib.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,
+                                 sliding_window)
         return out

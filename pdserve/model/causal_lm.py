@@ -42,6 +42,17 @@ class CausalLM(nn.Module):
         self.kernels = kernels
         self.program: Any = None  # the native whole-stack program, once build_native_program succeeded
 
+    def build(self, layers: list[nn.Module], embed_scale: float | None = None) -> None:
+        """The shared parts around an architecture's `layers`: embedding (times `embed_scale`), final norm, lm_head
+        (the embedding's weight when tied)."""
+        cfg, kernels = self.cfg, self.kernels
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kernels, scale=embed_scale)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden]; call `compute_logits` on the rows that need sampling."""
@@ -59,7 +70,7 @@ class CausalLM(nn.Module):
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids -> the first layer's input (Gemma would scale it by sqrt(hidden) here)."""
+        """Token ids -> the first layer's input (Gemma's embedding module scales it by sqrt(hidden))."""
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,8 +133,10 @@ class WeightLoader:
             module.bias.copy_(torch.cat([self.tensor(n) for n in bias]))
 
     @torch.no_grad()
-    def copy(self, param: nn.Parameter, name: str) -> None:
-        param.copy_(self.tensor(name))
+    def copy(self, param: nn.Parameter, name: str, offset: float = 0.0) -> None:
+        """param = the named weight (+ offset: Gemma's norms scale by 1 + w, their weight becomes 1 + w here)."""
+        w = self.tensor(name)
+        param.copy_(w + offset if offset else w)
 
     def finish(self) -> None:
         """Raise on weights no module took (Hugging Face's rotary buffers aside)."""

@@ -41,9 +41,11 @@ def flex_available() -> bool:
 
 
 def build_block_mask(block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                     positions: torch.Tensor, num_blocks: int, block_size: int) -> Any:
+                     positions: torch.Tensor, num_blocks: int, block_size: int, sliding_window: int = 0) -> Any:
     """The BlockMask of a step in varlen form (AttentionMetadata.block_table / query_start_loc / seq_lens; the
-    rows' positions). `num_blocks`: physical blocks in the cache. No data-dependent shapes (CUDA-graph safe)."""
+    rows' positions). `num_blocks`: physical blocks in the cache. `sliding_window` > 0: a row at position p sees
+    keys p - sliding_window < j <= p only (the sparse structure still lists every owned block: a superset).
+    No data-dependent shapes (CUDA-graph safe)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     dev = positions.device
@@ -61,7 +63,9 @@ def build_block_mask(block_table: torch.Tensor, query_start_loc: torch.Tensor, s
 
     def mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         lb = p2l[q_seq[q_idx], kv_idx // block_size]
-        return (lb >= 0) & (lb * block_size + kv_idx % block_size <= pos[q_idx])
+        key = lb * block_size + kv_idx % block_size
+        visible = (lb >= 0) & (key <= pos[q_idx])
+        return visible & (key > pos[q_idx] - sliding_window) if sliding_window else visible
 
     nq = -(-t // Q_BLOCK)
     member = torch.zeros(nq, s, dtype=torch.float32, device=dev)  # tile has a row of the sequence
@@ -98,26 +102,41 @@ class FlexBackend:
         self._on_cuda = torch.device(device).type == "cuda"
 
     def prepare(self, meta: AttentionMetadata, positions: torch.Tensor, num_blocks: int, block_size: int) -> None:
-        assert meta.block_table is not None and meta.query_start_loc is not None and meta.seq_lens is not None
-        meta.block_mask = build_block_mask(meta.block_table, meta.query_start_loc, meta.seq_lens, positions,
-                                           num_blocks, block_size)
-        if self.mode == "dense":
-            from torch.nn.attention.flex_attention import create_mask
+        meta.block_mask, meta.dense_mask = self._masks(meta, positions, num_blocks, block_size, 0)
+        meta.window_masks = {}
+        # a sliding window's masks are built on its first layer's use, once per step
+        meta.window_mask_builder = lambda window: self._masks(meta, positions, num_blocks, block_size, window)
 
-            t, slots = meta.block_mask.seq_lengths
-            meta.dense_mask = create_mask(meta.block_mask.mask_mod, None, None, t, slots, device=positions.device)
+    def _masks(self, meta: AttentionMetadata, positions: torch.Tensor, num_blocks: int, block_size: int,
+               sliding_window: int) -> tuple[Any, torch.Tensor | None]:
+        """The step's block mask and, in dense mode, the dense mask it evaluates to."""
+        assert meta.block_table is not None and meta.query_start_loc is not None and meta.seq_lens is not None
+        block_mask = build_block_mask(meta.block_table, meta.query_start_loc, meta.seq_lens, positions, num_blocks,
+                                      block_size, sliding_window)
+        if self.mode != "dense":
+            return block_mask, None
+        from torch.nn.attention.flex_attention import create_mask
+
+        t, slots = block_mask.seq_lengths
+        return block_mask, create_mask(block_mask.mask_mod, None, None, t, slots, device=positions.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
         write_kv(layer_cache, k, v, meta.slot_mapping)
+        block_mask, dense_mask = meta.block_mask, meta.dense_mask
+        if sliding_window:  # one mask per window and step, shared by the layers of that window
+            if sliding_window not in meta.window_masks:
+                assert meta.window_mask_builder is not None
+                meta.window_masks[sliding_window] = meta.window_mask_builder(sliding_window)
+            block_mask, dense_mask = meta.window_masks[sliding_window]
         _, nb, bs, h, d = layer_cache.shape
         kc = layer_cache[0].view(1, nb * bs, h, d).transpose(1, 2)  # [1, Hkv, slots, D]: a view
         vc = layer_cache[1].view(1, nb * bs, h, d).transpose(1, 2)
         qf = q.to(layer_cache.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
         if self.mode == "dense":
-            out = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=meta.dense_mask, scale=scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=dense_mask, scale=scale, enable_gqa=True)
         else:
             opts = {"BLOCK_M": Q_BLOCK, "BLOCK_N": bs, "FORCE_USE_FLEX_ATTENTION": True} if self._on_cuda else None
-            out = self._attn(qf, kc, vc, block_mask=meta.block_mask, scale=scale, enable_gqa=True,
+            out = self._attn(qf, kc, vc, block_mask=block_mask, scale=scale, enable_gqa=True,
                              kernel_options=opts)
         return out[0].transpose(0, 1).to(q.dtype)

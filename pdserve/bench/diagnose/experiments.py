@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.client import Clock
 from pdserve.bench.config import COMPLETIONS_ENDPOINT, BenchConfig
 from pdserve.bench.diagnose.config import DiagnoseConfig
 from pdserve.bench.diagnose.report import DiagnoseResult, build_result, write_report
@@ -36,8 +37,10 @@ GAUGES = ("kv_cache_usage_perc", "num_requests_waiting", "num_requests_running")
 class _Session:
     """What every run shares: the target, the model, its tokenizer, and the seed stream."""
 
-    def __init__(self, cfg: DiagnoseConfig, model: str, max_model_len: int | None, tokenizer: Any) -> None:
+    def __init__(self, cfg: DiagnoseConfig, model: str, max_model_len: int | None, tokenizer: Any,
+                 clock: Clock) -> None:
         self.cfg, self.model, self.max_model_len, self.tokenizer = cfg, model, max_model_len, tokenizer
+        self.clock = clock
         self.runs = 0
 
     def bench_config(self, concurrency: int | None, server_metrics: bool = True) -> BenchConfig:
@@ -74,7 +77,7 @@ class _Session:
         stop = asyncio.Event()
         sampler = asyncio.create_task(self._sample(stop, gauges)) if sample_gauges else None
         try:
-            res = await run_benchmark(self.bench_config(concurrency), samples)
+            res = await run_benchmark(self.bench_config(concurrency), samples, self.clock)
         finally:
             stop.set()
             if sampler is not None:
@@ -152,17 +155,18 @@ async def run_sweep(s: _Session) -> list[RunStats]:
     return runs
 
 
-async def diagnose(cfg: DiagnoseConfig) -> DiagnoseResult:
+async def diagnose(cfg: DiagnoseConfig, clock: Clock = time.perf_counter) -> DiagnoseResult:
     """Run cfg.experiments against cfg.base_url, judge them, and write the report (when cfg.out_dir is set or
-    by default to ./diagnose-<date>)."""
+    by default to ./diagnose-<date>). `clock` stamps every latency (see run_benchmark): wall time, or in tests one
+    that a busy machine does not stretch."""
     from pdserve.bench.runner import load_bench_tokenizer, run_benchmark
 
     model, max_len = await _server_info(cfg)
     tokenizer = await asyncio.to_thread(load_bench_tokenizer, cfg.tokenizer or model)
-    s = _Session(cfg, model, max_len, tokenizer)
+    s = _Session(cfg, model, max_len, tokenizer, clock)
     t0 = time.perf_counter()
     warm = await asyncio.to_thread(s.samples, 1, 8, 2)  # first-request costs (allocations) out of the numbers
-    await run_benchmark(s.bench_config(None, server_metrics=False), warm)
+    await run_benchmark(s.bench_config(None, server_metrics=False), warm, clock)
     a = await run_shapes(s) if "a" in cfg.experiments else []
     b = await run_output_lengths(s) if "b" in cfg.experiments else []
     c = await run_sweep(s) if "c" in cfg.experiments else []

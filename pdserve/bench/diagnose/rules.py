@@ -3,8 +3,9 @@
 The usual reading of serving latency: TTFT high + ITL normal -> prefill/queueing; TTFT normal + ITL high ->
 decode/scheduling; both high -> capacity; a sudden knee in the concurrency sweep -> KV capacity. Every number is a
 `Thresholds` field:
-  ITL_ref        the smallest median ITL of a single-stream run (the output-length ablation, level 1 of the
-                 concurrency sweep, the 1×T run of the prompt-shape ablation): the server's unloaded decode step.
+  ITL_ref        the smallest median TPOT of a single-stream run (the output-length ablation, level 1 of the
+                 concurrency sweep, the 1×T run of the prompt-shape ablation): the server's unloaded decode step
+                 (TPOT, not the median ITL: chunks a busy client reads late and at once leave TPOT as it was).
   TTFT high      > slo_ttft_ms when given, else > max(10 × ITL_ref, 250 ms): the first token costs more than ten
                  decode steps, and is slow enough for a person to notice.
   ITL high       median TPOT > slo_tpot_ms when given, else median ITL > 3 × ITL_ref (not 2×: on a CPU a batch of
@@ -99,11 +100,14 @@ def fmt_pct(v: float | None) -> str:
 
 
 def itl_reference(a: Sequence[RunStats], b: Sequence[RunStats], c: Sequence[RunStats]) -> float | None:
-    """The unloaded decode step: the smallest median ITL of the single-stream runs."""
+    """The unloaded decode step: the smallest median TPOT of the single-stream runs. TPOT spans the whole stream:
+    a client that reads chunks late, several at once (a busy client host), sees gaps of ~0 and then a long one,
+    which drag a median of a few ITL gaps toward zero but leave the stream's span, and so TPOT, as it was."""
     single = [r for r in b if r.completed]
     single += [r for r in c if r.concurrency == 1 and r.completed]
     single += [r for r in a if r.num_requests == 1 and r.completed]
-    values = [r.median_itl_ms for r in single if r.median_itl_ms > 0]
+    values = [r.median_tpot_ms or r.median_itl_ms for r in single]
+    values = [v for v in values if v > 0]
     return min(values) if values else None
 
 

@@ -11,6 +11,11 @@
 //
 // Work: groups (sequence, KV head, tile of query tokens); tasks are claimed dynamically from an atomic counter,
 // largest first, by ATen's OpenMP team; the last partition of a split group to finish folds them all.
+//
+// Sliding window (Gemma 3's local layers, sliding_window = W > 0): the row at position p sees keys p - W < j <= p.
+// Its group holds that one token (its G query heads), so the window's first key is the group's k0 and no kernel
+// needs a per-row lower bound; partitions still sit at multiples of kPartition (the first starts at k0), so a
+// row's arithmetic stays independent of the batch.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -31,8 +36,8 @@ namespace pdserve {
 namespace {
 
 struct Group {
-  AttnItem whole;   // the group's rows against all their keys
-  int nparts;       // key partitions: ceil(whole.k1 / kPartition)
+  AttnItem whole;   // the group's rows against all their keys [whole.k0, whole.k1)
+  int nparts;       // key partitions: those of [0, whole.k1) that hold a key >= whole.k0
   bool split;       // partitions run as separate tasks into part
   float* part;      // split groups: nparts partial results of part_floats each
   int64_t part_floats;
@@ -59,6 +64,7 @@ AttnFn pick_kernel(int64_t d, bool kv_bf16, int64_t group) {
       {Isa::kGeneric, attn_item_generic},
       PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512},
                   {Isa::kAvx512Bf16, attn_item_avx512bf16}, {Isa::kAmx, attn_item_amx})};
+  if (d == 256) return f32.pick();                     // Gemma: the fp32 kernels (bf16 caches widened per tile)
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
   const bool dot = kv_bf16 && group >= g_bf16_min_group.load(std::memory_order_relaxed);
   return dot ? bf16.pick() : f32.pick();
@@ -100,19 +106,32 @@ int64_t check_sequence(const AttnArgs& a, int64_t s, const int32_t* qsl, const i
   return q1 - q0;
 }
 
+// Partition p of a group: keys [max(k0, (first + p) kPartition), min(k1, (first + p + 1) kPartition)), first =
+// k0 / kPartition.
+AttnItem partition(const AttnItem& whole, int p) {
+  AttnItem it = whole;
+  const int64_t first = whole.k0 / kPartition;
+  it.k0 = int32_t(std::max<int64_t>(whole.k0, (first + p) * kPartition));
+  it.k1 = int32_t(std::min<int64_t>(whole.k1, (first + p + 1) * kPartition));
+  return it;
+}
+
 std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, int64_t nseq, int64_t t,
-                               int64_t width) {
+                               int64_t width, int64_t window) {
   const int64_t g = a.hq / a.hkv;
-  const int64_t tile = std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);  // query tokens per group: ~48 rows
+  // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does)
+  const int64_t tile = window > 0 ? 1 : std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);
   std::vector<Group> groups;
   for (int64_t s = 0; s < nseq; ++s) {
     const int64_t qlen = check_sequence(a, s, qsl, sl, t, width), ctx = sl[s] - qlen;
     for (int64_t h = 0; h < a.hkv; ++h) {
       for (int64_t t0 = qsl[s]; t0 < qsl[s + 1]; t0 += tile) {
         const int64_t t1 = std::min<int64_t>(qsl[s + 1], t0 + tile), pos0 = ctx + (t0 - qsl[s]);
-        const AttnItem it{int32_t(s), int32_t(h), int32_t(t0), int32_t(t1), int32_t(pos0), 0,
+        const int64_t k0 = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+        const AttnItem it{int32_t(s), int32_t(h), int32_t(t0), int32_t(t1), int32_t(pos0), int32_t(k0),
                           int32_t(pos0 + (t1 - t0)), nullptr};
-        groups.push_back({it, static_cast<int>((it.k1 + kPartition - 1) / kPartition), false, nullptr, 0});
+        const int64_t nparts = (it.k1 + kPartition - 1) / kPartition - k0 / kPartition;
+        groups.push_back({it, static_cast<int>(nparts), false, nullptr, 0});
       }
     }
   }
@@ -134,7 +153,7 @@ std::vector<Task> make_tasks(std::vector<Group>& groups, std::vector<float>& par
   float* next = parts.data();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& gr = groups[gi];
-    const int64_t rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv, keys = gr.whole.k1;
+    const int64_t rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv, keys = gr.whole.k1 - gr.whole.k0;
     if (!gr.split) {
       tasks.push_back({gr.whole, int32_t(gi), rows * keys});
       continue;
@@ -142,9 +161,7 @@ std::vector<Task> make_tasks(std::vector<Group>& groups, std::vector<float>& par
     gr.part = next;
     next += gr.nparts * gr.part_floats;
     for (int p = 0; p < gr.nparts; ++p) {
-      AttnItem it = gr.whole;
-      it.k0 = int32_t(p * kPartition);
-      it.k1 = int32_t(std::min<int64_t>(keys, (p + 1) * kPartition));
+      AttnItem it = partition(gr.whole, p);
       it.part = gr.part + p * gr.part_floats;
       tasks.push_back({it, int32_t(gi), rows * (it.k1 - it.k0)});
     }
@@ -194,9 +211,7 @@ void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
   const int64_t rows = (gr.whole.t1 - gr.whole.t0) * (a.hq / a.hkv);
   for (int p = 0; p < gr.nparts; ++p) {
     if (!gr.split) {
-      AttnItem it = gr.whole;
-      it.k0 = int32_t(p * kPartition);
-      it.k1 = int32_t(std::min<int64_t>(gr.whole.k1, (p + 1) * kPartition));
+      AttnItem it = partition(gr.whole, p);
       it.part = cur;
       fn(a, it);
     }
@@ -237,8 +252,10 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
 }  // namespace
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                     int64_t sliding_window) {
   check_kv(kv);
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
   const int64_t t = q.size(0), hkv = kv.size(3), d = kv.size(4), hq = q.dim() == 3 ? q.size(1) : 0;
   TORCH_CHECK(hq > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
   check_heads(q, "q", t, hq, d);
@@ -253,7 +270,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                    kv.scalar_type() == at::kBFloat16, kv.size(1), kv.size(2), hkv, hq, d,
                    block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale)};
   std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                          nseq, t, block_table.size(1));
+                                          nseq, t, block_table.size(1), sliding_window);
   const int64_t nthreads = at::get_num_threads();
   std::vector<float> parts;
   const std::vector<Task> tasks = make_tasks(groups, parts, nthreads, hq / hkv, d);
@@ -297,9 +314,10 @@ namespace {
 void register_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("paged_attention", &paged_attention,
-        "causal attention of the step's query rows over the paged KV cache, written into out [T, Hq, D]",
+        "causal attention of the step's query rows over the paged KV cache, written into out [T, Hq, D]; "
+        "sliding_window > 0: the row at position p sees keys p - sliding_window < j <= p only",
         py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("scale"));
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
   m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
         "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels)");
   m.def("set_attention_bf16_min_group", [](int64_t g) {

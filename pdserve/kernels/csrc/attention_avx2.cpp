@@ -1,5 +1,5 @@
-// AVX2 paged attention for head_dim 64 and 128: the AVX-512 kernel's structure (attention_avx512.cpp) with 8-wide
-// vectors; a 16-key tile is two halves of 8 for the scores.
+// AVX2 paged attention for head_dim 64, 128 and 256: the AVX-512 kernel's structure (attention_avx512.cpp) with
+// 8-wide vectors; a 16-key tile is two halves of 8 for the scores.
 #include "attention_kernels.h"
 
 #if defined(__x86_64__)
@@ -170,8 +170,10 @@ void run(const AttnArgs& a, const AttnItem& it) {
 void attn_item_avx2(const AttnArgs& a, const AttnItem& it) {
   if (a.d == 64) {
     run<64>(a, it);
-  } else {
+  } else if (a.d == 128) {
     run<128>(a, it);
+  } else {
+    run<256>(a, it);
   }
 }
 

@@ -1,4 +1,4 @@
-// AVX-512 paged attention for head_dim 64 and 128 (flash-attention style, online softmax).
+// AVX-512 paged attention for head_dim 64, 128 and 256 (flash-attention style, online softmax).
 //
 // A work item (see attention_kernels.h) walks its keys in tiles of 16. Per tile the K/V rows of the item's KV head
 // are located once (bf16 rows converted to f32 once) and shared by all rows = query tokens x the G query heads of
@@ -171,8 +171,10 @@ void run(const AttnArgs& a, const AttnItem& it) {
 void attn_item_avx512(const AttnArgs& a, const AttnItem& it) {
   if (a.d == 64) {
     run<64>(a, it);
-  } else {
+  } else if (a.d == 128) {
     run<128>(a, it);
+  } else {
+    run<256>(a, it);
   }
 }
 

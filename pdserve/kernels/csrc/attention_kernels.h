@@ -43,8 +43,8 @@ constexpr int64_t kPartition = 256;
 
 void attn_item_generic(const AttnArgs& a, const AttnItem& it);
 #if defined(__x86_64__)
-void attn_item_avx2(const AttnArgs& a, const AttnItem& it);    // d in {64, 128}
-void attn_item_avx512(const AttnArgs& a, const AttnItem& it);  // d in {64, 128}
+void attn_item_avx2(const AttnArgs& a, const AttnItem& it);    // d in {64, 128, 256}
+void attn_item_avx512(const AttnArgs& a, const AttnItem& it);  // d in {64, 128, 256}
 // bf16 caches only, d in {64, 128}: bf16 dot products (attention_bf16.h)
 void attn_item_avx512bf16(const AttnArgs& a, const AttnItem& it);
 void attn_item_amx(const AttnArgs& a, const AttnItem& it);

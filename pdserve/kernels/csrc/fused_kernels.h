@@ -1,4 +1,4 @@
-// Row kernels of a transformer layer (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU-and-mul), one set
+// Row kernels of a transformer layer (RMSNorm, residual add + RMSNorm, rotary embedding, SiLU/GELU-and-mul), one set
 // per ISA level. Each works on rows [r0, r1) of row-strided f32 matrices (the last dimension contiguous), so the
 // dispatcher (fused_ops.cpp) can split rows across threads. No torch here: the ISA files include only this.
 #pragma once
@@ -22,7 +22,14 @@ struct FusedKernels {
   // out[r, :i] = silu(x[r, :i]) * x[r, i:2i]
   void (*silu_mul)(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t i, int64_t r0,
                    int64_t r1);
+  // out[r, :i] = gelu_tanh(x[r, :i]) * x[r, i:2i], as x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3)
+  void (*gelu_tanh_mul)(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t i, int64_t r0,
+                        int64_t r1);
 };
+
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): the -2u of each kernel's exp.
+constexpr float kGeluTanhK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluTanhC = 0.044715f;
 
 const FusedKernels& fused_kernels_generic();
 #if defined(__x86_64__)

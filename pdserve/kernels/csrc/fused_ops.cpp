@@ -1,5 +1,5 @@
 // Python bindings of the fused layer ops (rms_norm, fused_add_rms_norm, rms_norm_heads, rotary_embedding,
-// silu_and_mul): argument checks, ISA choice, row split across ATen's threads. The kernels are in fused_ops_{generic,avx2,avx512}.cpp.
+// silu_and_mul, gelu_tanh_and_mul): argument checks, ISA choice, row split across ATen's threads. The kernels are in fused_ops_{generic,avx2,avx512}.cpp.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -110,16 +110,23 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   });
 }
 
-void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+namespace {
+
+void gated_and_mul(at::Tensor& out, const at::Tensor& x, decltype(FusedKernels::silu_mul) fn) {
   const int64_t t = x.size(0), i = out.dim() == 2 ? out.size(1) : 0;
   check_rows(out, "out", t, i);
   check_rows(x, "x", t, 2 * i);
-  const auto fn = kernels().silu_mul;
   float* o = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const int64_t os = out.stride(0), xs = x.stride(0);
   at::parallel_for(0, t, grain(3 * i), [&](int64_t r0, int64_t r1) { fn(o, os, xp, xs, i, r0, r1); });
 }
+
+}  // namespace
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) { gated_and_mul(out, x, kernels().silu_mul); }
+
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) { gated_and_mul(out, x, kernels().gelu_tanh_mul); }
 
 namespace {
 
@@ -137,6 +144,8 @@ void register_fused(pybind11::module_& m) {
   m.def("rotary_embedding", &rotary_embedding, "in-place rotate-half (neox) rotary on q [T, Hq*D] and k [T, Hkv*D]",
         py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"), py::arg("head_dim"));
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]", py::arg("out"), py::arg("x"));
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "out = gelu_tanh(x[:, :I]) * x[:, I:] (Gemma's GeGLU)",
+        py::arg("out"), py::arg("x"));
 }
 
 PDSERVE_REGISTER(register_fused);

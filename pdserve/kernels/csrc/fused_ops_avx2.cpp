@@ -91,7 +91,16 @@ void rotary(const int64_t* pos, float* q, int64_t qs, int64_t nq, float* k, int6
   }
 }
 
-void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int64_t r0, int64_t r1) {
+inline __m256 silu_arg(__m256 g) { return _mm256_sub_ps(_mm256_setzero_ps(), g); }
+inline __m256 gelu_tanh_arg(__m256 g) {  // -2k (g + c g^3) = g * (-2k - 2kc g^2)
+  const __m256 g2 = _mm256_mul_ps(g, g);
+  return _mm256_mul_ps(g, _mm256_fmadd_ps(g2, _mm256_set1_ps(-2.f * kGeluTanhK * kGeluTanhC),
+                                          _mm256_set1_ps(-2.f * kGeluTanhK)));
+}
+
+// out = g / (1 + exp(Arg(g))) * u (see the generic kernel)
+template <__m256 (*Arg)(__m256)>
+void gated_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int64_t r0, int64_t r1) {
   const __m256 one = _mm256_set1_ps(1.f);
   for (int64_t r = r0; r < r1; ++r) {
     const float* g = x + r * xs;
@@ -99,7 +108,7 @@ void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int
     for (int64_t i = 0; i < n; i += 8) {
       const __m256i m = tail_mask(n - i);
       const __m256 gv = load(g + i, m), uv = load(g + n + i, m);
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      const __m256 e = exp8(Arg(gv));
       store(o + i, m, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), uv));
     }
   }
@@ -108,7 +117,7 @@ void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int
 }  // namespace
 
 const FusedKernels& fused_kernels_avx2() {
-  static const FusedKernels k{rms_norm, add_rms_norm, rotary, silu_mul};
+  static const FusedKernels k{rms_norm, add_rms_norm, rotary, gated_mul<silu_arg>, gated_mul<gelu_tanh_arg>};
   return k;
 }
 

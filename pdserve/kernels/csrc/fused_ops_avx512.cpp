@@ -86,7 +86,16 @@ void rotary(const int64_t* pos, float* q, int64_t qs, int64_t nq, float* k, int6
   }
 }
 
-void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int64_t r0, int64_t r1) {
+inline __m512 silu_arg(__m512 g) { return _mm512_sub_ps(_mm512_setzero_ps(), g); }
+inline __m512 gelu_tanh_arg(__m512 g) {  // -2k (g + c g^3) = g * (-2k - 2kc g^2)
+  const __m512 g2 = _mm512_mul_ps(g, g);
+  return _mm512_mul_ps(g, _mm512_fmadd_ps(g2, _mm512_set1_ps(-2.f * kGeluTanhK * kGeluTanhC),
+                                          _mm512_set1_ps(-2.f * kGeluTanhK)));
+}
+
+// out = g / (1 + exp(Arg(g))) * u (see the generic kernel)
+template <__m512 (*Arg)(__m512)>
+void gated_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int64_t r0, int64_t r1) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t r = r0; r < r1; ++r) {
     const float* g = x + r * xs;
@@ -94,7 +103,7 @@ void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = tail_mask(n - i);
       const __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, g + n + i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      const __m512 e = exp16(Arg(gv));
       _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
     }
   }
@@ -103,7 +112,7 @@ void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int
 }  // namespace
 
 const FusedKernels& fused_kernels_avx512() {
-  static const FusedKernels k{rms_norm, add_rms_norm, rotary, silu_mul};
+  static const FusedKernels k{rms_norm, add_rms_norm, rotary, gated_mul<silu_arg>, gated_mul<gelu_tanh_arg>};
   return k;
 }
 

@@ -56,19 +56,24 @@ void rotary(const int64_t* pos, float* q, int64_t qs, int64_t nq, float* k, int6
   }
 }
 
-void silu_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int64_t r0, int64_t r1) {
+// out = g / (1 + exp(Arg(g))) * u: SiLU with Arg = -g, tanh-GELU with Arg = -2u.
+template <float (*Arg)(float)>
+void gated_mul(float* out, int64_t os, const float* x, int64_t xs, int64_t n, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* g = x + r * xs;
     const float* u = g + n;
     float* o = out + r * os;
-    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.f + std::exp(Arg(g[i]))) * u[i];
   }
 }
+
+float silu_arg(float g) { return -g; }
+float gelu_tanh_arg(float g) { return -2.f * kGeluTanhK * (g + kGeluTanhC * g * g * g); }
 
 }  // namespace
 
 const FusedKernels& fused_kernels_generic() {
-  static const FusedKernels k{rms_norm, add_rms_norm, rotary, silu_mul};
+  static const FusedKernels k{rms_norm, add_rms_norm, rotary, gated_mul<silu_arg>, gated_mul<gelu_tanh_arg>};
   return k;
 }
 

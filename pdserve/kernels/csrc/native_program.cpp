@@ -6,10 +6,10 @@
 // layer, and a new architecture needs only its Python modules (plus a new op here if it brings one).
 //
 // Values are the tensors of a step: 0 the token ids [T], 1 the positions [T], then one per recorded result, each a
-// float32 [T, width] matrix or a column slice of one (kNarrow). In-place ops (kAddRmsNorm, kHeadRmsNorm, kRotary)
-// write values already defined. Outputs the executor allocates live in slots (one [T, width] buffer per slot and
-// step, shared by values whose lifetimes do not overlap, as the recorder assigned them); every value is released
-// after its last use, so a long prefill holds a layer's activations, not the whole stack's.
+// float32 [T, width] matrix or a column slice of one (kNarrow). In-place ops (kAddRmsNorm, kHeadRmsNorm, kRotary,
+// kScale) write values already defined. Outputs the executor allocates live in slots (one [T, width] buffer per
+// slot and step, shared by values whose lifetimes do not overlap, as the recorder assigned them); every value is
+// released after its last use, so a long prefill holds a layer's activations, not the whole stack's.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -32,8 +32,11 @@ enum class Op : int64_t {
   kAddRmsNorm,   // in [x, residual]; ints [w const]; floats [eps]: residual += x; x = rms_norm(residual) (in place)
   kHeadRmsNorm,  // in [x]; ints [w const]; floats [eps]: each head of x rms-normed in place
   kRotary,       // in [positions, q, k]; ints [cos const, sin const, head_dim]: q and k rotated in place
-  kAttention,    // in [q, k, v]; ints [layer, Hq, Hkv, D]; floats [scale] -> new (slot): KV write + paged attention
+  kAttention,    // in [q, k, v]; ints [layer, Hq, Hkv, D, sliding window]; floats [scale] -> new (slot): KV write +
+                 // paged attention
   kSiluMul,      // in [x]; -> new (slot) silu(x[:, :I]) * x[:, I:]
+  kGeluMul,      // in [x]; -> new (slot) gelu_tanh(x[:, :I]) * x[:, I:]
+  kScale,        // in [x]; floats [factor]: x *= factor in place
   kLinear,       // in [x]; ints [weight, bias const or -1] -> x @ W.T (+ bias)
   kNumOps
 };
@@ -42,7 +45,8 @@ const std::map<std::string, Op>& op_names() {
   static const std::map<std::string, Op> names = {
       {"narrow", Op::kNarrow},         {"embedding", Op::kEmbedding}, {"rms_norm", Op::kRmsNorm},
       {"add_rms_norm", Op::kAddRmsNorm}, {"head_rms_norm", Op::kHeadRmsNorm}, {"rotary", Op::kRotary},
-      {"attention", Op::kAttention},   {"silu_and_mul", Op::kSiluMul}, {"linear", Op::kLinear}};
+      {"attention", Op::kAttention},   {"silu_and_mul", Op::kSiluMul}, {"linear", Op::kLinear},
+      {"gelu_tanh_and_mul", Op::kGeluMul}, {"scale", Op::kScale}};
   return names;
 }
 
@@ -59,8 +63,10 @@ Arity arity(Op op) {
     case Op::kAddRmsNorm: return {2, 1, 1, false};
     case Op::kHeadRmsNorm: return {1, 1, 1, false};
     case Op::kRotary: return {3, 3, 0, false};
-    case Op::kAttention: return {3, 4, 1, true};
+    case Op::kAttention: return {3, 5, 1, true};
     case Op::kSiluMul: return {1, 0, 0, true};
+    case Op::kGeluMul: return {1, 0, 0, true};
+    case Op::kScale: return {1, 0, 1, false};
     case Op::kLinear: return {1, 2, 0, true};
     default: break;
   }
@@ -154,7 +160,8 @@ class NativeProgram {
       ++num_values_;
       defined_.push_back(true);
     }
-    const bool owns = it->second == Op::kRmsNorm || it->second == Op::kAttention || it->second == Op::kSiluMul;
+    const bool owns = it->second == Op::kRmsNorm || it->second == Op::kAttention || it->second == Op::kSiluMul ||
+                      it->second == Op::kGeluMul;
     TORCH_CHECK(owns == (slot >= 0) && slot < static_cast<int64_t>(slot_widths_.size()), name,
                 ": bad slot ", slot);
     for (int64_t v : frees) TORCH_CHECK(v >= 0 && v < num_values_, name, " frees unknown value ", v);
@@ -239,10 +246,12 @@ class NativeProgram {
         reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, slot_mapping);
         at::Tensor o = out.view({t, hq, d});
         paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, block_table, query_start_loc, seq_lens,
-                        I.floats[0]);
+                        I.floats[0], n[4]);
         break;
       }
       case Op::kSiluMul: silu_and_mul(out, v[I.in[0]]); break;
+      case Op::kGeluMul: gelu_tanh_and_mul(out, v[I.in[0]]); break;
+      case Op::kScale: v[I.in[0]].mul_(I.floats[0]); break;
       case Op::kLinear:
         out = w(n[0]).linear(v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt);
         break;

@@ -13,7 +13,8 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, 
 
 // attention.cpp
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale);
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                     int64_t sliding_window = 0);
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv, const at::Tensor& slot_mapping);
 
 // fused_ops.cpp
@@ -23,5 +24,6 @@ void rms_norm_heads(at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t head_dim);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x);
 
 }  // namespace pdserve

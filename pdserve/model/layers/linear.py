@@ -95,9 +95,12 @@ class Linear(_Matrix):
 
 
 class Embedding(_Matrix):
-    """Rows of W [num_embeddings, embedding_dim] by token id."""
+    """Rows of W [num_embeddings, embedding_dim] by token id, times `scale` where given (Gemma: sqrt(hidden), in
+    the activations' dtype as Hugging Face rounds it; W itself stays unscaled, a tied lm_head reads it too)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, kernels: KernelSelection) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, kernels: KernelSelection,
+                 scale: float | None = None) -> None:
+        self.scale = scale
         super().__init__(num_embeddings, embedding_dim, kernels)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
@@ -108,11 +111,17 @@ class Embedding(_Matrix):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
-        return F.embedding(x, self.weight)
+        return self._scaled(F.embedding(x, self.weight))
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
-        return self.packed.rows(x)
+        return self._scaled(self.packed.rows(x))
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.scale is None else rows * torch.tensor(self.scale, dtype=rows.dtype)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.ops.embedding(x, self.stored)
+        rows = self.kernels.ops.embedding(x, self.stored)
+        if self.scale is not None:
+            self.kernels.ops.scale(rows, self.scale)  # in place: rows is this call's own result
+        return rows
