@@ -22,7 +22,8 @@ from pdserve.server.tools import ToolPlan, tool_plan
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: ChatCompletionRequest, ctx: RequestContext) -> ServingResult:
-        """Validate and start the request. Raises APIError before anything is sent when the body is refused."""
+        """Validate and start the request. Raises APIError or RequestRejected (the app answers both) before
+        anything is sent when the body is refused."""
         self.check_body(body, 1)
         plan = self.tool_plan(body)
         params = self.to_params(body)

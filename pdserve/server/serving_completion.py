@@ -30,7 +30,8 @@ def prompts_of(body: CompletionRequest) -> list[PromptType]:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, body: CompletionRequest, ctx: RequestContext) -> ServingResult:
-        """Validate and start the request. Raises APIError before anything is sent when the body is refused."""
+        """Validate and start the request. Raises APIError or RequestRejected (the app answers both) before
+        anything is sent when the body is refused."""
         prompts = prompts_of(body)
         self.check_body(body, len(prompts))
         self.check_texts((p for p in prompts if isinstance(p, str)), "prompt")
