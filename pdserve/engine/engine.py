@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pdserve.config import EngineConfig, parse_size
+from pdserve.config import EngineConfig, dtype_reason, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.kv_transfer import KVTransfer
@@ -27,10 +27,11 @@ from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.step_log import StepLog
 from pdserve.engine.structured import StructuredOutputManager, fill_bitmask
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.kernels import kernels_description, resolve_kernels
+from pdserve.kernels import kernels_description, kernels_isa, resolve_kernels
 from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.packed_weights import describe_weights
 from pdserve.model.runner import ModelRunner
 from pdserve.model.sampler import SamplerOutput
 from pdserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -129,6 +130,10 @@ class LLMEngine:
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
                     kernels_description(self.kernels))
+        if self.kernels == "native":
+            logger.info("native kernels (%s): weights %s; float weights and KV cache in %s (%s)",
+                        kernels_isa("native")[0], describe_weights(self.runner.model),
+                        str(config.torch_dtype).removeprefix("torch."), dtype_reason(config.dtype))
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
