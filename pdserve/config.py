@@ -47,10 +47,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 def dtype_reason(name: str) -> str:
     """Why `--dtype name` resolved as it did, for the start-up log and `pdserve calc --measure`."""
     if name != "auto":
-        return f"--dtype {name}"
+        return "as asked"
     if cpu_has_native_bf16():
-        return "--dtype auto: this CPU multiplies bf16 natively (AVX512-BF16 / AMX)"
-    return "--dtype auto: no native bf16 on this CPU"
+        return "this CPU multiplies bf16 natively (AVX512-BF16 / AMX)"
+    return "no native bf16 on this CPU"
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

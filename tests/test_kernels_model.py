@@ -43,6 +43,16 @@ def test_native_build_is_present_and_reports_its_path() -> None:
         kernels.resolve_kernels("native", torch.float16)
 
 
+def test_calc_measure_says_what_auto_runs() -> None:
+    from pdserve.config import parse_dtype
+    from pdserve.roofline.calc_cli import auto_choice
+
+    line = auto_choice()
+    dtype = str(parse_dtype("auto")).removeprefix("torch.")
+    assert line.startswith(f"--kernels auto: native; --dtype auto: {dtype} (") and "pack_gguf" in line
+    assert ("pack_float bf16" if dtype == "bfloat16" else "pack_float f32") in line
+
+
 def test_isa_can_be_lowered_by_environment() -> None:
     code = "import pdserve.kernels as k; k.require(); print(k.isa())"
     env = {**os.environ, kernels.ISA_ENV: "generic"}

@@ -131,9 +131,9 @@ class LLMEngine:
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
                     kernels_description(self.kernels))
         if self.kernels == "native":
-            logger.info("native kernels (%s): weights %s; float weights and KV cache in %s (%s)",
+            logger.info("native kernels (%s): weights %s; float weights and KV cache in %s (--dtype %s: %s)",
                         kernels_isa("native")[0], describe_weights(self.runner.model),
-                        str(config.torch_dtype).removeprefix("torch."), dtype_reason(config.dtype))
+                        str(config.torch_dtype).removeprefix("torch."), config.dtype, dtype_reason(config.dtype))
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
