@@ -61,12 +61,14 @@ def _print_roofline(meter: Any) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.llm import LLM
     from pdserve.sampling_params import SamplingParams
+    from pdserve.server.chat_template import render_chat
 
     cfg = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(cfg))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed_sample,
                             max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos)
-    prompts = [llm.engine.encode_chat([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
+    prompts = [render_chat(llm.get_tokenizer(), [{"role": "user", "content": p}]) if args.chat else p
+               for p in args.prompt]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -155,10 +157,10 @@ def _add_tool_parsers(sub: Any) -> None:
     from pdserve.bench import add_bench_parser
     from pdserve.bench.diagnose import add_diagnose_parser
     from pdserve.deploy.ray.app import add_ray_serve_parser
-    from pdserve.disagg.router import add_router_parser
     from pdserve.poc import add_poc_parser
     from pdserve.profiler.cli import add_profile_parser
     from pdserve.roofline import add_calc_parser
+    from pdserve.router.app import add_router_parser
 
     add_bench_parser(sub)
     add_diagnose_parser(sub)

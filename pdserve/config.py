@@ -2,6 +2,9 @@
 
 Every engine option is a field here; `EngineConfig` is what `LLM(**kwargs)` and the CLI build.
 Configs validate themselves in `__post_init__` so a bad option fails at start-up, not mid-request.
+
+Importing this module loads no torch (the router and the Ray ingress read it and run without torch): dtypes are
+validated by name, and torch is imported only where a torch dtype is returned (`parse_dtype`, `torch_dtype`).
 """
 
 from __future__ import annotations
@@ -10,15 +13,17 @@ import json
 import os
 import re
 from dataclasses import Field, dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
 KV_TRANSFER_SECRET_ENV = "PDSERVE_KV_TRANSFER_SECRET"  # the environment's kv_transfer_secret (serve and router)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -32,16 +37,24 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def dtype_name(name: str) -> str:
+    """float32 | bfloat16 | float16 (or fp32, bf16, fp16), or "auto": bfloat16 where the CPU has native bf16, else
+    float32. The resolved name; raises ValueError for any other."""
+    if name == "auto":
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    key = _DTYPE_ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return key
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """float32 | bfloat16 | float16, or "auto": bfloat16 where the CPU has native bf16, else float32."""
+    """The torch dtype of `name` (dtype_name's rules); a torch dtype is returned as it is."""
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
-    if name == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
-    if key not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[key]
+    return getattr(torch, dtype_name(name))  # type: ignore[no-any-return]
 
 
 def dtype_reason(name: str) -> str:
@@ -134,7 +147,7 @@ class ModelArchConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""
-        elt = torch.empty((), dtype=dtype).element_size()
+        elt = dtype.itemsize
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
 
 
@@ -345,7 +358,7 @@ class EngineConfig:
         None, "weight-only quantization of a float checkpoint: `int8` (native: Q8_0 blocks, a scale per 32 "
         "weights, packed as a GGUF file's are; torch: per output channel) or `int4` (native only: Q4_1 blocks); "
         "GGUF files keep their own types")
-    # PD disaggregation (pdserve.disagg)
+    # PD disaggregation (pdserve.kv_transfer)
     kv_role: str = option("both", "PD disaggregation role: `both` (colocated), `prefill` or `decode` (`--role` on "
                           "`serve`)")
     kv_connector: str = option(
@@ -364,7 +377,7 @@ class EngineConfig:
         "`loopback` without a secret, any signed peer with one")
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        dtype_name(self.dtype)
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8, int4 or unset, got {self.quantization!r}")
         if self.device not in DEVICES:
@@ -411,9 +424,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """On cuda `auto` is bfloat16 (tensor cores); on cpu it depends on the CPU (parse_dtype)."""
-        if self.device == "cuda" and self.dtype == "auto":
-            return torch.bfloat16
-        return parse_dtype(self.dtype)
+        return parse_dtype("bfloat16" if self.device == "cuda" and self.dtype == "auto" else self.dtype)
 
     @classmethod
     def option_names(cls) -> list[str]:

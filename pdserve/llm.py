@@ -12,6 +12,7 @@ from pdserve.model.loader import LoadedModel
 from pdserve.outputs import RequestOutput
 from pdserve.roofline import resolve_device_peaks
 from pdserve.sampling_params import SamplingParams
+from pdserve.server.chat_template import render_chat
 
 ChatMessages = list[dict[str, Any]]
 
@@ -75,5 +76,5 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = cast("list[ChatMessages]", [messages] if messages and isinstance(messages[0], dict) else list(messages))
-        prompts: list[PromptType] = [self.engine.encode_chat(c, add_generation_prompt) for c in convs]
+        prompts: list[PromptType] = [render_chat(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params)

@@ -112,3 +112,8 @@ class RequestOutput:
     # per prompt token (first: None), when SamplingParams.prompt_logprobs is set; complete from the first token on
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None  # a pooling (embedding) request's vector, once finished
+    # PD disaggregation: the prefill side's hand-off params for the router (`do_remote_prefill`...), or the decode
+    # side's pull stats; None without a hand-off
+    kv_transfer_result: dict[str, Any] | None = None
+    num_draft_tokens: int = 0  # speculative decoding: this request's drafts verified, and of those accepted
+    num_accepted_tokens: int = 0

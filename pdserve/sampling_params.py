@@ -160,7 +160,7 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              "prompt_logprobs must be in [0, 20]"),
-            # sample j of n is seeded with seed + j (LLMEngine.make_requests): all of them must be valid seeds
+            # sample j of n is seeded with seed + j (InputProcessor.make_requests): all of them must be valid seeds
             (self.seed is None or SEED_MIN <= self.seed and self.seed + self.n - 1 <= SEED_MAX, "seed",
              f"seed must be in [{SEED_MIN}, {SEED_MAX}] (seed + n - 1 too)"),
         ]

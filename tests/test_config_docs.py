@@ -29,6 +29,30 @@ def readme_table() -> dict[str, str]:
     return rows
 
 
+def option_rows() -> list[tuple[int, str, list[str]]]:
+    """(line number, row, option names) of every README table row whose first cell names an engine option,
+    wherever it stands: the options table, or a stray copy of some of its rows."""
+    names = set(EngineConfig.option_names())
+    rows = []
+    for n, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("|"):
+            first = line.strip("|").split(" | ")[0]
+            if found := [x for x in re.findall(r"`([a-z_]+)`", first) if x in names]:
+                rows.append((n, line, found))
+    return rows
+
+
+def test_readme_names_each_option_in_one_row_of_the_generated_table() -> None:
+    """No duplicate rows, and none that says something else than the fields (e.g. an old copy after the table)."""
+    generated = set(EngineConfig.options_table().splitlines())
+    seen: dict[str, int] = {}
+    for n, line, found in option_rows():
+        assert line in generated, f"README.md:{n} contradicts EngineConfig's help: {line[:100]}; {REGENERATE}"
+        for name in found:
+            assert name not in seen, f"README.md:{n} repeats option {name} (first at line {seen[name]})"
+            seen[name] = n
+
+
 def test_every_field_has_help() -> None:
     for f in dataclasses.fields(EngineConfig):
         text = f.metadata.get("help")

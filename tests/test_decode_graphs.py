@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.model.decode_graphs import capture_sizes
-from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput
+from pdserve.model.inputs import ScheduledRequest, SchedulerOutput
 from pdserve.model.runner import ModelRunner
 
 from conftest import loaded_from_hf
@@ -35,8 +35,7 @@ def _runner(tiny_hf_model: Any, backend: str) -> ModelRunner:
 
 def _sched(reqs: list[ScheduledRequest], decode: bool) -> SchedulerOutput:
     n = sum(r.num_scheduled_tokens for r in reqs)
-    return SchedulerOutput(reqs, num_prefill_tokens=0 if decode else n, num_decode_tokens=len(reqs) if decode else 0,
-                           sampling_metadata=SamplingMetadata.greedy_rows(len(reqs)))
+    return SchedulerOutput(reqs, num_prefill_tokens=0 if decode else n, num_decodes=len(reqs) if decode else 0)
 
 
 def _plain_logits(runner: ModelRunner, sched: SchedulerOutput) -> torch.Tensor:
@@ -57,7 +56,7 @@ def test_padded_decode_equals_plain_path(tiny_hf_model: Any, backend: str) -> No
     prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     pre = _sched([ScheduledRequest(str(i), p, 0, t, True) for i, (p, t) in enumerate(zip(prompts, tables))], False)
     assert not graphs.can_run(pre)
-    first = runner.execute(pre).token_ids
+    first = runner.greedy_step(pre)
     for n, padded in [(3, 4), (1, 1), (5, 6), (6, 6)]:  # sizes 1, 2, 4, 6 (max_num_seqs: the last)
         reqs = []
         for i in range(n):
@@ -74,7 +73,7 @@ def test_padded_decode_equals_plain_path(tiny_hf_model: Any, backend: str) -> No
         changed = (runner.kv_cache != before).flatten(3).any(-1).any(0).any(0)  # [blocks, slots]: rewritten
         # the real rows rewrote their own slot with the same values; only the scratch block may change
         assert not changed[:runner.num_blocks].any()
-        assert runner.execute(sched).token_ids == want.argmax(-1).tolist()
+        assert runner.greedy_step(sched) == want.argmax(-1).tolist()
     scratch = runner.kv_cache[:, :, runner.num_blocks]
     assert scratch.abs().sum() > 0  # padding rows wrote there
     assert runner.kv_cache[:, :, 0].abs().sum() == 0  # block 0 (unused) never written: padding avoids it
@@ -87,7 +86,7 @@ def test_steps_the_graphs_do_not_serve(tiny_hf_model: Any) -> None:
     dec = ScheduledRequest("a", [5], 4, [1], True)
     assert graphs.can_run(_sched([dec], True))
     spec = _sched([ScheduledRequest("a", [5, 6, 7], 4, [1], True, num_draft_tokens=2)], True)
-    spec.num_spec_decodes, spec.num_decode_tokens = 1, 0
+    spec.num_spec_decodes, spec.num_decodes = 1, 0
     assert not graphs.can_run(spec)
     assert not graphs.can_run(_sched([ScheduledRequest(str(i), [5], 4, [i], True) for i in range(7)], True))
     long_table = ScheduledRequest("b", [5], 300, list(range(20)), True)  # past max_model_len's table width

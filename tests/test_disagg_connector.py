@@ -28,7 +28,7 @@ PROMPTS = [
 
 def _nixl_available() -> bool:
     try:
-        from pdserve.disagg.nixl_connector import import_nixl
+        from pdserve.kv_transfer.nixl_connector import import_nixl
 
         import_nixl()
         return True
@@ -208,7 +208,7 @@ def test_mismatched_prompt_is_not_pulled(make_engine: Callable[..., LLMEngine]) 
 
 
 def test_router_pool_picks_least_loaded_with_round_robin_ties() -> None:
-    from pdserve.disagg.router import Instance, Pool
+    from pdserve.router.pool import Instance, Pool
 
     a, b, c = Instance("a", "decode"), Instance("b", "decode"), Instance("c", "decode")
     pool = Pool("decode", [a, b, c])
@@ -222,17 +222,22 @@ def test_router_pool_picks_least_loaded_with_round_robin_ties() -> None:
 
 
 def test_prefill_pool_has_no_last_resort() -> None:
-    from pdserve.disagg.router import Instance, Pool
+    from pdserve.router.pool import Instance, Pool
 
     a = Instance("a", "prefill", healthy=False)
     assert Pool("prefill", [a], last_resort=False).pick() is None  # the decode instance computes the prompt
     assert Pool("decode", [a]).pick() is a
 
 
-# ---- trust: who may hand KV over (pdserve/disagg/trust.py) -------------------------------------------------
+# ---- trust: who may hand KV over (pdserve/kv_transfer/trust.py) -------------------------------------------------
 def test_verify_kv_transfer_params() -> None:
-    from pdserve.disagg.trust import KVTransferTrust, PeerAllowList, sign_kv_transfer_params, verify_kv_transfer_params
     from pdserve.errors import ErrorCode, RequestRejected
+    from pdserve.kv_transfer.trust import (
+        KVTransferTrust,
+        PeerAllowList,
+        sign_kv_transfer_params,
+        verify_kv_transfer_params,
+    )
 
     p = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r",
          "remote_block_ids": [0, 1], "prompt_hash": "你好"}
@@ -291,7 +296,7 @@ class ConnectRecorder:
 
 
 def test_secret_refuses_unsigned_params_without_connecting(make_engine: Callable[..., LLMEngine]) -> None:
-    from pdserve.disagg.trust import sign_kv_transfer_params
+    from pdserve.kv_transfer.trust import sign_kv_transfer_params
 
     pre = make_engine(kv_role="prefill", kv_transfer_secret="s3cret")
     dec = make_engine(kv_role="decode", kv_transfer_secret="s3cret")
@@ -328,7 +333,7 @@ def test_secret_refuses_unsigned_params_without_connecting(make_engine: Callable
 def test_peer_that_never_answers_fails_fast(make_engine: Callable[..., LLMEngine]) -> None:
     """A peer that accepts TCP but never speaks ZeroMQ fails the pull within the connect timeout, not the whole
     kv_transfer_timeout, so it cannot hold a loader thread."""
-    from pdserve.disagg.zmq_connector import CONNECT_TIMEOUT_S
+    from pdserve.kv_transfer.zmq_connector import CONNECT_TIMEOUT_S
 
     dec = make_engine(kv_role="decode", kv_transfer_timeout=30.0)
     rec = ConnectRecorder()

@@ -57,7 +57,7 @@ def test_each_cause_from_a_constructed_step_log() -> None:
         elif k == 9:
             grammar = 0.03
         log.append(end - 0.01, end, "mixed" if chunks else "decode", 1, chunks, (), grammar, 0.0, 0.008)
-    ex = RequestExplainer(log).explain(req)
+    ex = RequestExplainer(log).explain(req.request_id, req.times, "length")
     assert ex["itl_median_s"] == pytest.approx(0.01)
     stalls = {s["token_index"]: s for s in ex["stalls"]}
     assert sorted(stalls) == [3, 5, 7, 9]
@@ -76,7 +76,8 @@ def test_a_ring_that_no_longer_reaches_the_request_says_so() -> None:
     log = StepLog(size=2)
     for i in range(5):
         log.append(i, i + 1.0, "decode", 1, (), (), 0.0, 0.0, 0.5)
-    ex = RequestExplainer(log, StallThreshold(seconds=0.5)).explain(_decoding_request([1.0, 2.0, 3.0, 5.0]))
+    req = _decoding_request([1.0, 2.0, 3.0, 5.0])
+    ex = RequestExplainer(log, StallThreshold(seconds=0.5)).explain(req.request_id, req.times)
     assert ex["steps_dropped"] is True
     assert [s["token_index"] for s in ex["stalls"]] == [1, 2, 3]
 
@@ -108,7 +109,7 @@ def test_another_requests_prefill_chunk_in_a_decode_step_is_named(make_llm: Any)
         if a_running and before < b.num_prompt_tokens:
             chunk_steps.append(b.num_computed_tokens - before)
     assert chunk_steps == [63, 63, 24]  # a 64-token budget less A's decode
-    ex = RequestExplainer(eng.step_log, StallThreshold(seconds=1e-9)).explain(a)
+    ex = RequestExplainer(eng.step_log, StallThreshold(seconds=1e-9)).explain(a.request_id, a.times)
     named = [(c["request_id"], c["tokens"]) for s in ex["stalls"] for c in s["causes"]
              if c["cause"] == "prefill_chunk"]
     assert ("B", chunk_steps[0]) in named

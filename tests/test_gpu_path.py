@@ -13,7 +13,7 @@ from test_spec_decode import alphabet_model  # noqa: F401  (fixture)
 from pdserve.config import EngineConfig
 from pdserve.kernels import resolve_kernels
 from pdserve.model.device import kv_cache_budget, resolve_device
-from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput
+from pdserve.model.inputs import ScheduledRequest, SchedulerOutput
 from pdserve.model.runner import ModelRunner
 from pdserve.roofline.devices import DEVICE_PRESETS
 from pdserve.roofline.peaks import gpu_preset
@@ -94,19 +94,17 @@ def test_runner_with_explicit_device_matches_default(tiny_hf_model: Any, backend
     assert a.kv_cache.shape[2] == 65  # 64 blocks + the scratch block
     assert all(p.device == a.device for p in a.model.parameters())
     steps = [SchedulerOutput([ScheduledRequest("x", list(range(5, 45)), 0, [3, 7, 1], True),
-                              ScheduledRequest("y", list(range(9, 20)), 0, [2], True)], num_prefill_tokens=51,
-                             sampling_metadata=SamplingMetadata.greedy_rows(2)),
+                              ScheduledRequest("y", list(range(9, 20)), 0, [2], True)], num_prefill_tokens=51),
              SchedulerOutput([ScheduledRequest("y", [21], 11, [2], True),
                               ScheduledRequest("x", list(range(45, 60)), 40, [3, 7, 1, 9], True)],
-                             num_prefill_tokens=15, num_decode_tokens=1,
-                             sampling_metadata=SamplingMetadata.greedy_rows(2))]
+                             num_prefill_tokens=15, num_decodes=1)]
     for sched in steps:
         ia, ib = a.prepare(sched), b.prepare(sched)
         with torch.inference_mode():
             ha = a.model(ia.input_ids, ia.positions, a.kv_cache, ia.meta)
             hb = b.model(ib.input_ids, ib.positions, b.kv_cache, ib.meta)
         torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-5)
-        assert a.execute(sched).token_ids == b.execute(sched).token_ids
+        assert a.greedy_step(sched) == b.greedy_step(sched)
 
 
 def test_profile_step_runs_on_cpu(tiny_hf_model: Any) -> None:
@@ -128,7 +126,7 @@ def test_quantization_and_native_kernels_are_cpu_only(tiny_hf_model: Any) -> Non
 def test_nixl_memory_type_follows_the_cache_device() -> None:
     """NIXL registration and descriptors: VRAM with the GPU index for a cuda cache, DRAM for a host cache (no NIXL
     needed to decide)."""
-    from pdserve.disagg.nixl_connector import nixl_memory
+    from pdserve.kv_transfer.nixl_connector import nixl_memory
 
     assert nixl_memory(torch.zeros(2, 3).device) == ("DRAM", 0)
     assert nixl_memory(torch.device("cuda", 1)) == ("VRAM", 1)  # a device object needs no GPU

@@ -39,7 +39,10 @@ def server(tiny_hf_model: Any, tokenizer: Any, tmp_path_factory: pytest.TempPath
     app = create_app(engine, ServerConfig(served_model_name="tiny", api_key=KEY, explain_itl_threshold="1e-9",
                                           profiler_dir=str(prof_dir)))
     exporter = otel.InMemorySpanExporter()
-    app.state.engine.tracer = RequestTracer(None, "tiny", exporter=exporter)
+    tracer = RequestTracer(None, "tiny", exporter=exporter)
+    served = app.state.registry.default()
+    for serving in (served.serving_completion, served.serving_chat, served.serving_embedding):
+        serving.tracer = tracer
     base, stop = serve_app(app)
     yield base, exporter, prof_dir
     stop()

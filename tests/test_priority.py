@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from pdserve import SamplingParams
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.config import EngineConfig
+from pdserve.engine.client import EngineClient
 from pdserve.engine.engine import LLMEngine
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.server.async_engine import AsyncEngine
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
@@ -114,7 +114,7 @@ def test_priority_field_through_the_serving_layer(tiny_hf_model: Any, tokenizer:
     engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, device_peaks="off",
                                     scheduling_policy=policy), model=loaded_from_hf(tiny_hf_model),
                        tokenizer=tokenizer)
-    ae = AsyncEngine(engine)
+    ae = EngineClient(engine)
     ae.start()
     try:
         comp, chat = OpenAIServingCompletion(ae, "tiny"), OpenAIServingChat(ae, "tiny")

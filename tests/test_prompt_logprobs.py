@@ -98,11 +98,11 @@ def test_serving_layer_format_and_errors(tiny_hf_model: Any, tokenizer: Any) -> 
     import asyncio
     import time
 
+    from pdserve.api.errors import APIError
+    from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
     from pdserve.config import EngineConfig
+    from pdserve.engine.client import EngineClient
     from pdserve.engine.engine import LLMEngine
-    from pdserve.server.async_engine import AsyncEngine
-    from pdserve.server.errors import APIError
-    from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
     from pdserve.server.serving import RequestContext
     from pdserve.server.serving_chat import OpenAIServingChat
     from pdserve.server.serving_completion import OpenAIServingCompletion
@@ -111,7 +111,7 @@ def test_serving_layer_format_and_errors(tiny_hf_model: Any, tokenizer: Any) -> 
 
     engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, device_peaks="off"),
                        model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
-    ae = AsyncEngine(engine)
+    ae = EngineClient(engine)
     ae.start()
     comp, chat = OpenAIServingCompletion(ae, "tiny"), OpenAIServingChat(ae, "tiny")
     prompt = "评分 this prompt, please"

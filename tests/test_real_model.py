@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
+from pdserve.server.chat_template import render_chat
 
 from conftest import hf_greedy
 
@@ -42,7 +43,7 @@ def _prompts(llm: Any) -> list[list[int]]:
     texts = ["The capital of France is", "def fibonacci(n):", "请用三句话介绍一下杭州。", "I love 🍕 and 寿司 because",
              long_text]
     ids = [tok.encode(t) for t in texts]
-    ids.insert(2, llm.engine.encode_chat([{"role": "user", "content": "What is 2+2? Answer briefly."}])[
+    ids.insert(2, render_chat(llm.get_tokenizer(), [{"role": "user", "content": "What is 2+2? Answer briefly."}])[
         "prompt_token_ids"])
     assert len(ids[-1]) > 1000
     return ids

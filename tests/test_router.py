@@ -17,9 +17,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.disagg.router import create_router_app
-from pdserve.disagg.router_serving import RouterConfig, RouterServing
 from pdserve.errors import ErrorCode
+from pdserve.router.app import create_router_app
+from pdserve.router.serving import RouterConfig, RouterServing
 
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "prefill-x", "remote_block_ids": [1, 2],
           "remote_request_id": "r1", "remote_host": "10.0.0.1", "remote_port": 5600}
@@ -296,6 +296,29 @@ def test_non_streaming_retry_and_upstream_4xx() -> None:
     assert len(good.bodies) == 1  # the rejected requests never reached a decode instance
 
 
+@pytest.mark.parametrize("message", ["提示太长了", "bad \ud800 text"])
+def test_error_events_are_utf8_as_the_servers(message: str) -> None:
+    """The router's SSE events are written by the server's helper (pdserve.api.sse): Chinese goes out as UTF-8
+    characters, not \\u escapes; a lone surrogate in an instance's message is escaped so the event still encodes."""
+    async def rejects(_: dict[str, Any]) -> httpx.Response:
+        content = json.dumps(error("invalid_prompt", message)).encode()  # ASCII JSON carries the surrogate
+        return httpx.Response(400, content=content, headers={"content-type": "application/json"})
+
+    srv = serving([Fake("http://p:1", rejects)], [Fake("http://d:1")])
+
+    async def go() -> list[str]:
+        await srv.start(poll=False)
+        try:
+            return [ev async for ev in srv.stream("/v1/completions", BODY, {})]
+        finally:
+            await srv.close()
+
+    raw = asyncio.run(go())
+    raw[0].encode("utf-8")  # what StreamingResponse does with each event
+    assert events_of(raw)[0]["error"]["message"] == message
+    assert (message in raw[0]) == message.isprintable()  # readable text as it is, the surrogate escaped
+
+
 def test_router_app_routes() -> None:
     pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1")
     cfg = RouterConfig([pre.url], [dec.url], poll_interval=0.05)
@@ -315,7 +338,7 @@ def test_router_app_routes() -> None:
 
 # ---- hardening: signed hand-offs, frozen prefill instances, bad bodies ---------------------------------------
 def test_router_signs_handoff_params_and_drops_the_clients() -> None:
-    from pdserve.disagg.trust import KVTransferTrust
+    from pdserve.kv_transfer.trust import KVTransferTrust
 
     pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1")
     forged = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 80}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import make_sampling_metadata
+from pdserve.model.input_batch import InputBatch
+from pdserve.model.inputs import NewRequestData
 from pdserve.model.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from pdserve.model.sampling_metadata import SamplingMetadata
 
 PROMPT = "Once upon a time, in a land far away,"
 
@@ -93,19 +95,30 @@ def test_logprobs_match_model_distribution(make_llm: Any, tiny_hf_model: Any, to
     assert out.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in out.logprobs))
 
 
-def _req(output: list[int], prompt: list[int] | None = None, **kw: Any) -> Request:
-    r = Request("x", prompt or [0], SamplingParams(**kw), eos_token_ids={2}, max_tokens=100)
-    for t in output:
-        r.append_output_token(t)
-    return r
+def _req(output: list[int], prompt: list[int] | None = None, **kw: Any) -> NewRequestData:
+    return NewRequestData("x", prompt or [0], SamplingParams(**kw), frozenset({2}), output_token_ids=output)
+
+
+def _md(reqs: list[NewRequestData]) -> SamplingMetadata:
+    """The rows of these requests as the runner gathers them (a fresh batch: seeded generators start anew)."""
+    batch = InputBatch()
+    for i, r in enumerate(reqs):
+        batch.add(dataclasses.replace(r, req_id=f"r{i}"))
+    return batch.sampling_metadata([f"r{i}" for i in range(len(reqs))])
+
+
+def _penalties(reqs: list[NewRequestData]) -> Any:
+    pen = _md(reqs).penalties
+    assert pen is not None
+    return pen
 
 
 def test_penalties_formulae() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    apply_penalties(logits, make_sampling_metadata([_req([0, 0, 1], prompt=[2], repetition_penalty=2.0)]))
+    apply_penalties(logits, _penalties([_req([0, 0, 1], prompt=[2], repetition_penalty=2.0)]))
     assert logits.tolist() == [[1.0, -4.0, 0.5, 0.5]]  # seen (prompt or output): positive / 2, negative * 2
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
-    apply_penalties(logits, make_sampling_metadata([_req([0, 0, 1], frequency_penalty=0.5, presence_penalty=0.25)]))
+    apply_penalties(logits, _penalties([_req([0, 0, 1], frequency_penalty=0.5, presence_penalty=0.25)]))
     assert logits.tolist() == [[2.0 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 1.0, 0.5]]
 
 
@@ -127,12 +140,12 @@ def test_top_k_top_p_min_p_masks() -> None:
 def test_min_tokens_bans_eos_and_seeded_distribution() -> None:
     sampler = Sampler()
     logits = torch.tensor([[0.0, 0.0, 10.0, 1.0]])  # EOS (id 2) dominates
-    assert sampler(logits.clone(), make_sampling_metadata([_req([], temperature=0)])).token_ids == [2]
-    assert sampler(logits.clone(), make_sampling_metadata([_req([], temperature=0, min_tokens=1)])).token_ids == [3]
+    assert sampler(logits.clone(), _md([_req([], temperature=0)])).token_ids == [2]
+    assert sampler(logits.clone(), _md([_req([], temperature=0, min_tokens=1)])).token_ids == [3]
     # the exponential race samples from softmax(logits / T): check frequencies with a seeded generator
     logits = torch.tensor([[0.0, math.log(3.0)]])
     req = _req([], temperature=1.0, seed=0)
-    md = make_sampling_metadata([req])  # the generator is the request's: draws continue its stream
+    md = _md([req])  # the generator is the request's (in the runner's batch): draws continue its stream
     draws = [sampler(logits.clone(), md).token_ids[0] for _ in range(4000)]
     assert abs(sum(draws) / 4000 - 0.75) < 0.03
 
@@ -144,7 +157,7 @@ def test_mixed_batch_rows_keep_their_own_mode() -> None:
     logits = torch.tensor([row, [5.0, 0.0, 0.0], row, row])
     reqs = [_req([], temperature=1.0), _req([], temperature=0), _req([], temperature=1.0, seed=1),
             _req([], temperature=0.5, top_k=1)]
-    md = make_sampling_metadata(reqs)
+    md = _md(reqs)
     counts = [0, 0, 0, 0]
     for _ in range(3000):
         toks = sampler(logits.clone(), md).token_ids
@@ -196,20 +209,17 @@ def test_engine_rejects_token_ids_outside_vocab(make_llm: Any) -> None:
 
 
 def test_row_whose_sampling_raises_fails_alone() -> None:
-    """Fault injection below validation: rows the sampler cannot handle (top_k beyond int64, a banned id outside
+    """Fault injection below validation: rows the sampler cannot handle (a logit_bias id or a banned id outside
     the vocabulary) fail alone; the other rows get the tokens they get without them, seeded draws included."""
     torch.manual_seed(0)
     logits = torch.randn(5, 50) * 3
     good = [_req([], temperature=0), _req([], temperature=0.8, seed=3), _req([], temperature=0.7, top_k=5, seed=4)]
-    bad_top_k = _req([], temperature=1.0)
-    bad_top_k.sampling_params.top_k = 2**63  # what validation now refuses
+    bad_bias = _req([], temperature=1.0)
+    bad_bias.sampling_params.logit_bias = {10**6: 1.0}  # what validation refuses: an id outside the vocabulary
     bad_banned = _req([], temperature=0, min_tokens=1, stop_token_ids=[55])
-    alone = Sampler()(logits[[0, 2, 4]].clone(), make_sampling_metadata(good)).token_ids
-    for g in good:  # the same generator states again
-        if g.generator is not None:
-            g.generator.manual_seed(g.sampling_params.seed)
+    alone = Sampler()(logits[[0, 2, 4]].clone(), _md(good)).token_ids
     before = logits.clone()
-    out = Sampler()(logits, make_sampling_metadata([good[0], bad_top_k, good[1], bad_banned, good[2]]))
+    out = Sampler()(logits, _md([good[0], bad_bias, good[1], bad_banned, good[2]]))  # fresh generators again
     assert torch.equal(logits, before)  # never modified: the per-row fallback samples the original logits
     assert [out.token_ids[i] for i in (0, 2, 4)] == alone
     assert out.errors[0] is None and out.errors[2] is None and out.errors[4] is None
@@ -257,7 +267,7 @@ def test_logit_bias_steers_greedy_and_sampling(make_llm: Any) -> None:
 
 def test_logit_bias_applies_before_penalties_and_min_tokens() -> None:
     logits = torch.tensor([[0.0, 0.0, 10.0, 1.0]])
-    md = make_sampling_metadata([_req([], temperature=0, min_tokens=1, logit_bias={2: 50, 0: 20})])
+    md = _md([_req([], temperature=0, min_tokens=1, logit_bias={2: 50, 0: 20})])
     assert Sampler()(logits, md).token_ids == [0]  # EOS (2) still banned below min_tokens; 0 now wins
-    md = make_sampling_metadata([_req([0], temperature=0, frequency_penalty=2, logit_bias={0: 3, 3: 1})])
+    md = _md([_req([0], temperature=0, frequency_penalty=2, logit_bias={0: 3, 3: 1})])
     assert Sampler()(torch.tensor([[0.0, 0.0, -5.0, 0.5]]), md).token_ids == [3]  # 0+3-2 = 1 < 0.5+1

@@ -55,7 +55,7 @@ def test_decodes_scheduled_before_prefills_and_step_kinds(make_llm: Any) -> None
     b = eng.add_request(ids(100, 300), SamplingParams(max_tokens=2, ignore_eos=True))
     sched = eng.scheduler.schedule()
     assert [d.req_id for d in sched.scheduled_reqs] == [a.request_id, b.request_id]
-    assert sched.num_decode_tokens == 1 and sched.num_prefill_tokens == 31 and sched.kind == "mixed"
+    assert sched.num_decodes == 1 and sched.num_prefill_tokens == 31 and sched.kind == "mixed"
     eng.abort_request([a.request_id, b.request_id])
     drain(eng)
 
@@ -118,7 +118,7 @@ def test_failure_in_one_request_fails_only_it(make_llm: Any) -> None:
     def boom(_: Any, finished_by_engine: bool = False) -> None:
         raise RuntimeError("detokenizer exploded")
 
-    bad.detokenizer.update = boom  # type: ignore[union-attr, method-assign]
+    eng.output_processor.states[bad.request_id].detokenizer.update = boom  # type: ignore[method-assign]
     outs = drain(eng)
     failed = [o for o in outs if o.request_id == bad.request_id]
     assert failed[-1].outputs[0].finish_reason == "error" and "exploded" in failed[-1].error

@@ -28,18 +28,19 @@ def app_server(tiny_hf_model: Any, tokenizer: Any) -> Iterator[tuple[str, LLMEng
 
 
 def _poison(engine: LLMEngine, marker: str) -> None:
-    """Requests whose prompt contains `marker` blow up in postprocess (the detokenizer)."""
-    original = engine.make_request
+    """Requests whose prompt contains `marker` blow up in postprocess (their detokenizer, in the output
+    processor)."""
+    processor = engine.output_processor
+    original = processor.add_request
 
-    def make_request(prompt: Any, *args: Any, **kwargs: Any) -> Any:
-        req = original(prompt, *args, **kwargs)
-        if isinstance(prompt, str) and marker in prompt:
+    def add_request(req: Any) -> None:
+        original(req)
+        if req.prompt is not None and marker in req.prompt:
             def boom(*_: Any, **__: Any) -> None:
                 raise RuntimeError("poisoned request")
-            req.detokenizer.update = boom  # type: ignore[union-attr, method-assign]
-        return req
+            processor.states[req.request_id].detokenizer.update = boom  # type: ignore[method-assign]
 
-    engine.make_request = make_request  # type: ignore[method-assign]
+    processor.add_request = add_request  # type: ignore[method-assign]
 
 
 def test_request_failure_is_isolated(app_server: tuple[str, LLMEngine]) -> None:

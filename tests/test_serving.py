@@ -1,4 +1,4 @@
-"""The serving layer driven directly (no HTTP, no server process): a tiny in-memory model under an AsyncEngine."""
+"""The serving layer driven directly (no HTTP, no server process): a tiny in-memory model behind an EngineClient."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.config import EngineConfig
+from pdserve.engine.client import EngineClient, EngineRequest, KVSnapshot
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.request import Request as EngineRequest
-from pdserve.server.async_engine import AsyncEngine, KVSnapshot
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.serving import OpenAIServing, RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
@@ -29,10 +28,10 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def aengine(tiny_hf_model: Any, tokenizer: Any) -> Iterator[AsyncEngine]:
+def aengine(tiny_hf_model: Any, tokenizer: Any) -> Iterator[EngineClient]:
     engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=128, max_model_len=512),
                        model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
-    ae = AsyncEngine(engine, Metrics(MODEL))
+    ae = EngineClient(engine, Metrics(MODEL))
     ae.start()
     yield ae
     ae.shutdown()
@@ -70,14 +69,14 @@ async def read_sse(stream: AsyncIterator[str], on_chunk: Callable[[dict[str, Any
     return chunks
 
 
-def wait_kv_baseline(ae: AsyncEngine, timeout: float = 10.0) -> KVSnapshot:
+def wait_kv_baseline(ae: EngineClient, timeout: float = 10.0) -> KVSnapshot:
     deadline = time.monotonic() + timeout
     while (snap := ae.kv_snapshot).num_used_blocks and time.monotonic() < deadline:
         time.sleep(0.02)
     return snap
 
 
-def test_completion_n_and_prompts_collected(aengine: AsyncEngine) -> None:
+def test_completion_n_and_prompts_collected(aengine: EngineClient) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
     body = CompletionRequest(prompt=["Hello there", "Once upon"], n=2, max_tokens=4, ignore_eos=True, seed=1,
                              return_timings=True, logprobs=2)
@@ -90,7 +89,7 @@ def test_completion_n_and_prompts_collected(aengine: AsyncEngine) -> None:
     assert all(t["ttft"] > 0 for t in resp["pdserve_timings"])
 
 
-def test_chat_stream_role_chunk_comes_with_first_token(aengine: AsyncEngine) -> None:
+def test_chat_stream_role_chunk_comes_with_first_token(aengine: EngineClient) -> None:
     """Each choice's role chunk is its first chunk and goes out only once that choice has its first token."""
     serving = OpenAIServingChat(aengine, MODEL)
     reqs = capture_children(serving)
@@ -122,7 +121,7 @@ def test_chat_stream_role_chunk_comes_with_first_token(aengine: AsyncEngine) -> 
     assert wait_kv_baseline(aengine).num_used_blocks == 0
 
 
-def test_completion_stream_echo_goes_with_first_token(aengine: AsyncEngine) -> None:
+def test_completion_stream_echo_goes_with_first_token(aengine: EngineClient) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
     reqs = capture_children(serving)
     body = CompletionRequest(prompt="Hello there " * 30, max_tokens=3, ignore_eos=True, stream=True, echo=True)
@@ -143,7 +142,25 @@ def test_completion_stream_echo_goes_with_first_token(aengine: AsyncEngine) -> N
     assert firsts[0]["choices"][0]["text"].startswith("Hello there " * 30) and len(text) > len("Hello there " * 30)
 
 
-def test_rejected_and_failed_requests_carry_codes(aengine: AsyncEngine) -> None:
+def test_stream_events_carry_chinese_as_utf8(aengine: EngineClient) -> None:
+    """The server's SSE events (pdserve.api.sse, shared with the router) write Chinese as UTF-8 characters, as
+    OpenAI does, not as \\u escapes: the echoed prompt appears verbatim in the raw event."""
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    prompt = "你好，世界。请讲一个故事。"
+    body = CompletionRequest(prompt=prompt, max_tokens=2, ignore_eos=True, stream=True, echo=True)
+
+    async def run() -> list[str]:
+        stream = await serving.create_completion(body, RequestContext())
+        assert not isinstance(stream, dict)
+        return [line async for line in stream]
+
+    raw = asyncio.run(run())
+    assert prompt in raw[0] and "\\u" not in raw[0], raw[0]
+    assert json.loads(raw[0][len("data: "):])["choices"][0]["text"].startswith(prompt)
+    assert raw[-1] == "data: [DONE]\n\n"
+
+
+def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
     with pytest.raises(APIError) as e:
         asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", max_tokens=600), RequestContext()))
@@ -152,19 +169,18 @@ def test_rejected_and_failed_requests_carry_codes(aengine: AsyncEngine) -> None:
         asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", model="other"), RequestContext()))
     assert e.value.status == 404 and e.value.code == "model_not_found"
 
-    engine = aengine.engine
-    original = engine.make_request
+    processor = aengine._engine.output_processor  # fault injection: every request's detokenizer raises
+    original = processor.add_request
 
-    def poisoned(*args: Any, **kwargs: Any) -> Any:
-        req = original(*args, **kwargs)
+    def poisoned(req: Any) -> None:
+        original(req)
 
         def boom(*_: Any, **__: Any) -> None:
             raise RuntimeError("poisoned request")
 
-        req.detokenizer.update = boom  # type: ignore[union-attr, method-assign]
-        return req
+        processor.states[req.request_id].detokenizer.update = boom  # type: ignore[method-assign]
 
-    engine.make_request = poisoned  # type: ignore[method-assign]
+    processor.add_request = poisoned  # type: ignore[method-assign]
     try:
         with pytest.raises(APIError) as e:
             asyncio.run(serving.create_completion(CompletionRequest(prompt="hi", max_tokens=3), RequestContext()))
@@ -178,11 +194,11 @@ def test_rejected_and_failed_requests_carry_codes(aengine: AsyncEngine) -> None:
 
         assert [c["error"]["code"] for c in asyncio.run(stream())] == ["postprocess_failed"]
     finally:
-        engine.make_request = original  # type: ignore[method-assign]
+        processor.add_request = original  # type: ignore[method-assign]
     assert wait_kv_baseline(aengine).num_used_blocks == 0
 
 
-def test_client_gone_while_collecting_aborts(aengine: AsyncEngine) -> None:
+def test_client_gone_while_collecting_aborts(aengine: EngineClient) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
 
     async def gone() -> bool:
@@ -202,7 +218,7 @@ def test_client_gone_while_collecting_aborts(aengine: AsyncEngine) -> None:
         snap.num_used_blocks = 1  # type: ignore[misc]
 
 
-def test_admission_is_all_or_none_before_the_response(aengine: AsyncEngine) -> None:
+def test_admission_is_all_or_none_before_the_response(aengine: EngineClient) -> None:
     """A request whose children do not all fit the waiting queue is a 429 raised before any stream starts, and
     none of its children is left in the engine (no orphan holds KV blocks)."""
     serving = OpenAIServingCompletion(aengine, MODEL)
@@ -219,7 +235,7 @@ def test_admission_is_all_or_none_before_the_response(aengine: AsyncEngine) -> N
     assert wait_kv_baseline(aengine).num_used_blocks == 0
 
 
-def test_aborts_write_a_log_line_and_unread_streams_abort(aengine: AsyncEngine,
+def test_aborts_write_a_log_line_and_unread_streams_abort(aengine: EngineClient,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
 

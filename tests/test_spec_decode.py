@@ -17,10 +17,12 @@ import torch
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig, SpeculativeConfig
 from pdserve.engine.spec_decode import SpecDecodeStats
-from pdserve.engine.spec_decode.ngram import NgramIndex, propose_ngram
-from pdserve.model.inputs import SamplingMetadata
+from pdserve.model.input_batch import InputBatch
+from pdserve.model.inputs import NewRequestData
 from pdserve.model.sampler import Sampler
-from pdserve.model.spec_sampler import expand_metadata
+from pdserve.model.sampling_metadata import SamplingMetadata
+from pdserve.model.spec.ngram import NgramIndex, propose_ngram
+from pdserve.model.spec.rejection_sampler import RejectionSampler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # engine tests: every proposer, drafting whatever it finds (the auto policy's choices depend on measured step times;
@@ -101,49 +103,35 @@ def test_cli_flag() -> None:
 
 
 # ---- verification on synthetic logits ------------------------------------------------------------------------------
-def _md(n: int, drafts: list[int], temperature: float, **kw: Any) -> SamplingMetadata:
-    md = SamplingMetadata()
-    for _ in range(n):
-        md.temperature.append(temperature)
-        md.greedy.append(temperature == 0)
-        md.top_k.append(kw.get("top_k", 0))
-        md.top_p.append(1.0)
-        md.min_p.append(0.0)
-        md.repetition_penalty.append(1.0)
-        md.presence_penalty.append(kw.get("presence_penalty", 0.0))
-        md.frequency_penalty.append(0.0)
-        md.generators.append(None)
-        md.num_logprobs.append(kw.get("logprobs"))
-        md.banned_token_ids.append(kw.get("banned", []))
-        md.banned_positions.append(kw.get("banned_positions", 0))
-        md.prompt_token_ids.append([0])
-        md.output_token_ids.append([])
-        md.logit_bias.append(None)
-        md.token_bitmask.append(None)
-        md.draft_token_ids.append(list(drafts))
-    return md
+def _md(n: int, drafts: list[int] | list[list[int]], temperature: float, seeds: list[int | None] | None = None,
+        outputs: list[list[int]] | None = None, **kw: Any) -> SamplingMetadata:
+    """n requests' rows as the runner gathers them (drafts: the same for each, or one list per request)."""
+    batch = InputBatch()
+    per = drafts if drafts and isinstance(drafts[0], list) else [list(drafts)] * n
+    for i in range(n):
+        params = SamplingParams(temperature=temperature, seed=(seeds or [None] * n)[i], **kw)
+        batch.add(NewRequestData(f"r{i}", [0], params, frozenset({2}),
+                                 output_token_ids=(outputs or [[]] * n)[i]))
+    return batch.sampling_metadata([f"r{i}" for i in range(n)], per)  # type: ignore[arg-type]
 
 
 def test_greedy_verification() -> None:
     logits = torch.tensor([[0, 5, 0, 0], [0, 0, 5, 0], [5, 0, 0, 0], [0, 0, 0, 5.0]])
     # argmax per position: 1, 2, 0, 3; drafts 1, 2, 3 -> accept two, then the correction 0
-    out = Sampler()(logits, _md(1, [1, 2, 3], 0.0, logprobs=1))
+    out = RejectionSampler()(logits, _md(1, [1, 2, 3], 0.0, logprobs=1))
     assert [out.token_ids[0], *out.extra_token_ids[0]] == [1, 2, 0]
     assert len(out.extra_logprobs[0]) == 2 and out.extra_logprobs[0][1].token_id == 0  # type: ignore[union-attr]
-    out = Sampler()(logits, _md(1, [1, 2, 0], 0.0))
+    out = RejectionSampler()(logits, _md(1, [1, 2, 0], 0.0))
     assert [out.token_ids[0], *out.extra_token_ids[0]] == [1, 2, 0, 3]  # all accepted + bonus
-    out = Sampler()(logits, _md(1, [3, 2, 0], 0.0))
+    out = RejectionSampler()(logits, _md(1, [3, 2, 0], 0.0))
     assert [out.token_ids[0], *out.extra_token_ids[0]] == [1]
 
 
-def test_expanded_rows_see_drafts_as_output() -> None:
-    md = _md(1, [7, 8], 1.0, banned=[2], banned_positions=1)
-    md.output_token_ids[0] = [5]
-    emd, starts = expand_metadata(md)
-    assert starts == [0] and emd.num_rows == 3
-    assert emd.output_token_ids == [[5], [5, 7], [5, 7, 8]]
-    assert emd.banned_token_ids == [[2], [], []]  # min_tokens reached after the first position
-    assert emd.draft_token_ids == [[], [], []]
+def test_draft_rows_see_drafts_as_output() -> None:
+    md = _md(1, [7, 8], 1.0, outputs=[[5]], min_tokens=2, presence_penalty=0.5)
+    assert md.spec is not None and md.spec.starts == [0] and md.num_rows == 3
+    assert md.penalties is not None and md.penalties.output_token_ids == [[5], [5, 7], [5, 7, 8]]
+    assert md.banned == [(0, [2])]  # min_tokens reached after the first position: EOS free from row 1 on
 
 
 def test_rejection_sampling_keeps_the_target_distribution() -> None:
@@ -154,7 +142,7 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
     p1 = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.6])
     p2 = torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0])
     logits = torch.stack([p0, p1, p2]).clamp_min(1e-30).log().repeat(n, 1)
-    out = Sampler()(logits, _md(n, [0, 3], 1.0))
+    out = RejectionSampler()(logits, _md(n, [0, 3], 1.0))
     first = Counter(out.token_ids)
     second = Counter(e[0] for t, e in zip(out.token_ids, out.extra_token_ids) if t == 0)
     third = Counter(e[1] for t, e in zip(out.token_ids, out.extra_token_ids) if t == 0 and e[0] == 3)
@@ -171,13 +159,9 @@ def test_rows_without_drafts_sample_as_plain_rows() -> None:
     """A seeded row without drafts in a batch with speculating rows draws exactly what it draws alone."""
     torch.manual_seed(1)
     logits = torch.randn(4, 50)
-    md = _md(2, [], 0.8)
-    md.draft_token_ids[1] = [3, 4]
-    md.generators[0] = torch.Generator().manual_seed(7)
-    plain = _md(1, [], 0.8)
-    plain.draft_token_ids = []
-    plain.generators[0] = torch.Generator().manual_seed(7)
-    mixed = Sampler()(logits, md)
+    md = _md(2, [[], [3, 4]], 0.8, seeds=[7, None])
+    plain = _md(1, [], 0.8, seeds=[7])
+    mixed = RejectionSampler()(logits, md)
     alone = Sampler()(logits[:1], plain)
     assert mixed.token_ids[0] == alone.token_ids[0] and mixed.extra_token_ids[0] == []
 
@@ -186,11 +170,11 @@ def test_row_whose_verification_raises_fails_alone() -> None:
     """The per-row fallback slices each row's 1 + k logits rows: a failing row fails alone, the speculating rows
     around it keep what they verify alone."""
     logits = torch.tensor([[0, 5, 0, 0], [0, 0, 5, 0], [0, 0, 0, 5.0], [5, 0, 0, 0], [0, 5, 0, 0], [0, 0, 5, 0]])
-    md = _md(3, [], 0.0)
-    md.draft_token_ids[0] = [1]  # logits rows 0, 1: accept 1, bonus argmax(row 1) = 2
-    md.banned_token_ids[1], md.banned_positions[1] = [99], 1  # row 2: a banned id outside the vocabulary
-    md.draft_token_ids[2] = [1, 0]  # rows 3..5: argmax 0 != 1, correction 0
-    out = Sampler()(logits, md)
+    # rows 0, 1: accept 1, bonus argmax(row 1) = 2; row 2: a banned id outside the vocabulary; rows 3..5: argmax
+    # 0 != 1, correction 0
+    md = _md(3, [[1], [], [1, 0]], 0.0)
+    md.banned = [(2, [99])]
+    out = RejectionSampler()(logits, md)
     assert out.errors[0] is None and out.errors[1] and out.errors[2] is None
     assert (out.token_ids, out.extra_token_ids) == ([1, -1, 0], [[2], [], []])
 
@@ -477,10 +461,11 @@ def test_structured_output_is_not_speculated(make_llm: Any, tokenizer: Any) -> N
     llm = make_llm(speculative_config=METHODS["ngram"])
     eng = llm.engine
     reqs = [eng.add_request({"prompt_token_ids": rep}, p, f"s{i}") for i, p in enumerate(params)]
+    finals = {}
     while eng.has_unfinished_requests():
-        eng.step()
+        finals.update({o.request_id: o for o in eng.step().outputs if o.finished})
     assert reqs[0].num_draft_tokens == 0 and reqs[1].num_draft_tokens > 0
     assert reqs[0].output_token_ids == want[0].outputs[0].token_ids
     assert reqs[1].output_token_ids == want[1].outputs[0].token_ids
-    assert re.fullmatch(r"\d{3}-[a-z]{2,4}", reqs[0].detokenizer.output_text)
+    assert re.fullmatch(r"\d{3}-[a-z]{2,4}", finals["s0"].outputs[0].text)
     assert eng.block_manager.is_at_baseline()

@@ -28,8 +28,8 @@ from test_spec_decode import GREEDY, _chi2_ok, _repetitive, _run, _texts
 
 from pdserve import SamplingParams
 from pdserve.config import EngineConfig, SpeculativeConfig
-from pdserve.engine.block_manager import BlockManager
 from pdserve.launch import ServerProc, start_server
+from pdserve.model.spec.draft_model import DraftKVPool, DraftModelProposer
 
 # the same target model, LLM factory and kernel paths as test_spec_decode (its fixtures, not copies)
 alphabet_model = test_spec_decode.alphabet_model
@@ -61,15 +61,15 @@ def _spec(path: str, k: int = 4, **extra: Any) -> dict[str, Any]:
     return {"method": "draft_model", "model": path, "num_speculative_tokens": k, **extra}
 
 
-def _draft_pool(llm: Any) -> BlockManager:
-    pool: BlockManager = llm.engine.spec.proposer.block_manager
-    return pool
+def _drafter(llm: Any) -> DraftModelProposer:
+    drafter: DraftModelProposer = llm.engine.runner.drafter  # the target runner's drafter
+    return drafter
 
 
 def _at_baseline(llm: Any) -> bool:
-    pool = _draft_pool(llm)
+    pool = _drafter(llm).pool
     pool.check_integrity()
-    return pool.is_at_baseline() and not llm.engine.spec.proposer.seqs
+    return pool.is_at_baseline() and not _drafter(llm).seqs
 
 
 # ---- config --------------------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def test_draft_equal_to_target_accepts_everything(make_llm: Any, tokenizer: Any,
     assert _run(spec, prompts, GREEDY) == want
     stats = spec.engine.spec.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
-    assert spec.engine.spec.proposer.num_fallbacks == 0
+    assert _drafter(spec).num_fallbacks == 0
     assert _at_baseline(spec)
 
 
@@ -173,9 +173,10 @@ def test_greedy_equal_under_preemption(make_llm: Any, tokenizer: Any, drafts: di
 
 def test_draft_pool_follows_its_requests(make_llm: Any, tokenizer: Any, drafts: dict[str, str]) -> None:
     """After every step each request's draft blocks cover exactly the tokens the draft computed (rejected drafts'
-    blocks freed), never more than the request's tokens less its newest; abort frees everything."""
+    blocks freed): the request's tokens less its newest, or, with proposals pending for its next step, all its
+    tokens and all but the last of those drafts; abort frees everything."""
     llm = make_llm(speculative_config=_spec(drafts["perturbed"]), num_kv_blocks=64)
-    eng, pool = llm.engine, _draft_pool(llm)
+    eng, pool = llm.engine, _drafter(llm).pool
     rep = _repetitive(make_llm(), tokenizer)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     reqs = [eng.add_request({"prompt_token_ids": rep[:40 + 7 * i]}, params, f"r{i}") for i in range(3)]
@@ -185,10 +186,11 @@ def test_draft_pool_follows_its_requests(make_llm: Any, tokenizer: Any, drafts: 
         rejected += result.stats.num_draft_tokens - result.stats.num_accepted_tokens
         pool.check_integrity()
         for r in reqs:
-            seq = eng.spec.proposer.seqs.get(r.request_id)
+            seq = _drafter(llm).seqs.get(r.request_id)
             if seq is not None:
-                assert seq.num_drafted == 0 and seq.num_computed_tokens <= r.num_tokens - 1
-                assert len(pool.get_block_ids(r.request_id)) == pool.blocks_needed(seq.num_computed_tokens)
+                # pending proposals: the draft computed the newest token and fed back all but its last draft
+                assert seq.num_computed <= r.num_tokens - 1 + seq.num_drafted
+                assert len(pool.get_block_ids(r.request_id)) == pool.blocks_needed(seq.num_computed)
     assert rejected > 0 and pool.num_used_blocks > 0
     eng.abort_request([r.request_id for r in reqs])
     assert _at_baseline(llm) and eng.block_manager.is_at_baseline()
@@ -204,14 +206,14 @@ def test_catch_up_is_chunked_under_the_token_budget(make_llm: Any, tokenizer: An
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = _run(base, [prompt], params)
     spec = make_llm(max_num_batched_tokens=budget, speculative_config=_spec(drafts["same"], policy="always"))
-    runner = spec.engine.spec.proposer.runner
+    runner = _drafter(spec).runner
     per_step: list[int] = []
-    execute = runner.execute
+    greedy_step = runner.greedy_step
 
     def counting(sched: Any) -> Any:
         per_step[-1] += sum(r.num_scheduled_tokens for r in sched.scheduled_reqs)
-        return execute(sched)
-    runner.execute = counting
+        return greedy_step(sched)
+    runner.greedy_step = counting  # type: ignore[method-assign]
     drafted_steps = []
     eng = spec.engine
     eng.add_request({"prompt_token_ids": prompt}, params, "r")
@@ -235,10 +237,9 @@ def test_full_draft_pool_falls_back_without_changing_output(make_llm: Any, token
     prompts = [rep, rep[5:], rep[9:]]
     want = _run(base, prompts, GREEDY)
     spec = make_llm(speculative_config=_spec(drafts["same"]))
-    spec.engine.spec.proposer.block_manager = BlockManager(8, spec.engine.block_size, enable_prefix_caching=False)
+    _drafter(spec).pool = DraftKVPool(8, spec.engine.block_size)
     assert _run(spec, prompts, GREEDY) == want
-    proposer = spec.engine.spec.proposer
-    assert proposer.num_fallbacks > 0 and spec.engine.spec.stats.num_accepted_tokens > 0
+    assert _drafter(spec).num_fallbacks > 0 and spec.engine.spec.stats.num_accepted_tokens > 0
     assert _at_baseline(spec)
 
 

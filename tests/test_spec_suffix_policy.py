@@ -18,7 +18,8 @@ from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.spec_decode.guard import EPOCH_STEPS, MAX_INTERVAL, SpecGuard, _Bucket
 from pdserve.engine.spec_decode.overhead import DraftOverhead
 from pdserve.engine.spec_decode.policy import PROBE_ALONE, PROBE_EVERY, AcceptanceRate, SpecPolicy
-from pdserve.engine.spec_decode.suffix import SuffixProposer, SuffixTrie
+from pdserve.model.spec.proposer import DraftRequest
+from pdserve.model.spec.suffix import SuffixProposer, SuffixTrie
 
 
 def _req(rid: str, prompt: list[int]) -> Request:
@@ -89,24 +90,22 @@ def test_speculate_longest_match_most_frequent_adaptive_length() -> None:
 
 def test_proposer_uses_the_request_and_the_global_trie() -> None:
     proposer = SuffixProposer(max_tree_depth=16, max_cached_requests=2, max_spec_factor=2.0, min_token_prob=0.1)
-    first = _req("a", [1, 2, 3])
-    for t in (40, 41, 42, 43, 44):
-        first.append_output_token(t)
-    assert proposer.propose(first, 4) == []  # no repetition yet, nothing cached
-    proposer.on_finished(first)
-    second = _req("b", [7, 40, 41])  # the prompt ends like the first output began
-    assert proposer.propose(second, 4) == [42, 43, 44]
-    own = _req("c", [5, 6, 8, 9, 5, 6])
-    assert proposer.propose(own, 4) == [8, 9, 5, 6]
-    for t in (8, 9):  # incremental: the request's trie follows its new tokens
-        own.append_output_token(t)
-    assert proposer.propose(own, 2) == [5, 6]
+
+    def propose(rid: str, tokens: list[int], k: int) -> list[int]:
+        return proposer.propose([DraftRequest(rid, tokens, 0, k)], 0).get(rid, [])
+
+    first = [1, 2, 3, 40, 41, 42, 43, 44]  # prompt [1, 2, 3], then its output
+    assert propose("a", first, 4) == []  # no repetition yet, nothing cached
+    proposer.on_finished("a", first, 3)
+    assert propose("b", [7, 40, 41], 4) == [42, 43, 44]  # the prompt ends like the first output began
+    own = [5, 6, 8, 9, 5, 6]
+    assert propose("c", own, 4) == [8, 9, 5, 6]
+    own += [8, 9]  # incremental: the request's trie follows its new tokens
+    assert propose("c", own, 2) == [5, 6]
     for rid in ("d", "e"):  # LRU: two more finished requests evict the first one's output
-        done = _req(rid, [0])
-        done.append_output_token(int(rid == "d"))
-        proposer.on_finished(done)
+        proposer.on_finished(rid, [0, int(rid == "d")], 1)
     assert list(proposer.cached) == ["d", "e"]
-    assert proposer.propose(_req("f", [7, 40, 41]), 4) == []
+    assert propose("f", [7, 40, 41], 4) == []
 
 
 def test_suffix_config() -> None:

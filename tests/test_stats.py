@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from pdserve.bench.diagnose import RunStats, Thresholds, Verdict, analyze_window
-from pdserve.engine.engine import StepStats
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import StepKind
+from pdserve.engine.client import StepStats
+from pdserve.engine.request import RequestStatus
+from pdserve.model.inputs import StepKind
+from pdserve.outputs import CompletionOutput, RequestOutput, RequestTimes
 from pdserve.roofline import DeviceSpec
-from pdserve.sampling_params import SamplingParams
 from pdserve.server import stats as stats_mod
 from pdserve.server.stats import LiveStats, percentiles
 
@@ -25,16 +25,15 @@ class Clock:
 
 
 def finished(rid: str, arrival: float, queue: float, prefill: float, itl: float, n_out: int,
-             reason: RequestStatus = RequestStatus.FINISHED_LENGTH) -> Request:
-    req = Request(rid, [1, 2, 3, 4], SamplingParams(), set(), n_out, arrival_time=arrival)
-    t = req.times
+             reason: RequestStatus = RequestStatus.FINISHED_LENGTH) -> RequestOutput:
+    """A request's final output, as the engine client reports it."""
+    t = RequestTimes(arrival=arrival)
     t.first_scheduled = arrival + queue
     t.first_token = t.first_scheduled + prefill
     t.token_times = [t.first_token + i * itl for i in range(n_out)]
     t.finished = t.token_times[-1]
-    req.output_token_ids = [7] * n_out
-    req.status = reason
-    return req
+    comp = CompletionOutput(0, "", [7] * n_out, finish_reason=reason.finish_reason)
+    return RequestOutput(rid, None, [1, 2, 3, 4], [comp], True, t)
 
 
 def step(kind: StepKind, duration: float, prefill: int = 0, decode: int = 0, flops: float = 0.0,

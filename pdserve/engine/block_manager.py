@@ -31,7 +31,7 @@ from pdserve.engine.request import Request
 
 
 class KVSequence(Protocol):
-    """What allocation reads of a sequence: a Request, or a draft model's view of one (spec_decode/draft_model.py)."""
+    """What allocation reads of a sequence (a Request)."""
 
     request_id: str
     num_computed_tokens: int  # tokens whose K/V are in this pool

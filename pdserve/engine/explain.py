@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.request import Request
 from pdserve.engine.step_log import StepLog, StepRecord
+from pdserve.outputs import RequestTimes
 
 MAX_STALLS = 8  # the largest gaps explained per request
 MAX_CHUNKS = 16  # prefill chunks listed in a timeline (the rest summed)
@@ -52,6 +52,14 @@ class StallThreshold:
         return self.seconds if self.seconds is not None else self.factor * statistics.median(itls)
 
 
+@dataclass(frozen=True)
+class _Explained:
+    request_id: str
+    times: RequestTimes
+    finish_reason: str | None
+    kv_transfer_result: dict[str, Any] | None
+
+
 def _r(x: float) -> float:
     return round(x, 5)
 
@@ -63,8 +71,12 @@ class RequestExplainer:
         self.step_log = step_log
         self.threshold = threshold or StallThreshold()
 
-    def explain(self, req: Request) -> dict[str, Any]:
-        t = req.times
+    def explain(self, request_id: str, times: RequestTimes, finish_reason: str | None = None,
+                kv_transfer_result: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A request's timeline and stalls, from its timestamps (a RequestOutput's `metrics`), why it finished and
+        its PD hand-off (RequestOutput.kv_transfer_result)."""
+        req = _Explained(request_id, times, finish_reason, kv_transfer_result)
+        t = times
         steps, complete = self.step_log.between(t.arrival, t.finished if t.finished is not None else float("inf"))
         out: dict[str, Any] = {"timeline": self._timeline(req), "stalls": []}
         itls = t.itls
@@ -77,7 +89,7 @@ class RequestExplainer:
             out["steps_dropped"] = True  # the step ring no longer reaches this request's start: causes may be missing
         return out
 
-    def _timeline(self, req: Request) -> list[dict[str, Any]]:
+    def _timeline(self, req: _Explained) -> list[dict[str, Any]]:
         t, a = req.times, req.times.arrival
         events: list[dict[str, Any]] = [{"event": "queued", "at_s": 0.0, "duration_s": _r(t.queue_time)
                                          if t.queue_time is not None else None}]
@@ -97,10 +109,10 @@ class RequestExplainer:
             events.append({"event": "decode", "at_s": _r(t.token_times[0] - a), "tokens": len(t.token_times) - 1,
                            "duration_s": _r(t.token_times[-1] - t.token_times[0]), "tpot_s": _r(t.tpot or 0.0)})
         if t.finished is not None:
-            events.append({"event": "finished", "at_s": _r(t.finished - a), "reason": req.status.finish_reason})
+            events.append({"event": "finished", "at_s": _r(t.finished - a), "reason": req.finish_reason})
         return sorted(events, key=lambda e: float(e.get("at_s") or 0.0))
 
-    def _stall(self, req: Request, k: int, gap: float, steps: list[StepRecord]) -> dict[str, Any]:
+    def _stall(self, req: _Explained, k: int, gap: float, steps: list[StepRecord]) -> dict[str, Any]:
         """The gap between output tokens k and k+1, and its causes."""
         t0, t1 = req.times.token_times[k], req.times.token_times[k + 1]
         window = [s for s in steps if t0 < s.end <= t1]

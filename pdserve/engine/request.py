@@ -1,4 +1,5 @@
-"""A request's state: token counters, status and phase timestamps.
+"""A request's state: token counters, status and phase timestamps. Once added to the engine, only the scheduler
+writes it (engine/scheduler.py: tests/test_architecture.py checks it).
 
 Whether a step does prefill or decode work for a request follows from the counters alone:
 `num_computed_tokens < num_tokens - 1` means prompt (or recompute) tokens are still pending; a request whose
@@ -10,16 +11,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pdserve.errors import ErrorCode
 from pdserve.outputs import RequestTimes, TokenLogprobs
 from pdserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -66,12 +64,11 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.error_code: ErrorCode | None = None
-        # fan-out of one API request (n samples of several prompts): see LLMEngine.make_requests
+        # fan-out of one API request (n samples of several prompts): see InputProcessor.make_requests
         self.parent_id: str = request_id
         self.prompt_index = 0
         self.sample_index = 0
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.perf_counter())
-        self.logprobs: list[TokenLogprobs] = []  # per output token, when sampling_params.logprobs is set
         # per prompt token (the first has none: None), when sampling_params.prompt_logprobs is set; filled as the
         # prompt's chunks are computed, never twice (a preempted request recomputes without rescoring)
         self.prompt_logprobs: list[TokenLogprobs | None] = \
@@ -81,23 +78,18 @@ class Request:
         self.pooling = False
         self.pool_sum: torch.Tensor | None = None
         self.num_pooled = 0
-        self.embedding: list[float] | None = None
-        self.detokenizer: IncrementalDetokenizer | None = None
-        # PD disaggregation (pdserve.disagg): the request's `kv_transfer_params` as sent by the router, and what
+        # PD disaggregation (pdserve.kv_transfer): the request's `kv_transfer_params` as sent by the router, and what
         # the KV hand-off reports back (the prefill side's response params, or the decode side's transfer stats)
         self.kv_transfer_params: dict[str, Any] | None = None
         self.kv_transfer_result: dict[str, Any] | None = None
         # structured output: an xgrammar GrammarMatcher over the output tokens accepted so far; None: unconstrained
         self.matcher: Any = None
-        # speculative decoding (pdserve/engine/spec_decode): this step's draft tokens (set by the scheduler, cleared
-        # by postprocess), the proposer's per-sequence index, and how many drafts were proposed and accepted
+        # speculative decoding (pdserve/engine/spec_decode): the drafts proposed for its next step (by the runner's
+        # drafter; the scheduler keeps those the step takes, and clears them once verified), and how many drafts
+        # were verified and accepted in all
         self.spec_token_ids: list[int] = []
-        self.spec_index: Any = None
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

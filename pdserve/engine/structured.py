@@ -2,7 +2,7 @@
 and build the per-step token bitmask of the constrained rows.
 
 xgrammar is imported lazily, on the first constrained request: unconstrained serving never loads it. Compiling
-runs where `LLMEngine.make_requests` runs (a server worker thread), never on the engine thread, and is cached by
+runs where `InputProcessor.make_requests` runs (a server worker thread), never on the engine thread, and is cached by
 (kind, spec). A matcher's state is the output tokens it accepted; preemption recomputes those tokens' KV but never
 samples them again, so the matcher stays valid as it is.
 """

@@ -63,7 +63,7 @@ class DecodeGraphRunner:
 
     def can_run(self, sched: SchedulerOutput) -> bool:
         reqs = sched.scheduled_reqs
-        return (0 < len(reqs) == sched.num_decode_tokens <= self.sizes[-1] and sched.num_spec_decodes == 0
+        return (0 < len(reqs) == sched.num_decodes <= self.sizes[-1] and sched.num_spec_decodes == 0
                 and all(r.prompt_logprobs is None and r.pool_offset is None and len(r.block_ids) <= self.width
                         for r in reqs))
 

@@ -1,16 +1,20 @@
-"""Plain data the engine hands the model layer each step, in vLLM's vocabulary (SchedulerOutput,
-NewRequestData, SamplingMetadata).
+"""Plain data between the engine and the model layer, in vLLM's vocabulary: what a step computes
+(SchedulerOutput, ScheduledRequest, NewRequestData) and what it produced (ModelRunnerOutput).
 
-Nothing here refers to engine objects: `pdserve.model` imports nothing from `pdserve.engine`. The runner keeps no
-per-request state, so every step carries each scheduled request's block_table and the token ids it computes.
+Nothing here refers to engine objects: `pdserve.model` imports nothing from `pdserve.engine`. Every step carries
+each scheduled request's block_table and the token ids it computes; the runner keeps only what sampling and drafting
+need across steps (model/input_batch.py), from a request's first step until it finishes.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
+
+from pdserve.outputs import TokenLogprobs
+from pdserve.sampling_params import SamplingParams
 
 
 class StepKind(enum.StrEnum):
@@ -32,7 +36,7 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's block_table; covers num_computed_tokens + len(token_ids) tokens
     sample: bool  # token_ids ends at the request's newest token: sample the next one from the last row
     # speculative decoding: the last num_draft_tokens of token_ids are drafts (proposed, not yet the request's);
-    # with `sample`, the last 1 + num_draft_tokens rows are sampled (verification, model/spec_sampler.py)
+    # with `sample`, the last 1 + num_draft_tokens rows are sampled (verification, model/spec/rejection_sampler.py)
     num_draft_tokens: int = 0
     # prompt logprobs: rows prompt_logprob_offset .. + len(prompt_logprob_targets) of this chunk score those
     # targets (the next prompt token of each row), with the top `prompt_logprobs`; None: no row is scored
@@ -41,6 +45,8 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] = field(default_factory=list)
     # pooling (embeddings): sum the final hidden states of rows pool_offset .. the chunk's end; None: not pooled
     pool_offset: int | None = None
+    # speculative decoding: after this step, propose up to this many drafts for the request's next step (0: none)
+    propose_drafts: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -53,56 +59,16 @@ class ScheduledRequest:
 
 
 @dataclass
-class SamplingMetadata:
-    """Per sampled row (scheduled order), what the sampler needs. Lists alias the requests' own token lists and
-    generators: a seeded request's `torch.Generator` lives with the request, so its draws do not depend on the
-    batch."""
+class NewRequestData:
+    """A request the runner has not seen: sent once, with its first scheduled step. The runner keeps what it needs
+    (sampling options, tokens) until the request finishes (ModelRunner.finish_requests)."""
 
-    temperature: list[float] = field(default_factory=list)
-    greedy: list[bool] = field(default_factory=list)
-    top_k: list[int] = field(default_factory=list)  # 0: off
-    top_p: list[float] = field(default_factory=list)  # 1: off
-    min_p: list[float] = field(default_factory=list)  # 0: off
-    repetition_penalty: list[float] = field(default_factory=list)
-    presence_penalty: list[float] = field(default_factory=list)
-    frequency_penalty: list[float] = field(default_factory=list)
-    generators: list[torch.Generator | None] = field(default_factory=list)  # None: the global RNG
-    num_logprobs: list[int | None] = field(default_factory=list)  # None: no logprobs for the row
-    banned_token_ids: list[list[int]] = field(default_factory=list)  # masked while below min_tokens
-    prompt_token_ids: list[list[int]] = field(default_factory=list)  # for the repetition penalty
-    output_token_ids: list[list[int]] = field(default_factory=list)  # for all penalties
-    logit_bias: list[dict[int, float] | None] = field(default_factory=list)  # token id -> bias; None: none
-    # structured output: int32 [ceil(vocab / 32)], bit t set when token t is allowed next; None: unconstrained.
-    # Constrained rows' masks are views of one bitmask tensor the engine fills per step.
-    token_bitmask: list[torch.Tensor | None] = field(default_factory=list)
-    # speculative decoding: the row's draft tokens (empty: a plain row). A row with k drafts has 1 + k logits rows,
-    # position j sampled as if drafts[:j] were already output (penalties, min_tokens), and the drafts are verified
-    draft_token_ids: list[list[int]] = field(default_factory=list)
-    # how many of a row's positions (1 + drafts) banned_token_ids applies to (min_tokens not yet reached)
-    banned_positions: list[int] = field(default_factory=list)
-
-    @classmethod
-    def greedy_rows(cls, k: int) -> SamplingMetadata:
-        """k greedy rows with every option off (profiling and tests)."""
-        return cls(temperature=[0.0] * k, greedy=[True] * k, top_k=[0] * k, top_p=[1.0] * k, min_p=[0.0] * k,
-                   repetition_penalty=[1.0] * k, presence_penalty=[0.0] * k, frequency_penalty=[0.0] * k,
-                   generators=[None] * k, num_logprobs=[None] * k, banned_token_ids=[[] for _ in range(k)],
-                   prompt_token_ids=[[] for _ in range(k)], output_token_ids=[[] for _ in range(k)],
-                   logit_bias=[None] * k, token_bitmask=[None] * k, draft_token_ids=[[] for _ in range(k)],
-                   banned_positions=[0] * k)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.temperature)
-
-    def row(self, i: int) -> SamplingMetadata:
-        """Row i alone (aliasing the same lists and generator): the sampler's per-row fallback."""
-        return SamplingMetadata(**{f.name: getattr(self, f.name)[i:i + 1] for f in fields(self)})
-
-    @property
-    def no_penalties(self) -> bool:
-        return not any(r != 1 or p or f for r, p, f in zip(self.repetition_penalty, self.presence_penalty,
-                                                            self.frequency_penalty))
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]  # masked below min_tokens (unless ignore_eos)
+    constrained: bool = False  # structured output: its grammar alone decides when it may end (no min_tokens ban)
+    output_token_ids: list[int] = field(default_factory=list)  # tokens it already has
 
 
 @dataclass
@@ -113,15 +79,35 @@ class SchedulerOutput:
     scheduled_reqs: list[ScheduledRequest] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0  # also the number of decodes: the first entries of scheduled_reqs
+    num_decodes: int = 0  # decodes without drafts (one token each): the first entries of scheduled_reqs
     num_spec_decodes: int = 0  # decodes with drafts: the entries right after the plain decodes
     num_spec_tokens: int = 0  # their tokens (each 1 + its drafts)
-    sampling_metadata: SamplingMetadata = field(default_factory=SamplingMetadata)  # rows: the `sample` requests
+    new_requests: list[NewRequestData] = field(default_factory=list)  # scheduled for the first time
+    # structured output: the next-token bitmask (int32 [ceil(vocab / 32)]) of each constrained sampled request
+    token_bitmask: dict[str, torch.Tensor] = field(default_factory=dict)
+    # tokens a model drafter may compute after this step (its catch-up and draft positions): what the step's own
+    # tokens left of the token budget
+    draft_budget: int = 0
 
     @property
     def kind(self) -> StepKind:
         if not self.scheduled_reqs:
             return StepKind.IDLE
-        if self.num_prefill_tokens and (self.num_decode_tokens or self.num_spec_decodes):
+        if self.num_prefill_tokens and (self.num_decodes or self.num_spec_decodes):
             return StepKind.MIXED
         return StepKind.PREFILL if self.num_prefill_tokens else StepKind.DECODE
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step produced. Rows are the step's sampled requests (ScheduledRequest.sample), in order."""
+
+    sampled_token_ids: list[list[int]]  # per row, in order: one token, or accepted drafts then one more; []: failed
+    logprobs: list[list[TokenLogprobs | None]]  # per row, one per sampled token (None when not asked for)
+    errors: list[str | None] = field(default_factory=list)  # per row, why its sampling failed; empty: none failed
+    # request id -> the TokenLogprobs of the prompt tokens its rows scored this step (ScheduledRequest)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> float32 [hidden]: the sum of its pooled rows' final hidden states this step
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    # speculative decoding: request id -> drafts proposed for its next step (ScheduledRequest.propose_drafts)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

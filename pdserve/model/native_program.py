@@ -17,15 +17,23 @@ definition computes on the native ops.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from pdserve.model.attention import AttentionMetadata, ForwardContext
-from pdserve.model.native_ops import NativeOps, Weight
+from pdserve.model.native_ops import KernelSelection, NativeOps, Weight
 
-if TYPE_CHECKING:
-    from pdserve.model.causal_lm import CausalLM
+
+class Recordable(Protocol):
+    """What the recorder needs of a model (model/causal_lm.py's CausalLM, which imports this module)."""
+
+    @property
+    def kernels(self) -> KernelSelection: ...
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      ctx: ForwardContext) -> torch.Tensor: ...
+
 
 RECORD_TOKENS = 2  # rows of the dummy step: more than one, so that row strides are seen
 OWNED_OPS = ("rms_norm", "attention", "silu_and_mul")  # ops whose output buffer the executor allocates (slots)
@@ -222,7 +230,7 @@ class ProgramRecorder(NativeOps):
         return slot_of
 
 
-def record(model: CausalLM) -> ProgramRecorder:
+def record(model: Recordable) -> ProgramRecorder:
     """Record `model.hidden_states`; the recorder's `prog` is then the finished NativeProgram."""
     ops = model.kernels.ops
     ids = torch.zeros(RECORD_TOKENS, dtype=torch.long)
@@ -236,6 +244,6 @@ def record(model: CausalLM) -> ProgramRecorder:
     return recorder
 
 
-def record_program(model: CausalLM) -> Any:
+def record_program(model: Recordable) -> Any:
     """The NativeProgram of `model.hidden_states` (see the module docstring)."""
     return record(model).prog

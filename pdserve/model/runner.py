@@ -1,6 +1,8 @@
 """ModelRunner: owns the weights and the KV cache; turns a SchedulerOutput (plain data, pdserve/model/inputs.py)
 into batch tensors, runs the model and samples. Batch tensors (input_ids, positions, slot_mapping, block tables,
-masks) are built once per step and shared by all layers."""
+masks) are built once per step and shared by all layers. Across steps it keeps each running request's sampling
+state (input_batch.py); with speculative decoding it owns the drafter, which proposes after each step, and the
+rejection sampler that verifies drafts (model/spec)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,14 @@ from pdserve.model.architectures import build_loaded_model
 from pdserve.model.attention import AttentionMetadata, PrefillChunk
 from pdserve.model.cpu_linear import OneDNNWeight
 from pdserve.model.decode_graphs import DecodeGraphRunner
-from pdserve.model.inputs import SamplingMetadata, ScheduledRequest, SchedulerOutput
+from pdserve.model.input_batch import InputBatch
+from pdserve.model.inputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.native_ops import select_kernels
 from pdserve.model.packed_weights import StateDict
 from pdserve.model.sampler import Sampler, SamplerOutput, score_tokens
+from pdserve.model.spec.proposer import DraftRequest, Proposer
+from pdserve.model.spec.rejection_sampler import RejectionSampler
 from pdserve.outputs import TokenLogprobs
 from pdserve.roofline import StepCostModel
 
@@ -69,6 +74,9 @@ class ModelRunner:
         self.model = build_loaded_model(arch, selection, max_model_len, state_dict, dtype, self.device, quantization,
                                         linear_backend)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.input_batch = InputBatch(max_num_seqs)
+        self.drafter: Proposer | None = None  # speculative decoding (model/spec/drafter.py); set by the engine
         self.decode_graphs: DecodeGraphRunner | None = None
         self._graphs_capture: bool | None = None  # set by enable_decode_graphs
         self._max_num_seqs = max_num_seqs
@@ -119,15 +127,13 @@ class ModelRunner:
             reqs.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, list(range(next_block, next_block + nblk)),
                                          True))
             next_block += nblk
-        md = SamplingMetadata.greedy_rows(k)
-        sched = SchedulerOutput(reqs, num_prefill_tokens=num_tokens, sampling_metadata=md)
+        sched = SchedulerOutput(reqs, num_prefill_tokens=num_tokens)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-        out = self.execute(sched)
-        assert len(out.token_ids) == k
+        assert len(self.greedy_step(sched)) == k
         if not on_cuda:
             return 0
         torch.cuda.synchronize(self.device)
@@ -176,13 +182,13 @@ class ModelRunner:
             qsl.append(len(ids))
             seq_lens.append(c + n)
             tables.append(b)
-            if i < sched.num_decode_tokens or r.sample:  # a decode computes the newest token: always sampled
+            if i < sched.num_decodes or r.sample:  # a decode computes the newest token: always sampled
                 sample_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
         width = max(len(b) for b in tables)
         block_table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
         d = self._dev
         meta = AttentionMetadata(slot_mapping=d(torch.tensor(slots, dtype=torch.long)),
-                                 num_decodes=sched.num_decode_tokens, decode_block_tables=None, decode_mask=None,
+                                 num_decodes=sched.num_decodes, decode_block_tables=None, decode_mask=None,
                                  prefills=[], block_table=d(block_table),
                                  query_start_loc=d(torch.tensor(qsl, dtype=torch.int32)),
                                  seq_lens=d(torch.tensor(seq_lens, dtype=torch.int32)))
@@ -195,8 +201,8 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[torch.Tensor] = []
         sample_rows: list[int] = []
-        decodes = sched.scheduled_reqs[:sched.num_decode_tokens]
-        prefills = sched.scheduled_reqs[sched.num_decode_tokens:]
+        decodes = sched.scheduled_reqs[:sched.num_decodes]
+        prefills = sched.scheduled_reqs[sched.num_decodes:]
 
         decode_tables = decode_mask = None
         if decodes:
@@ -231,19 +237,82 @@ class ModelRunner:
                           sample_rows)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """Run one step; row i of the result is row i of `sched.sampling_metadata`."""
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward, sample (verify drafts), then propose drafts for the next step where asked. Row i
+        of the result is the i-th sampled request of `sched`."""
+        self._update_states(sched)
+        sampled = [r for r in sched.scheduled_reqs if r.sample]
+        drafts = [r.token_ids[len(r.token_ids) - r.num_draft_tokens:] for r in sampled]
+        md = self.input_batch.sampling_metadata([r.req_id for r in sampled], drafts, sched.token_bitmask)
+        hidden, logits = self._forward(sched)
+        out = ModelRunnerOutput([], [])
+        if logits is not None:
+            res = (self.rejection_sampler if md.spec is not None else self.sampler)(logits, md)
+            self._collect(sampled, res, out)
+        if hidden is not None:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, sched)
+            out.pooled = self._pooled(hidden, sched)
+        if self.drafter is not None:
+            out.draft_token_ids = self._propose(sched, out)
+        return out
+
+    def greedy_step(self, sched: SchedulerOutput) -> list[int]:
+        """The argmax token of each sampled row (ScheduledRequest.sample), with no per-request state: the draft
+        model's forwards and profiling."""
+        with torch.inference_mode():
+            _, logits = self._forward(sched)
+            return [] if logits is None else logits.argmax(-1).tolist()
+
+    def finish_requests(self, req_ids: list[str]) -> None:
+        """These requests left the engine: drop their state (the drafter's too)."""
+        for rid in req_ids:
+            if rid in self.input_batch:
+                if self.drafter is not None:
+                    ib = self.input_batch
+                    self.drafter.on_finished(rid, ib.all_token_ids(rid), ib.num_prompt_tokens(rid))
+                self.input_batch.remove(rid)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for new in sched.new_requests:
+            self.input_batch.add(new)
+        if self.drafter is not None:
+            for rid in sched.preempted_req_ids:
+                self.drafter.on_preempted(rid)
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The final hidden states (None from decode graphs, which end at the logits) and the sampled rows'
+        float32 logits (None: no row samples)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
-            return self.sampler(self.decode_graphs.run(sched), sched.sampling_metadata)
+            return None, self.decode_graphs.run(sched)
         inp = self.prepare(sched)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
-        if inp.sample_rows:
-            out = self.sampler(self.model.compute_logits(hidden[inp.sample_rows]), sched.sampling_metadata)
-        else:
-            out = SamplerOutput([], [])
-        out.prompt_logprobs = self._prompt_logprobs(hidden, sched)
-        out.pooled = self._pooled(hidden, sched)
-        return out
+        return hidden, self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
+
+    def _collect(self, sampled: list[ScheduledRequest], res: SamplerOutput, out: ModelRunnerOutput) -> None:
+        """Per sampled request: the tokens it emitted, in order, into the output and its kept state; the drafter
+        learns how many of the drafts it proposed for the row were verified and accepted (none: not taken)."""
+        out.errors = res.errors
+        for i, r in enumerate(sampled):
+            if res.errors and res.errors[i] is not None:
+                out.sampled_token_ids.append([])
+                out.logprobs.append([])
+                continue
+            toks = [res.token_ids[i], *(res.extra_token_ids[i] if res.extra_token_ids else ())]
+            out.sampled_token_ids.append(toks)
+            out.logprobs.append([res.logprobs[i], *(res.extra_logprobs[i] if res.extra_logprobs else ())])
+            self.input_batch.append(r.req_id, toks)
+            if self.drafter is not None:  # every sampled row: proposals the scheduler did not take are rolled back
+                self.drafter.on_verified(r.req_id, r.num_draft_tokens, len(toks) - 1)
+
+    def _propose(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> dict[str, list[int]]:
+        """Drafts for the next step of the rows the scheduler marked (and whose sampling did not fail), from their
+        tokens now, within the step's draft budget."""
+        assert self.drafter is not None
+        ib = self.input_batch
+        reqs = [DraftRequest(r.req_id, ib.all_token_ids(r.req_id), ib.num_prompt_tokens(r.req_id), r.propose_drafts)
+                for r, toks in zip((r for r in sched.scheduled_reqs if r.sample), out.sampled_token_ids)
+                if r.propose_drafts and toks]
+        return self.drafter.propose(reqs, sched.draft_budget) if reqs else {}
 
     @staticmethod
     def _pooled(hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, torch.Tensor]:

@@ -5,7 +5,9 @@ Each step samples one token for every request whose last pending token was compu
 one [B, vocab] tensor; only the random draws of seeded rows use their own `torch.Generator`, so a seeded request
 draws the same numbers whatever else is in the batch. A draw is inverse-CDF sampling, one uniform number per row
 (searchsorted on the CDF; torch.multinomial and the exponential race draw one number per vocabulary entry, 10x
-slower on a 49k vocabulary). The per-row options come as a SamplingMetadata the engine builds each step.
+slower on a 49k vocabulary). The per-row options come as a SamplingMetadata the runner gathers from its persistent
+per-request state (input_batch.py). Speculating rows are verified by the rejection sampler (spec/), which reuses
+`process`, `probs` and `logprobs` from here.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from pdserve.model.inputs import SamplingMetadata
-from pdserve.model.spec_sampler import verify_drafts
+from pdserve.model.sampling_metadata import Penalties, SamplingMetadata, SpecRows
 from pdserve.outputs import TokenLogprobs
 
 logger = logging.getLogger("pdserve.sampler")
@@ -25,17 +27,13 @@ logger = logging.getLogger("pdserve.sampler")
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]  # -1 for a row that failed
+    token_ids: list[int]  # per request row: its (first) token; -1 for a row that failed
     logprobs: list[TokenLogprobs | None]
     errors: list[str | None] = field(default_factory=list)  # per row, why it failed (None: ok); empty: all ok
-    # request id -> the TokenLogprobs of the prompt tokens its rows scored this step (ScheduledRequest)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # speculative decoding (model/spec_sampler.py): per row, the tokens it emitted after token_ids[i] (accepted
+    # speculative decoding (spec/rejection_sampler.py): per row, the tokens it emitted after token_ids[i] (accepted
     # drafts, then the correction or bonus token) and their logprobs; empty lists when no row had drafts
     extra_token_ids: list[list[int]] = field(default_factory=list)
     extra_logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)
-    # request id -> float32 [hidden]: the sum of its pooled rows' final hidden states this step (ScheduledRequest)
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -47,26 +45,24 @@ def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch
     return out.to(device)
 
 
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     """In place. Repetition penalty (prompt and output tokens, CTRL-style divide/multiply), then OpenAI presence
     and frequency penalties (output tokens only)."""
     (b, v), dev = logits.shape, logits.device
     counts = torch.zeros(b, v + 1, dtype=logits.dtype, device=dev)
-    out_idx = _pad(md.output_token_ids, v, dev)  # padding goes to column v, dropped below
+    out_idx = _pad(pen.output_token_ids, v, dev)  # padding goes to column v, dropped below
     counts.scatter_add_(1, out_idx, torch.ones(out_idx.shape, dtype=logits.dtype, device=dev))
     counts = counts[:, :v]
-    rep = torch.tensor(md.repetition_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
-    if any(r != 1 for r in md.repetition_penalty):  # decided on the host: no device sync
+    if (pen.repetition != 1).any():  # decided on the host: no device sync
+        rep = torch.as_tensor(pen.repetition, dtype=logits.dtype, device=dev).unsqueeze(1)
         seen = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
-        seen.scatter_(1, _pad(md.prompt_token_ids, v, dev), True)
+        seen.scatter_(1, _pad(pen.prompt_token_ids, v, dev), True)
         seen = seen[:, :v] | (counts > 0)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalized, logits))
-    freq = torch.tensor(md.frequency_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
-    pres = torch.tensor(md.presence_penalty, dtype=logits.dtype, device=dev).unsqueeze(1)
+    freq = torch.as_tensor(pen.frequency, dtype=logits.dtype, device=dev).unsqueeze(1)
+    pres = torch.as_tensor(pen.presence, dtype=logits.dtype, device=dev).unsqueeze(1)
     logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
-
-
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                             min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, nucleus top-p and min-p sets. k=0, p=1, min_p=0 disable.
@@ -129,58 +125,65 @@ def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[Token
             for i, t in enumerate(targets)]
 
 
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits: float32 [B, vocab], row i described by row i of `md`; never modified.
+        """logits: float32 [rows, vocab], row i described by row i of `md`; never modified.
 
-        One request's options must not fail its neighbours: if the batched pass raises, every row is sampled
-        alone (seeded rows from their generator state before the failed pass) and only the rows that raise again
-        fail, reported in `SamplerOutput.errors`."""
-        states = [g.get_state() if g is not None else None for g in md.generators]
+        One request's options must not fail its neighbours: if the batched pass raises, every request is sampled
+        alone (seeded ones from their generator state before the failed pass) and only the requests that raise
+        again fail, reported in `SamplerOutput.errors`."""
+        groups = self._groups(md)
+        states = [g.get_state() if (g := md.generators[a]) is not None else None for a, _ in groups]
         try:
-            return self._sample(logits, md)
-        except Exception:  # noqa: BLE001 - isolated per row below
-            logger.exception("batched sampling failed; sampling %d rows one by one", md.num_rows)
-            return self._sample_rows(logits, md, states)
+            return self.sample(logits, md)
+        except Exception:  # noqa: BLE001 - isolated per request below
+            logger.exception("batched sampling failed; sampling %d rows one by one", len(groups))
+            return self._sample_rows(logits, md, groups, states)
 
-    def _sample_rows(self, logits: torch.Tensor, md: SamplingMetadata,
+    @staticmethod
+    def _groups(md: SamplingMetadata) -> list[tuple[int, int]]:
+        """Each request's logits rows [a, b): one, or 1 + its drafts."""
+        if md.spec is None:
+            return [(i, i + 1) for i in range(md.num_rows)]
+        return [(s, s + 1 + len(d)) for s, d in zip(md.spec.starts, md.spec.drafts)]
+
+    def _sample_rows(self, logits: torch.Tensor, md: SamplingMetadata, groups: list[tuple[int, int]],
                      states: list[torch.Tensor | None]) -> SamplerOutput:
         out = SamplerOutput([], [], [])
-        spec = any(md.draft_token_ids)
-        start = 0
-        for i in range(md.num_rows):
-            gen, state = md.generators[i], states[i]
+        for k, (a, b) in enumerate(groups):
+            gen, state = md.generators[a], states[k]
             if gen is not None and state is not None:
                 gen.set_state(state)
-            n = 1 + len(md.draft_token_ids[i]) if spec else 1  # logits rows of row i
-            start += n
+            one_md = md.select(np.arange(a, b))
+            if md.spec is not None:
+                one_md.spec = SpecRows([0], [md.spec.drafts[k]])
             try:
-                one = self._sample(logits[start - n:start], md.row(i))
-            except Exception as exc:  # noqa: BLE001 - this row fails, the others keep their token
+                one = self.sample(logits[a:b], one_md)
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others keep their token
                 one = SamplerOutput([-1], [None], [f"{type(exc).__name__}: {exc}"], extra_token_ids=[[]],
                                     extra_logprobs=[[]])
             out.token_ids.append(one.token_ids[0])
             out.logprobs.append(one.logprobs[0])
             out.errors.append(one.errors[0] if one.errors else None)
-            if spec:
+            if md.spec is not None:
                 out.extra_token_ids.append(one.extra_token_ids[0] if one.extra_token_ids else [])
                 out.extra_logprobs.append(one.extra_logprobs[0] if one.extra_logprobs else [])
         return out
 
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        if any(md.draft_token_ids):  # speculative decoding: 1 + k logits rows per row of md
-            first, first_lps, extra, extra_lps = verify_drafts(self, logits, md)
-            return SamplerOutput(first, first_lps, extra_token_ids=extra, extra_logprobs=extra_lps)
-        want_logprobs = any(n is not None for n in md.num_logprobs)
-        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None  # as vLLM: before any processing
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """One token per row (no drafts: the rejection sampler verifies those)."""
+        assert md.spec is None, "rows with drafts are verified by the rejection sampler"
+        raw_logprobs = logits.log_softmax(-1) if md.any_logprobs else None  # as vLLM: before any processing
         logits = self.process(logits, md)
         tokens = logits.argmax(-1)
-        rows = [i for i, g in enumerate(md.greedy) if not g]
-        if rows:  # only the random rows pay for softmax and draws
-            picked = rows if len(rows) < md.num_rows else slice(None)
-            tokens[rows] = self._random_sample(
-                logits[picked], [md.temperature[i] for i in rows], [md.top_k[i] for i in rows],
-                [md.top_p[i] for i in rows], [md.min_p[i] for i in rows], [md.generators[i] for i in rows])
+        rows = np.flatnonzero(~md.greedy) if not md.all_greedy else np.zeros(0, np.int64)
+        if len(rows):  # only the random rows pay for softmax and draws
+            idx = rows.tolist()
+            picked = idx if len(rows) < md.num_rows else slice(None)
+            tokens[idx] = self._random_sample(
+                logits[picked], md.temperature[rows], md.top_k[rows], md.top_p[rows], md.min_p[rows],
+                [md.generators[i] for i in idx])
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self.logprobs(raw_logprobs, token_list, md.num_logprobs))
 
@@ -188,34 +191,31 @@ class Sampler:
     def process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """logit_bias, penalties, min_tokens bans and grammar masks: the logits greedy takes the argmax of and
         temperature/top-k/p apply to. The input is never modified (a copy is made when anything applies)."""
-        bias_rows = [(i, b) for i, b in enumerate(md.logit_bias) if b]
-        banned_rows = [(i, b) for i, b in enumerate(md.banned_token_ids) if b]
-        grammar_rows = [i for i, m in enumerate(md.token_bitmask) if m is not None]
-        if bias_rows or banned_rows or grammar_rows or not md.no_penalties:
+        if md.logit_bias or md.banned or md.token_bitmask or md.penalties is not None:
             logits = logits.clone()  # the caller's logits stay intact for the per-row fallback
-        for i, bias in bias_rows:  # OpenAI logit_bias: added before everything else
+        for i, bias in md.logit_bias:  # OpenAI logit_bias: added before everything else
             logits[i, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-        if not md.no_penalties:
-            apply_penalties(logits, md)
-        for i, banned in banned_rows:
+        if md.penalties is not None:
+            apply_penalties(logits, md.penalties)
+        for i, banned in md.banned:
             logits[i, banned] = float("-inf")
-        if grammar_rows:  # structured output: after logit_bias, before temperature/top-k/p (greedy rows too)
-            apply_token_bitmask(logits, grammar_rows, [m for m in md.token_bitmask if m is not None])
+        if md.token_bitmask:  # structured output: after logit_bias, before temperature/top-k/p (greedy rows too)
+            apply_token_bitmask(logits, [i for i, _ in md.token_bitmask], [m for _, m in md.token_bitmask])
         return logits
 
     @staticmethod
-    def probs(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-              min_p: list[float]) -> torch.Tensor:
+    def probs(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+              min_p: np.ndarray) -> torch.Tensor:
         """The distribution a random row samples from: softmax(logits / T) after top-k/p and min-p."""
-        temp = torch.tensor(temperature, dtype=logits.dtype, device=logits.device)
+        temp = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device)
         x = logits / temp.unsqueeze(1)
-        x = apply_top_k_top_p_min_p(x, torch.tensor(top_k), torch.tensor(top_p, dtype=x.dtype),
-                                    torch.tensor(min_p, dtype=x.dtype))
+        x = apply_top_k_top_p_min_p(x, torch.as_tensor(top_k, dtype=torch.long),
+                                    torch.as_tensor(top_p, dtype=x.dtype), torch.as_tensor(min_p, dtype=x.dtype))
         return x.softmax(-1)
 
     @staticmethod
-    def _random_sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-                       min_p: list[float], generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    def _random_sample(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                       min_p: np.ndarray, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
         """One draw per row from softmax(logits / T) after top-k/p and min-p, by inverse-CDF sampling:
         unseeded rows in one draw, seeded rows each from its own generator. The uniforms are drawn on the host
         (requests' generators are CPU generators) and copied to the device: a seed gives the same draws on any
@@ -233,18 +233,17 @@ class Sampler:
         return idx.clamp_(max=cdf.shape[1] - 1)
 
     @staticmethod
-    def logprobs(raw: torch.Tensor | None, tokens: list[int],
-                  num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
+    def logprobs(raw: torch.Tensor | None, tokens: list[int], num_logprobs: np.ndarray) -> list[TokenLogprobs | None]:
         if raw is None:
             return [None] * len(tokens)
-        n_top = max(n or 0 for n in num_logprobs)
+        n_top = int(max(num_logprobs.max(initial=0), 0))
         top_vals, top_ids = raw.topk(max(n_top, 1), dim=-1)
         idx = torch.tensor(tokens, device=raw.device).unsqueeze(1)
         chosen = raw.gather(1, idx).squeeze(1)
         ranks = (raw > chosen.unsqueeze(1)).sum(-1) + 1
         out: list[TokenLogprobs | None] = []
-        for i, n in enumerate(num_logprobs):
-            if n is None:
+        for i, n in enumerate(num_logprobs.tolist()):
+            if n < 0:
                 out.append(None)
                 continue
             top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))

@@ -103,7 +103,9 @@ def aggregate(events: list[Any], kinds: list[str], itemsize: int) -> dict[str, K
 
 
 def reading(kind: str, prof: KindProfile, roof: dict[str, Any]) -> str:
-    """The seed's reading of a kind's profile: which roof it is near, and what its operators look like."""
+    """The roofline reading of a kind's profile: which roof it is near, and what its operators look like (many small
+    ops near the bandwidth roof: bandwidth-bound decode; few big GEMMs near the compute roof: compute-bound
+    prefill)."""
     per_step = prof.num_ops / max(prof.steps, 1)
     median_us = statistics.median(prof.op_us) if prof.op_us else 0.0
     gemm_us = sum(r.self_us for r in prof.ops.values() if r.name in GEMM_OPS or r.name.startswith(FORWARD_FRAME))

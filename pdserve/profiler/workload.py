@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.profiler.phase import PhaseProfiler, ProfileResult
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # phase.py loads torch: imported when a workload runs, not when the command line lists WORKLOADS
+    from pdserve.profiler.phase import ProfileResult
 
 WORKLOADS = ("decode", "prefill", "mixed")
 WARMUP_STEPS = 3
@@ -24,6 +26,8 @@ def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
 def profile_workload(engine: Any, workload: str, steps: int, out_dir: str | None = None, batch: int = 8,
                      prompt_tokens: int = 512, seed: int = 0) -> ProfileResult:
     """Run `workload` on `engine` (an LLMEngine), profile `steps` steps after warm-up, abort what is left."""
+    from pdserve.profiler.phase import PhaseProfiler
+
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}")
     rng, vocab = random.Random(seed), engine.arch.vocab_size

@@ -6,7 +6,15 @@
     cost     FLOPs and bytes of a prefill / decode step (`calc`) and of any engine step (StepCostModel)
     meter    RooflineMeter: achieved FLOP/s and B/s per step kind, MFU and MBU
     calc_cli model presets, the `pdserve calc` report and its command line
+
+measure, peaks and meter use torch and load on first use of their names, so that the command line (which lists
+`calc` among its commands) does not import torch for commands that never run a model (`pdserve router`).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from pdserve.roofline.calc_cli import (
     MODEL_PRESETS,
@@ -32,9 +40,17 @@ from pdserve.roofline.cost import (
     prefill_cost,
 )
 from pdserve.roofline.devices import DEVICE_PRESETS, DeviceSpec, PeaksProvenance, device_preset, machine_info
-from pdserve.roofline.measure import measure_copy_bandwidth, measure_device, measure_matmul_flops, probe_device
-from pdserve.roofline.meter import PhaseTotals, RooflineMeter
-from pdserve.roofline.peaks import load_cached_device, peaks_key, resolve_device_peaks, save_measured_device
+
+if TYPE_CHECKING:
+    from pdserve.roofline.measure import measure_copy_bandwidth, measure_device, measure_matmul_flops, probe_device
+    from pdserve.roofline.meter import PhaseTotals, RooflineMeter
+    from pdserve.roofline.peaks import load_cached_device, peaks_key, resolve_device_peaks, save_measured_device
+
+_LAZY = {**dict.fromkeys(("measure_copy_bandwidth", "measure_device", "measure_matmul_flops", "probe_device"),
+                         "pdserve.roofline.measure"),
+         **dict.fromkeys(("PhaseTotals", "RooflineMeter"), "pdserve.roofline.meter"),
+         **dict.fromkeys(("load_cached_device", "peaks_key", "resolve_device_peaks", "save_measured_device"),
+                         "pdserve.roofline.peaks")}
 
 __all__ = [
     "DEVICE_PRESETS", "MODEL_PRESETS", "CalcResult", "Cost", "DeviceSpec", "ModelPreset", "PeaksProvenance",
@@ -44,3 +60,9 @@ __all__ = [
     "measure_device", "measure_matmul_flops", "model_params", "model_shape_from", "peaks_key", "prefill_cost",
     "probe_device", "resolve_device_peaks", "result_json", "run_calc", "save_measured_device",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pdserve.roofline' has no attribute {name!r}")

@@ -34,8 +34,6 @@ from pdserve.roofline.cost import (
     prefill_cost,
 )
 from pdserve.roofline.devices import DEVICE_PRESETS, DeviceSpec, device_preset, usable_cores
-from pdserve.roofline.measure import measure_device
-from pdserve.roofline.peaks import save_measured_device
 
 # --------------------------------------------------------------------------------------------------------------------
 # Models
@@ -311,6 +309,9 @@ def auto_choice() -> str:
 
 def run_calc(args: argparse.Namespace) -> int:
     if args.measure:
+        from pdserve.roofline.measure import measure_device  # torch: only when measuring
+        from pdserve.roofline.peaks import save_measured_device
+
         threads = args.threads or usable_cores()
         device = measure_device(threads)
         path = save_measured_device(device, threads)  # the engine's live roofline (--device-peaks auto) uses it

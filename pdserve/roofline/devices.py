@@ -10,8 +10,6 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import torch
-
 
 @dataclass(frozen=True)
 class PeaksProvenance:
@@ -158,6 +156,8 @@ def memory_total() -> int:
 def torch_build() -> str:
     """Short digest of torch's build configuration (BLAS, oneDNN and compiler versions, ISA levels): a new build
     can have other matmul kernels, so peaks measured with the old one no longer apply."""
+    import torch  # here, not at import: presets and DeviceSpec serve `pdserve calc` and the router without torch
+
     config = torch.__config__.show() + (torch.version.git_version or "")
     return hashlib.sha256(config.encode()).hexdigest()[:12]
 
@@ -165,6 +165,8 @@ def torch_build() -> str:
 def machine_info(threads: int | None = None) -> dict[str, Any]:
     """This machine for reports and cache keys: CPU model, ISA extensions (as a list and one flag each), cores, usable
     cores, memory, torch's CPU capability (the ISA path its kernels take), versions, torch threads and the date."""
+    import torch
+
     isa = cpu_isa()
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "usable_cores": usable_cores(),
             "mem_gib": round(memory_total() / 2**30, 1), "isa": isa, **{f: f in isa for f in _ISA_FLAGS},

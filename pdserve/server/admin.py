@@ -12,8 +12,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.api.errors import APIError
 from pdserve.server.audit import key_id
-from pdserve.server.errors import APIError
 from pdserve.server.model_registry import ModelRegistry
 from pdserve.server.model_routes import model_entry
 from pdserve.server.model_spec import ModelSpec

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API (FastAPI) over the AsyncEngine: completions, chat, models, tokenize, health, metrics.
+"""OpenAI-compatible HTTP API (FastAPI) over the EngineClient: completions, chat, models, tokenize, health, metrics.
 
 The app is assembled here: routes (routes.py) are thin and call serving objects (serving*.py), which hold the
 request logic; errors leave as OpenAI error bodies (errors.py); AuthAndBodyLimitMiddleware guards the API. The
@@ -21,24 +21,24 @@ from typing import Literal
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
+from pdserve.api.dashboard_page import page_router
+from pdserve.api.errors import install_exception_handlers
 from pdserve.cache import cache_root
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.explain import StallThreshold
+from pdserve.engine.client import EngineClient, EngineThread, LLMEngine
 from pdserve.server.admin import admin_router
-from pdserve.server.async_engine import AsyncEngine, EngineThread
 from pdserve.server.audit import AuditLog
-from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
-from pdserve.server.errors import install_exception_handlers
 from pdserve.server.metrics import merged_registry
 from pdserve.server.model_registry import ModelRegistry
 from pdserve.server.model_routes import models_router
 from pdserve.server.model_spec import ModelSpec
 from pdserve.server.routes import router
-from pdserve.server.routes_dashboard import page_router, stats_router
+from pdserve.server.routes_dashboard import stats_router
 from pdserve.server.routes_debug import debug_router
 from pdserve.server.serving import ServingOptions
 from pdserve.server.tenants import TenantMetrics
+from pdserve.server.tracing import RequestTracer
 
 logger = logging.getLogger("pdserve.server")
 
@@ -78,7 +78,7 @@ def new_registry(base: EngineConfig, cfg: ServerConfig) -> ModelRegistry:
     """An empty model registry with the server's options, audit log and per-tenant metrics."""
     return ModelRegistry(base, cfg.serving_options(), cfg.max_waiting_requests, AuditLog(cfg.audit_log_path()),
                          TenantMetrics(cfg.tenant_label_limit),
-                         lambda aengine, name: configure_introspection(aengine, cfg, name))
+                         lambda client, name: configure_introspection(client, cfg, name))
 
 
 def create_app(engine: LLMEngine, cfg: ServerConfig, engine_thread: EngineThread | None = None) -> FastAPI:
@@ -102,7 +102,7 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.registry = registry  # per-model state: registry.get(name) / registry.default()
-    app.state.engine = default.aengine  # the first model's, for code that serves one model
+    app.state.client = default.client  # the first model's, for code that serves one model
     app.state.metrics = metrics
     app.state.prometheus = merged_registry(lambda: [
         *(m.metrics.registry for m in registry.loaded() if m.metrics is not None), registry.tenant_metrics.registry])
@@ -120,15 +120,13 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
     return app
 
 
-def configure_introspection(aengine: AsyncEngine, cfg: ServerConfig, model_name: str) -> None:
-    """Explanations, profiler and tracing options onto a model's AsyncEngine."""
-    aengine.explainer.threshold = StallThreshold.parse(cfg.explain_itl_threshold)
-    aengine.explanations.size = cfg.debug_requests_history
-    aengine.profiler_dir = cfg.profiler_dir
+def configure_introspection(client: EngineClient, cfg: ServerConfig, model_name: str) -> RequestTracer | None:
+    """Explanations and profiler options onto a model's EngineClient; its request tracer (OpenTelemetry), if
+    --otlp-traces-endpoint is set."""
+    client.configure_introspection(cfg.explain_itl_threshold, cfg.debug_requests_history, cfg.profiler_dir)
     if cfg.otlp_traces_endpoint:
-        from pdserve.server.tracing import RequestTracer
-
-        aengine.tracer = RequestTracer(cfg.otlp_traces_endpoint, model_name)
+        return RequestTracer(cfg.otlp_traces_endpoint, model_name)
+    return None
 
 
 class DrainingServer(uvicorn.Server):

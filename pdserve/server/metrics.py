@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
-from pdserve.engine.engine import StepStats
-from pdserve.engine.request import Request
-from pdserve.engine.spec_decode import SpecDecodeStats
+from pdserve.engine.client import SchedulerStats, SpecDecodeStats, StepStats
+from pdserve.outputs import RequestOutput
 from pdserve.roofline import DeviceSpec
 from pdserve.server.allocator import heap_in_use_bytes
 from pdserve.server.stats import LiveStats
@@ -119,9 +118,13 @@ class Metrics:
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
 
-    def observe_step(self, step: StepStats, num_running: int, num_waiting: int, kv_usage: float,
-                     prefix_queries: int, prefix_hits: int, num_preemptions: int) -> None:
+    def observe_step(self, step: StepStats, sched: SchedulerStats) -> None:
+        """A step (or an idle tick: only the gauges) and the scheduler's state after it (EngineClient's
+        StatLogger)."""
         c = self._children
+        num_running, num_waiting, kv_usage = sched.num_running, sched.num_waiting, sched.kv_usage
+        prefix_queries, prefix_hits = sched.prefix_cache_queries, sched.prefix_cache_hits
+        num_preemptions = sched.num_preemptions
         if step.kind != "idle":
             m, k = self.model_name, step.kind
             self.step_time.labels(m, k).observe(step.duration)
@@ -143,6 +146,8 @@ class Metrics:
         self._last_preemptions = num_preemptions
         self.live.record_step(step, num_running, num_waiting, kv_usage, prefix_queries, prefix_hits,
                               num_preemptions)
+        if sched.spec is not None:
+            self.observe_spec(sched.spec)
 
     def _spec_counters(self, lbl: list[str], r: CollectorRegistry) -> None:
         # speculative decoding, vLLM's names (fed from the engine's SpecDecodeStats; zero while it is off)
@@ -187,28 +192,36 @@ class Metrics:
         self.kernels_info.clear()
         self.kernels_info.labels(self.model_name, kernels, isa, cpu_isa).set(1)
 
-    def observe_token(self, req: Request, num_tokens: int = 1) -> None:
+    def observe_output(self, out: RequestOutput) -> None:
+        """A request's output (EngineClient's StatLogger): its new tokens, and its end once it finished."""
+        if n := len(out.outputs[0].delta_token_ids):
+            self.observe_token(out, n)
+        if out.finished:
+            self.observe_finished(out)
+
+    def observe_token(self, out: RequestOutput, num_tokens: int = 1) -> None:
         """An output that delivered `num_tokens` new tokens (several: a speculating step's accepted drafts and
         bonus). ITL is one sample per delivery, as vLLM: the gap since the previous one."""
         c = self._children
         c["gen_tokens"].inc(num_tokens)
-        t = req.times.token_times
+        t = out.metrics.token_times
         if len(t) > num_tokens:
             c["itl"].observe(t[-1] - t[-1 - num_tokens])
             self.live.record_itl(t[-1] - t[-1 - num_tokens])
 
-    def observe_finished(self, req: Request) -> None:
-        c, t = self._children, req.times
-        reason = req.status.finish_reason or "error"
+    def observe_finished(self, out: RequestOutput) -> None:
+        c, t = self._children, out.metrics
+        reason = out.outputs[0].finish_reason or "error"
+        num_prompt = len(out.prompt_token_ids)
         self.success.labels(self.model_name, reason).inc()
-        c["prompt_tokens"].inc(req.num_prompt_tokens)
-        c["prompt_hist"].observe(req.num_prompt_tokens)
-        c["gen_hist"].observe(req.num_output_tokens)
+        c["prompt_tokens"].inc(num_prompt)
+        c["prompt_hist"].observe(num_prompt)
+        c["gen_hist"].observe(len(out.outputs[0].token_ids))
         for name, value in (("ttft", t.ttft), ("e2e", t.e2e), ("queue", t.queue_time), ("prefill", t.prefill_time),
                             ("decode", t.decode_time), ("tpot", t.tpot)):
             if value is not None:
                 c[name].observe(value)
-        self.live.record_finished(req)
+        self.live.record_finished(out)
 
     def error(self, kind: str) -> None:
         self.errors.labels(self.model_name, kind).inc()

@@ -1,7 +1,7 @@
 """The models one server serves, and their lifecycle: load, unload, sleep, wake, aliases with switch, rollback and
 a canary share.
 
-Each served model has its own LLMEngine (weights, KV pool), engine thread, AsyncEngine, Metrics and serving
+Each served model has its own LLMEngine (weights, KV pool), engine thread, EngineClient, Metrics and serving
 objects. Requests route by the body's `model` (an alias resolves to its target; with a canary, to the canary model
 with probability `share`); no `model`: the default (the first loaded). A request holds a lease on its model from
 routing until it is admitted to the engine; unload and sleep wait until no lease and no admitted request is left
@@ -27,13 +27,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.api.errors import APIError
 from pdserve.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.client import EngineClient, EngineThread, LLMEngine, StepTurns
 from pdserve.kernels import kernels_description, kernels_isa
 from pdserve.server.allocator import release_memory
-from pdserve.server.async_engine import AsyncEngine, EngineThread, StepTurns
 from pdserve.server.audit import AuditEntry, AuditLog
-from pdserve.server.errors import APIError
 from pdserve.server.metrics import Metrics
 from pdserve.server.model_spec import ModelSpec, config_hash, effective_options
 from pdserve.server.serving import ServingOptions
@@ -42,6 +41,7 @@ from pdserve.server.serving_completion import OpenAIServingCompletion
 from pdserve.server.serving_embedding import OpenAIServingEmbedding
 from pdserve.server.serving_tokenization import OpenAIServingTokenization
 from pdserve.server.tenants import TenantMetrics
+from pdserve.server.tracing import RequestTracer
 
 logger = logging.getLogger("pdserve.server")
 
@@ -52,7 +52,7 @@ DRAIN_TIMEOUT_S = 600.0  # unload/sleep: how long in-flight requests may run bef
 @dataclass
 class ServedModel:
     """One model: its spec and effective config (fixed), its state, and while loaded its engine and serving objects.
-    `aengine`, `metrics` and the serving objects are None unless the state is loaded."""
+    `client`, `metrics` and the serving objects are None unless the state is loaded."""
 
     spec: ModelSpec
     config: EngineConfig
@@ -65,9 +65,10 @@ class ServedModel:
     load_s: float | None = None
     max_model_len: int | None = None
     kernels: str | None = None  # "native (avx2)" | "torch"
-    aengine: AsyncEngine | None = None
+    client: EngineClient | None = None
     metrics: Metrics | None = None
     engine_thread: EngineThread | None = None
+    tracer: RequestTracer | None = None  # OpenTelemetry, when --otlp-traces-endpoint is set
     serving_completion: Any = None
     serving_chat: Any = None
     serving_tokenization: Any = None
@@ -108,9 +109,10 @@ class ModelRegistry:
 
     def __init__(self, base: EngineConfig, serving_options: ServingOptions, max_waiting_requests: int | None,
                  audit: AuditLog | None = None, tenant_metrics: TenantMetrics | None = None,
-                 configure: Callable[[AsyncEngine, str], None] | None = None) -> None:
+                 configure: Callable[[EngineClient, str], RequestTracer | None] | None = None) -> None:
         self.base = base
-        self.configure = configure  # the server's introspection options onto each model's AsyncEngine
+        # the server's introspection options onto each model's EngineClient; returns the model's tracer, if any
+        self.configure = configure
         self.serving_options = serving_options
         self.max_waiting_requests = max_waiting_requests
         self.audit = audit or AuditLog(None)
@@ -179,8 +181,8 @@ class ModelRegistry:
     def start(self) -> None:
         self._started = True
         for m in self.loaded():
-            assert m.aengine is not None
-            m.aengine.start()
+            assert m.client is not None
+            m.client.start()
 
     def shutdown(self) -> None:
         for m in self.models():
@@ -188,22 +190,22 @@ class ModelRegistry:
 
     @property
     def num_unfinished(self) -> int:
-        return sum(m.aengine.num_unfinished for m in self.loaded() if m.aengine is not None)
+        return sum(m.client.num_unfinished for m in self.loaded() if m.client is not None)
 
     @property
     def dead(self) -> BaseException | None:
-        return next((m.aengine.dead for m in self.loaded() if m.aengine is not None and m.aengine.dead), None)
+        return next((m.client.dead for m in self.loaded() if m.client is not None and m.client.dead), None)
 
     def set_draining(self) -> None:
         self.draining = True
         for m in self.loaded():
-            if m.aengine is not None:
-                m.aengine.draining = True
+            if m.client is not None:
+                m.client.draining = True
 
     def fail_all(self, reason: str) -> None:
         for m in self.loaded():
-            if m.aengine is not None:
-                m.aengine.fail_all(reason)
+            if m.client is not None:
+                m.client.fail_all(reason)
 
     # ---- building and tearing down -----------------------------------------------------------------------------
     def new_entry(self, spec: ModelSpec) -> ServedModel:
@@ -218,7 +220,8 @@ class ModelRegistry:
             if spec.name in self._models or spec.name in self._aliases:
                 raise ValueError(f"model {spec.name!r} is already served")
             self._models[spec.name] = served
-        self._attach(served, engine, engine_thread)
+        self._attach(served, EngineClient(engine, None, self.max_waiting_requests, engine_thread, self.step_turns),
+                     engine_thread)
         return served
 
     def build(self, served: ServedModel) -> None:
@@ -228,62 +231,67 @@ class ModelRegistry:
         t0 = time.monotonic()
         cfg = served.config
         served.progress = 0.1
-        thread = EngineThread()  # builds the engine and later runs its loop: one OpenMP team (async_engine.py)
+        thread = EngineThread()  # builds the engine and later runs its loop: one OpenMP team (engine_thread.py)
 
         def progress(fraction: float, stage: str) -> None:  # the weights' share of the load; /v1/models shows it
             served.progress = max(served.progress, 0.1 + 0.85 * fraction)
 
         try:
-            engine = thread.call(lambda: LLMEngine(cfg, device_peaks=resolve_device_peaks(
-                cfg.device_peaks, cfg.num_threads, cfg.device), load_progress=progress))
+            client = EngineClient.build(cfg, thread, resolve_device_peaks(cfg.device_peaks, cfg.num_threads,
+                                                                          cfg.device), progress,
+                                        max_waiting_requests=self.max_waiting_requests, step_turns=self.step_turns)
         except BaseException:
             thread.stop()
             raise
         served.load_s = time.monotonic() - t0
-        self._attach(served, engine, thread)
+        self._attach(served, client, thread)
 
-    def _attach(self, served: ServedModel, engine: LLMEngine, thread: EngineThread | None) -> None:
-        name, opts = served.name, self.serving_options
+    def _attach(self, served: ServedModel, client: EngineClient, thread: EngineThread | None) -> None:
+        name, opts, info = served.name, self.serving_options, client.model_info
         metrics = Metrics(name)
-        metrics.set_kernels(engine.kernels, *kernels_isa(engine.kernels))
-        if (dev := engine.roofline.device) is not None:
-            metrics.set_peaks(engine.roofline.peak_flops, dev.mem_bandwidth, dev)
-        if engine.kv_transfer is not None:  # PD disaggregation role: KV hand-off metrics
-            from pdserve.disagg.metrics import KVTransferMetrics
+        metrics.set_kernels(info.kernels, *kernels_isa(info.kernels))
+        if (dev := info.device) is not None:
+            metrics.set_peaks(info.peak_flops, dev.mem_bandwidth, dev)
+        if info.kv_role != "both":  # PD disaggregation role: KV hand-off metrics
+            from pdserve.kv_transfer.metrics import KVTransferMetrics
 
-            KVTransferMetrics(metrics.registry, name, engine.kv_transfer, metrics.live)
-        aengine = AsyncEngine(engine, metrics, self.max_waiting_requests, thread, self.step_turns)
-        if self.configure is not None:
-            self.configure(aengine, name)
-        aengine.draining = self.draining
-        served.serving_completion = OpenAIServingCompletion(aengine, name, metrics, opts)
-        served.serving_chat = OpenAIServingChat(aengine, name, metrics, opts)
-        served.serving_tokenization = OpenAIServingTokenization(aengine, name, metrics, opts)
-        served.serving_embedding = OpenAIServingEmbedding(aengine, name, metrics, opts)
+            kv_metrics = KVTransferMetrics(metrics.registry, name, lambda: client.kv_snapshot, metrics.live)
+            client.observe_kv_transfer(kv_metrics.observe_load, kv_metrics.pin_timeouts.inc)
+        client.stat_logger = metrics
+        tracer = self.configure(client, name) if self.configure is not None else None
+        client.draining = self.draining
+        served.serving_completion = OpenAIServingCompletion(client, name, metrics, opts)
+        served.serving_chat = OpenAIServingChat(client, name, metrics, opts)
+        served.serving_tokenization = OpenAIServingTokenization(client, name, metrics, opts)
+        served.serving_embedding = OpenAIServingEmbedding(client, name, metrics, opts)
         for s in (served.serving_completion, served.serving_chat, served.serving_tokenization,
                   served.serving_embedding):
             s.version, s.config_hash, s.tenant_metrics = served.version, served.config_hash, self.tenant_metrics
-        served.aengine, served.metrics, served.engine_thread = aengine, metrics, thread
-        served.max_model_len, served.kernels = engine.max_model_len, kernels_description(engine.kernels)
+            s.tracer = tracer
+        served.tracer = tracer
+        served.client, served.metrics, served.engine_thread = client, metrics, thread
+        served.max_model_len, served.kernels = info.max_model_len, kernels_description(info.kernels)
         if self._started:
-            aengine.start()
+            client.start()
         served.progress, served.state, served.error = 1.0, "loaded", None
 
     def _teardown(self, served: ServedModel, state: str) -> None:
         """Stop the engine loop and thread, drop every reference to the engine, give the memory back."""
-        aengine, thread = served.aengine, served.engine_thread
+        client, thread, tracer = served.client, served.engine_thread, served.tracer
         served.state = state
-        served.aengine = served.metrics = served.engine_thread = None
+        served.client = served.metrics = served.engine_thread = served.tracer = None
         served.serving_completion = served.serving_chat = served.serving_tokenization = None
         served.serving_embedding = None
-        if aengine is not None:
+        if client is not None:
             if self._started:
-                aengine.shutdown()
+                client.shutdown()
             else:
-                aengine.engine.close()
+                client.close()
         if thread is not None:
             thread.stop()
-        del aengine, thread
+        if tracer is not None:
+            tracer.shutdown()
+        del client, thread
         release_memory()
 
     async def drain(self, served: ServedModel, timeout: float = DRAIN_TIMEOUT_S) -> None:
@@ -291,7 +299,7 @@ class ModelRegistry:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                busy = served.leases or (served.aengine is not None and served.aengine.num_unfinished)
+                busy = served.leases or (served.client is not None and served.client.num_unfinished)
             if not busy:
                 return
             await asyncio.sleep(0.05)

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
-from pdserve.server.errors import APIError
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.server.model_registry import ModelRegistry, ServedModel
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
@@ -109,6 +109,6 @@ async def prometheus(raw: Request) -> Response:
 async def debug_kv(raw: Request, model: str | None = None) -> dict[str, Any]:
     """A model's (default: the default model's) last published KV state, plus its API requests still open."""
     registry: ModelRegistry = raw.app.state.registry
-    aengine = registry.get(model).aengine
-    assert aengine is not None
-    return {**aengine.kv_snapshot.as_dict(), "open_requests": aengine.num_unfinished}
+    client = registry.get(model).client
+    assert client is not None
+    return {**client.kv_snapshot.as_dict(), "open_requests": client.num_unfinished}

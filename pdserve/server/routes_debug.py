@@ -1,5 +1,5 @@
 """Introspection routes: the profiler by phase (vLLM's /start_profile, /stop_profile) and per-request explanations
-(GET /debug/requests/{id}). Thin: the logic is in AsyncEngine, PhaseProfiler and RequestExplainer. With several
+(GET /debug/requests/{id}). Thin: the logic is in EngineClient, PhaseProfiler and RequestExplainer. With several
 models the profiler acts on one (the body's or query's `model`, default the default model) and a request id is
 looked up in every loaded model's history."""
 
@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
+from pdserve.api.errors import APIError
+from pdserve.engine.client import EngineClient, ProfilerState
 from pdserve.profiler.phase import MAX_PROFILE_STEPS
-from pdserve.server.async_engine import AsyncEngine, ProfilerState
-from pdserve.server.errors import APIError
 from pdserve.server.model_registry import ModelRegistry
 
 debug_router = APIRouter()
@@ -39,20 +39,20 @@ def _conflict(e: ProfilerState) -> APIError:
     return APIError(409, str(e), code="profiler_state", kind="bad_request")
 
 
-def _engine(raw: Request, model: str | None) -> AsyncEngine:
-    """The loaded model's AsyncEngine (404 / 503 from the registry for an unknown or not loaded model)."""
-    aengine = raw.app.state.registry.get(model).aengine
-    assert aengine is not None  # get() returns loaded models only
-    return aengine
+def _engine(raw: Request, model: str | None) -> EngineClient:
+    """The loaded model's EngineClient (404 / 503 from the registry for an unknown or not loaded model)."""
+    client = raw.app.state.registry.get(model).client
+    assert client is not None  # get() returns loaded models only
+    return client
 
 
 @debug_router.post("/start_profile")
 async def start_profile(raw: Request, body: StartProfileRequest | None = None,
                         model: str | None = ModelQuery) -> dict[str, Any]:
     body = body or StartProfileRequest(model=None, num_steps=None)
-    aengine = _engine(raw, body.model or model)
+    client = _engine(raw, body.model or model)
     try:
-        aengine.start_profile(body.num_steps)
+        client.start_profile(body.num_steps)
     except ProfilerState as e:
         raise _conflict(e) from None
     return {"status": "started", "num_steps": body.num_steps}
@@ -63,9 +63,9 @@ async def stop_profile(raw: Request, body: StopProfileRequest | None = None,
                        model: str | None = ModelQuery) -> dict[str, Any]:
     """Stop (after waiting up to wait_s for the asked steps) and return the report, its table and trace path."""
     body = body or StopProfileRequest(model=None, wait_s=0.0)
-    aengine = _engine(raw, body.model or model)
+    client = _engine(raw, body.model or model)
     try:
-        result = await aengine.stop_profile(body.wait_s)
+        result = await client.stop_profile(body.wait_s)
     except ProfilerState as e:
         raise _conflict(e) from None
     return result.as_dict()
@@ -79,9 +79,9 @@ async def debug_request(request_id: str, raw: Request) -> dict[str, Any]:
     found: list[dict[str, Any]] = []
     sizes = []
     for served in registry.loaded():
-        if (aengine := served.aengine) is not None:
-            found += aengine.explanations.get(request_id)
-            sizes.append(aengine.explanations.size)
+        if (client := served.client) is not None:
+            found += client.explanations(request_id)
+            sizes.append(client.explanation_history_size)
     if not found:
         raise APIError(404, f"no recent request {request_id!r} (only the last {max(sizes, default=0)} "
                        "finished requests per model are kept)", param="request_id", code="request_not_found",

@@ -1,11 +1,13 @@
 """The serving layer shared by the OpenAI endpoints, usable without HTTP (tests drive it directly).
 
-One API request fans out into child engine requests (`LLMEngine.make_requests`: several prompts, n > 1), ids
+The engine is reached only through its client (pdserve.engine.client.EngineClient): plain requests in, RequestOutputs
+out. One API request fans out into child engine requests (`EngineClient.process_inputs`: several prompts, n > 1), ids
 `<id>-<prompt>-<sample>`; choice index = prompt * n + sample. A serving object validates the body (bounds first,
 before any work: n, sequences, prompt characters), tokenizes in a worker thread (never on the event loop), admits
 the children all or none (429 before the response starts), then either collects them (a response dict) or streams
 them (an iterator of SSE `data:` lines). A child that fails ends the whole API request with a 500 whose body
-`code` is the child's ErrorCode. Every child writes one request-log line when it finishes, aborts included.
+`code` is the child's ErrorCode. Every child writes one request-log line when it finishes, aborts included. Usage,
+timings and the log line come from the children's final outputs, never from engine state.
 """
 
 from __future__ import annotations
@@ -16,27 +18,36 @@ import json
 import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pdserve.engine.engine import LLMEngine, PromptType
-from pdserve.engine.request import Request as EngineRequest
-from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
-from pdserve.server.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream, ShuttingDown
-from pdserve.server.errors import APIError
-from pdserve.server.metrics import Metrics
-from pdserve.server.protocol import (
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     ContentPartError,
     plain_messages,
 )
+from pdserve.api.sse import sse
+from pdserve.engine.client import (
+    EngineClient,
+    EngineDead,
+    EngineRequest,
+    PromptType,
+    QueueFull,
+    RequestStream,
+    ShuttingDown,
+)
+from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.chat_template import render_chat
+from pdserve.server.metrics import Metrics
 from pdserve.server.tenants import TenantMetrics
 from pdserve.server.tool_parsers import get_tool_parser
 from pdserve.server.tools import ChatTools, ToolPlan
+from pdserve.server.tracing import RequestTracer
 
 request_log = logging.getLogger("pdserve.requests")
 logger = logging.getLogger("pdserve.server")
@@ -64,10 +75,15 @@ class ServingOptions:
 
 @dataclass
 class Children:
-    """An API request's admitted engine requests and their output streams (same order: choice index)."""
+    """An API request's admitted engine requests, their output streams and, as they arrive, their final outputs
+    (same order: choice index)."""
 
     reqs: list[EngineRequest]
     streams: list[RequestStream]
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def final_outputs(self) -> list[RequestOutput]:
+        return [self.finals[i] for i in range(len(self.reqs))]
 
 
 @dataclass(frozen=True)
@@ -79,18 +95,16 @@ class RequestContext:
     trace_headers: dict[str, str] | None = None  # incoming W3C trace context (traceparent), for OpenTelemetry
 
 
-def sse(obj: dict[str, Any] | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 def shutting_down(e: Exception) -> APIError:
     return APIError(503, f"{e}; retry on another instance", "service_unavailable", code="server_shutting_down",
                     kind="shutting_down")
 
 
-def rejected(e: RequestRejected) -> APIError:
-    """A request refused before any work: 400 with its param and code."""
-    return APIError(400, str(e), param=e.param, code=e.code.value)
+def rejected(e: RequestRejected, param: str | None = None) -> APIError:
+    """The one mapping of a request refused before any work: 400 with its param (or `param` instead) and code; a
+    prompt over the context length counts as `context_length`."""
+    kind = "context_length" if e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else "bad_request"
+    return APIError(400, str(e), param=param or e.param, code=e.code.value, kind=kind)
 
 
 def child_error(out: RequestOutput) -> APIError:
@@ -104,9 +118,9 @@ class OpenAIServing:
 
     _DISCONNECT_POLL_S = 0.25
 
-    def __init__(self, aengine: AsyncEngine, model_name: str, metrics: Metrics | None = None,
+    def __init__(self, client: EngineClient, model_name: str, metrics: Metrics | None = None,
                  options: ServingOptions | None = None) -> None:
-        self.aengine = aengine
+        self.client = client
         self.model_name = model_name
         self.metrics = metrics
         self.options = options or ServingOptions()
@@ -115,16 +129,13 @@ class OpenAIServing:
         self.version: str | None = None
         self.config_hash: str | None = None
         self.tenant_metrics: TenantMetrics | None = None
-        self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine.max_model_len
-        tok = self.engine.tokenizer
-        self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser),
-                               self.engine.structured.json_schema_error)
+        self.tracer: RequestTracer | None = None  # OpenTelemetry (--otlp-traces-endpoint), set by the registry
+        self.model_info = client.model_info
+        self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.model_info.max_model_len
+        tok = client.tokenizer
+        self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser), client.check_json_schema)
         # token id -> its text, for logprobs (a few hot ids dominate)
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(lambda t: str(tok.decode([t])))
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.aengine.engine
 
     # ---- validation and fan-out ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -219,7 +230,7 @@ class OpenAIServing:
                      prepare: PrepareChat | None) -> dict[str, Any]:
         # without a tool plan: no tools, the history's tool calls and results mapped all the same
         plain, tools = prepare(plain) if prepare is not None else self.tools.prepare(plain, ToolPlan())
-        return self.engine.encode_chat(plain, add_generation_prompt, tools)
+        return render_chat(self.client.tokenizer, plain, add_generation_prompt, tools)
 
     async def start(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                     body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:
@@ -231,7 +242,7 @@ class OpenAIServing:
     def admit(self, reqs: list[EngineRequest], ctx: RequestContext) -> Children:
         """Hand made children to the engine, all or none (429 when the waiting queue cannot take them)."""
         try:
-            streams = self.aengine.add_requests(reqs, on_finished=lambda r: self.on_finished(r, ctx))
+            streams = self.client.add_requests(reqs, on_finished=lambda out: self.on_finished(out, ctx))
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="too_many_requests", kind="rate_limited") from e
         except ShuttingDown as e:
@@ -244,22 +255,11 @@ class OpenAIServing:
                       kv_params: dict[str, Any] | None = None, cache_salt: str | None = None,
                       priority: int = 0) -> list[EngineRequest]:
         """Tokenize and validate (no engine state touched: safe in a worker thread)."""
-        if kv_params and (len(prompts) > 1 or params.n > 1):
-            raise APIError(400, "kv_transfer_params needs a single prompt and n=1", param="kv_transfer_params")
-        if kv_params and params.prompt_logprobs is not None:  # a decode instance never computes the prompt
-            raise APIError(400, "prompt_logprobs cannot be combined with kv_transfer_params", param="prompt_logprobs",
-                           code=ErrorCode.UNSUPPORTED_PARAMETER.value)
         try:
-            reqs = self.engine.make_requests(prompts, params, base_id, cache_salt=cache_salt, priority=priority)
-            if kv_params and self.engine.kv_transfer is not None:  # signed by a trusted router, or a known peer
-                kv_params = self.engine.kv_transfer.check_params(kv_params)
+            return self.client.process_inputs(prompts, params, base_id, cache_salt=cache_salt, priority=priority,
+                                              kv_transfer_params=kv_params)
         except RequestRejected as e:
-            too_long = e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
-            raise APIError(400, str(e), param=e.param, code=e.code.value,
-                           kind="context_length" if too_long else "bad_request") from e
-        if kv_params and self.engine.kv_transfer is not None:
-            reqs[0].kv_transfer_params = kv_params
-        return reqs
+            raise rejected(e) from e
 
     # ---- running the children ------------------------------------------------------------------------------
     async def stream_all(self, children: Children) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -269,7 +269,7 @@ class OpenAIServing:
 
         async def pump(idx: int, stream: RequestStream) -> None:
             try:
-                async for out in self.aengine.stream(stream):
+                async for out in self.client.stream(stream):
                     await merged.put((idx, out))
                 await merged.put((idx, None))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
@@ -293,6 +293,8 @@ class OpenAIServing:
                 elif item.outputs[0].finish_reason == "error":
                     raise child_error(item)
                 else:
+                    if item.finished:
+                        children.finals[idx] = item
                     yield idx, item
         finally:
             for t in tasks:
@@ -300,18 +302,16 @@ class OpenAIServing:
             self.abort_unfinished(children)  # a pump cancelled before it started never aborts its child
 
     def abort_unfinished(self, children: Children) -> None:
-        for r in children.reqs:
-            if not r.is_finished:
-                self.aengine.abort(r.request_id)
+        for i, r in enumerate(children.reqs):
+            if i not in children.finals:
+                self.client.abort(r.request_id)
 
     async def collect(self, children: Children, ctx: RequestContext) -> list[RequestOutput]:
         """Run the children to completion (non-streaming); abort them if the client goes away."""
-        finals: dict[int, RequestOutput] = {}
 
         async def consume() -> None:
-            async for idx, out in self.stream_all(children):
-                if out.finished:
-                    finals[idx] = out
+            async for _ in self.stream_all(children):
+                pass
 
         task = asyncio.create_task(consume())
         try:
@@ -324,7 +324,7 @@ class OpenAIServing:
                 task.cancel()
                 self.abort_unfinished(children)
         task.result()
-        return [finals[i] for i in range(len(children.reqs))]
+        return children.final_outputs()
 
     def sse_stream(self, chunks: AsyncIterator[dict[str, Any]], children: Children) -> AsyncIterator[str]:
         """SSE lines for the chunks; an error mid-stream becomes an error event. Always ends with [DONE].
@@ -363,84 +363,86 @@ class OpenAIServing:
         return res
 
     @staticmethod
-    def usage(reqs: list[EngineRequest]) -> dict[str, Any]:
-        per_prompt = [r for r in reqs if r.sample_index == 0]  # n samples share one prompt
-        prompt = sum(r.num_prompt_tokens for r in per_prompt)
-        completion = sum(r.num_output_tokens for r in reqs)
-        cached = sum(max(r.num_cached_tokens, 0) for r in per_prompt)
+    def usage(children: Children) -> dict[str, Any]:
+        outs = children.final_outputs()
+        per_prompt = [o for r, o in zip(children.reqs, outs) if r.sample_index == 0]  # n samples share one prompt
+        prompt = sum(len(o.prompt_token_ids) for o in per_prompt)
+        completion = sum(len(o.outputs[0].token_ids) for o in outs)
+        cached = sum(o.num_cached_tokens for o in per_prompt)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def timings(self, reqs: list[EngineRequest]) -> list[dict[str, Any]]:
+    def timings(self, children: Children) -> list[dict[str, Any]]:
         """pdserve extension `pdserve_timings`: each child's phase times (seconds), by choice index."""
-        return [{"index": i, **r.times.as_dict(), **self.spec_counts(r)} for i, r in enumerate(reqs)]
+        return [{"index": i, **o.metrics.as_dict(), **self.spec_counts(o)}
+                for i, o in enumerate(children.final_outputs())]
 
-    def spec_counts(self, req: EngineRequest) -> dict[str, int]:
+    def spec_counts(self, out: RequestOutput) -> dict[str, int]:
         """Speculative decoding: the request's drafted and accepted tokens (nothing while speculation is off)."""
-        if self.engine.spec is None:
+        if not self.model_info.speculative:
             return {}
-        return {"spec_draft_tokens": req.num_draft_tokens, "spec_accepted_tokens": req.num_accepted_tokens}
+        return {"spec_draft_tokens": out.num_draft_tokens, "spec_accepted_tokens": out.num_accepted_tokens}
 
     @staticmethod
-    def kv_response(reqs: list[EngineRequest]) -> dict[str, Any]:
+    def kv_response(children: Children) -> dict[str, Any]:
         """A prefill instance's hand-off params for the router (vLLM's response field kv_transfer_params)."""
-        r = reqs[0]
-        if r.kv_transfer_params and r.kv_transfer_params.get("do_remote_decode") and r.kv_transfer_result:
-            return {"kv_transfer_params": r.kv_transfer_result}
+        res = children.finals[0].kv_transfer_result
+        if res and res.get("do_remote_prefill"):
+            return {"kv_transfer_params": res}
         return {}
 
-    def final_chunk(self, base: dict[str, Any], reqs: list[EngineRequest],
+    def final_chunk(self, base: dict[str, Any], children: Children,
                     body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any] | None:
         """The stream's last chunk (choices empty), if asked for: usage (stream_options.include_usage) and/or
         pdserve_timings (return_timings). Sent after every choice finished."""
         extra: dict[str, Any] = {}
         if body.stream_options and body.stream_options.include_usage:
-            extra["usage"] = self.usage(reqs)
+            extra["usage"] = self.usage(children)
         if body.return_timings:
-            extra["pdserve_timings"] = self.timings(reqs)
+            extra["pdserve_timings"] = self.timings(children)
         return {**base, "choices": [], **extra} if extra else None
 
-    def finish_response(self, resp: dict[str, Any], reqs: list[EngineRequest],
+    def finish_response(self, resp: dict[str, Any], children: Children,
                         body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """Add what every non-streamed reply carries after its choices: usage, hand-off params, timings."""
-        resp.update(usage=self.usage(reqs), **self.kv_response(reqs))
+        resp.update(usage=self.usage(children), **self.kv_response(children))
         if body.return_timings:
-            resp["pdserve_timings"] = self.timings(reqs)
+            resp["pdserve_timings"] = self.timings(children)
         return resp
 
     # ---- request log, tenant metrics and trace ------------------------------------------------------------
-    def on_finished(self, req: EngineRequest, ctx: RequestContext) -> None:
-        """A child finished (engine thread): its log line, its tenant's metrics, and its trace when tracing is on."""
-        self.log_finished(req, ctx.tenant)
+    def on_finished(self, out: RequestOutput, ctx: RequestContext) -> None:
+        """A child finished (engine thread, its final output): its log line, its tenant's metrics, and its trace
+        when tracing is on."""
+        self.log_finished(out, ctx.tenant)
         if self.tenant_metrics is not None:
-            self.tenant_metrics.observe_finished(self.model_name, ctx.tenant, req)
-        if (tracer := self.aengine.tracer) is not None:
-            tracer.record(req, ctx.trace_headers, {
-                "gen_ai.request.id": req.request_id, "gen_ai.response.model": self.model_name,
-                "gen_ai.usage.prompt_tokens": req.num_prompt_tokens,
-                "gen_ai.usage.completion_tokens": req.num_output_tokens,
-                "gen_ai.response.finish_reasons": [req.status.finish_reason or ""],
+            self.tenant_metrics.observe_finished(self.model_name, ctx.tenant, out)
+        if (tracer := self.tracer) is not None:
+            tracer.record(out, ctx.trace_headers, {
+                "gen_ai.request.id": out.request_id, "gen_ai.response.model": self.model_name,
+                "gen_ai.usage.prompt_tokens": len(out.prompt_token_ids),
+                "gen_ai.usage.completion_tokens": len(out.outputs[0].token_ids),
+                "gen_ai.response.finish_reasons": [out.outputs[0].finish_reason or ""],
                 **({"pdserve.tenant": ctx.tenant} if ctx.tenant else {})})
 
-    def log_finished(self, req: EngineRequest, tenant: str | None) -> None:
+    def log_finished(self, out: RequestOutput, tenant: str | None) -> None:
         """One JSON line per finished child on the `pdserve.requests` logger (and the /v1/stats tenant view)."""
         if tenant is not None and self.metrics is not None:
-            self.metrics.live.record_tenant(req, tenant)
-        t = req.times
+            self.metrics.live.record_tenant(out, tenant)
+        t = out.metrics
         rec: dict[str, Any] = {
-            "request_id": req.request_id, "model": self.model_name, "version": self.version,
-            "config_hash": self.config_hash, "tenant": tenant, "prompt_tokens": req.num_prompt_tokens,
-            "output_tokens": req.num_output_tokens, "cached_tokens": max(req.num_cached_tokens, 0),
+            "request_id": out.request_id, "model": self.model_name, "version": self.version,
+            "config_hash": self.config_hash, "tenant": tenant, "prompt_tokens": len(out.prompt_token_ids),
+            "output_tokens": len(out.outputs[0].token_ids), "cached_tokens": out.num_cached_tokens,
             "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
             "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
-            "finish_reason": req.status.finish_reason, "error": req.error, **self.spec_counts(req)}
-        if found := self.aengine.explanations.get(req.request_id):  # timeline and stall causes (explain.py)
+            "finish_reason": out.outputs[0].finish_reason, "error": out.error, **self.spec_counts(out)}
+        if found := self.client.explanations(out.request_id):  # timeline and stall causes (explain.py)
             rec["explain"] = {k: v for k, v in found[0].items() if k not in ("request_id", "parent_id",
                                                                              "finish_reason")}
-        kv = self.engine.kv_transfer
-        if kv is not None:  # PD roles: which instances served it, and the hand-off
-            rec["engine_id"] = kv.engine_id
-            res = req.kv_transfer_result or {}
+        if self.model_info.engine_id is not None:  # PD roles: which instances served it, and the hand-off
+            rec["engine_id"] = self.model_info.engine_id
+            res = out.kv_transfer_result or {}
             if res.get("do_remote_prefill"):  # prefill side: pinned for a decode instance
                 rec["kv_transfer"] = {"pinned_blocks": len(res["remote_block_ids"])}
             elif res:  # decode side: the pull

@@ -10,11 +10,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import CompletionOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import ChatCompletionRequest
 from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult, rejected
 from pdserve.server.tool_parsers import ToolCall, ToolStream
 from pdserve.server.tools import ToolPlan, tool_plan
@@ -31,7 +31,6 @@ class OpenAIServingChat(OpenAIServing):
                                         functools.partial(self.tools.prepare, plan=plan))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         children = await self.start([prompt], params, rid, body, ctx)
-        reqs = children.reqs
         created = int(time.time())
         if body.stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
@@ -42,7 +41,7 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": choices}
         if body.prompt_logprobs is not None:  # as vLLM: one list for the conversation, beside the choices
             resp["prompt_logprobs"] = self.prompt_logprobs(outs[0])
-        return self.finish_response(resp, reqs, body)
+        return self.finish_response(resp, children, body)
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         try:
@@ -112,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield {**base, "choices": [{"index": i, "delta": delta, "logprobs": lps if k == 0 else None,
                                             "finish_reason": finish if last else None,
                                             "stop_reason": c.stop_reason if last else None}]}
-        if (last_chunk := self.final_chunk(base, children.reqs, body)) is not None:
+        if (last_chunk := self.final_chunk(base, children, body)) is not None:
             yield last_chunk
 
     @staticmethod

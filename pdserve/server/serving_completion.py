@@ -7,10 +7,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.engine.engine import PromptType
-from pdserve.engine.request import Request as EngineRequest
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import CompletionRequest
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import CompletionRequest
+from pdserve.engine.client import EngineRequest, PromptType
 from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult
 
 
@@ -52,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             "stop_reason": c.stop_reason})
             if body.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = self.prompt_logprobs(out)
-        return self.finish_response({**base, "choices": choices}, reqs, body)
+        return self.finish_response({**base, "choices": choices}, children, body)
 
     async def _chunks(self, body: CompletionRequest, children: Children,
                       base: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -73,13 +72,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             yield {**base, "choices": [{"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
                                         "stop_reason": c.stop_reason}]}
-        if (last := self.final_chunk(base, reqs, body)) is not None:
+        if (last := self.final_chunk(base, children, body)) is not None:
             yield last
 
     def _echo_text(self, body: CompletionRequest, req: EngineRequest) -> str:
         if not body.echo:
             return ""
-        return req.prompt if req.prompt is not None else str(self.engine.tokenizer.decode(req.prompt_token_ids))
+        return req.prompt if req.prompt is not None else str(self.client.tokenizer.decode(req.prompt_token_ids))
 
     def _logprobs(self, out_lps: list[Any], text_offset: int) -> dict[str, Any]:
         tokens, lps, tops, offsets = [], [], [], []

@@ -1,6 +1,6 @@
 """/v1/embeddings (OpenAI): each input's mean-pooled, L2-normalised final hidden state of the served model.
 
-An input becomes a pooling engine request (`LLMEngine.make_embedding_requests`): the engine thread prefills it like
+An input becomes a pooling engine request (`EngineClient.process_embedding_inputs`): the engine thread prefills it like
 any prompt (chunked, batched with generation, preemptible), sums the final hidden states (after the model's final
 norm) of all its tokens, and finishes it without sampling; its KV blocks are freed then, as any request's.
 """
@@ -14,11 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.engine.engine import PromptType
+from pdserve.api.errors import APIError
+from pdserve.api.request_fields import EMBEDDING_REFUSED, refused_field
+from pdserve.engine.client import EngineRequest, PromptType
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.server.errors import APIError
-from pdserve.server.request_fields import EMBEDDING_REFUSED, refused_field
-from pdserve.server.serving import OpenAIServing, RequestContext
+from pdserve.server.serving import OpenAIServing, RequestContext, rejected
 
 
 class EmbeddingRequest(BaseModel):
@@ -58,7 +58,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if (name := refused_field(body.model_extra, EMBEDDING_REFUSED)) is not None:
             raise APIError(400, f"{name} is not supported by this server", param=name,
                            code=ErrorCode.UNSUPPORTED_PARAMETER.value)
-        hidden = self.engine.arch.hidden_size
+        hidden = self.model_info.hidden_size
         if body.dimensions is not None and body.dimensions != hidden:
             raise APIError(400, f"dimensions is {body.dimensions}; this model's embeddings have {hidden} (no "
                            "truncation is done: omit dimensions or send it)", param="dimensions",
@@ -78,14 +78,12 @@ class OpenAIServingEmbedding(OpenAIServing):
             vec = out.embedding or []
             data.append({"object": "embedding", "index": i,
                          "embedding": encode_base64(vec) if body.encoding_format == "base64" else vec})
-        tokens = sum(r.num_prompt_tokens for r in reqs)
+        tokens = sum(len(r.prompt_token_ids) for r in reqs)
         return {"object": "list", "data": data, "model": self.model_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    def _make(self, prompts: list[PromptType], rid: str, priority: int) -> list[Any]:
+    def _make(self, prompts: list[PromptType], rid: str, priority: int) -> list[EngineRequest]:
         try:
-            return self.engine.make_embedding_requests(prompts, rid, priority)
+            return self.client.process_embedding_inputs(prompts, rid, priority)
         except RequestRejected as e:
-            too_long = e.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
-            raise APIError(400, str(e), param="input" if e.param == "prompt" else e.param, code=e.code.value,
-                           kind="context_length" if too_long else "bad_request") from e
+            raise rejected(e, "input" if e.param == "prompt" else None) from e

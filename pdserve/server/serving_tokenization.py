@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.server.errors import APIError
-from pdserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.api.errors import APIError
+from pdserve.api.protocol import DetokenizeRequest, TokenizeRequest
 from pdserve.server.serving import OpenAIServing
 
 
@@ -18,16 +18,16 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = (await self.render_chat(body.messages))["prompt_token_ids"]
         elif body.prompt is not None:
             self.check_texts([body.prompt], "prompt")
-            ids = await self.in_thread(lambda: self.engine.tokenizer.encode(
+            ids = await self.in_thread(lambda: self.client.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens))
         else:
             raise APIError(400, "give either prompt or messages", param="prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.model_info.max_model_len}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         self.log_unknown_fields(body.model_extra)
-        vocab = self.engine.arch.vocab_size
+        vocab = self.model_info.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": await self.in_thread(self.engine.tokenizer.decode, body.tokens)}
+        return {"prompt": await self.in_thread(self.client.tokenizer.decode, body.tokens)}

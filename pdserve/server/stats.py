@@ -20,15 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.api.dashboard_page import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from pdserve.bench.diagnose.rules import Thresholds, analyze_window, ttft_limit_ms
 from pdserve.bench.diagnose.stats import RunStats
-from pdserve.engine.engine import StepStats
-from pdserve.engine.request import Request
+from pdserve.engine.client import StepStats
+from pdserve.outputs import RequestOutput
 from pdserve.roofline import DeviceSpec, RooflineMeter
 
-MAX_WINDOW_S = 900.0  # the longest window a snapshot may ask for
 SNAPSHOT_MAX_AGE_S = 1.0  # /v1/stats answers from a snapshot at most this old
-DEFAULT_WINDOW_S = 60.0
 MAX_STEPS = 30_000  # ~15 min of 30 ms steps
 MAX_REQUESTS = 20_000
 MAX_ITL = 100_000
@@ -145,19 +144,18 @@ class LiveStats:
                 self._s.itl.popleft()
             self._s.itl.append((now, gap))
 
-    def _sample(self, req: Request, tenant: str | None) -> RequestSample:
-        t = req.times
-        return RequestSample(self.clock(), tenant, req.status.finish_reason or "error", req.num_prompt_tokens,
-                             req.num_output_tokens, t.ttft, t.tpot, t.e2e, t.queue_time, t.prefill_time,
-                             t.decode_time)
+    def _sample(self, out: RequestOutput, tenant: str | None) -> RequestSample:
+        t, comp = out.metrics, out.outputs[0]
+        return RequestSample(self.clock(), tenant, comp.finish_reason or "error", len(out.prompt_token_ids),
+                             len(comp.token_ids), t.ttft, t.tpot, t.e2e, t.queue_time, t.prefill_time, t.decode_time)
 
-    def record_finished(self, req: Request) -> None:
-        s = self._sample(req, None)
+    def record_finished(self, out: RequestOutput) -> None:
+        s = self._sample(out, None)
         with self._lock:
             _prune(self._s.requests, s.t - MAX_WINDOW_S)
             self._s.requests.append(s)
 
-    def record_tenant(self, req: Request, tenant: str) -> None:
+    def record_tenant(self, out: RequestOutput, tenant: str) -> None:
         """A finished request of a tenant (the serving layer knows it; the per-tenant view). Past MAX_TENANTS
         distinct tenants, new ones count under OTHER_TENANT."""
         if tenant not in self._tenants:
@@ -165,7 +163,7 @@ class LiveStats:
                 tenant = OTHER_TENANT
             else:
                 self._tenants.add(tenant)
-        s = self._sample(req, tenant)
+        s = self._sample(out, tenant)
         with self._lock:
             _prune(self._s.tenant_requests, s.t - MAX_WINDOW_S)
             self._s.tenant_requests.append(s)

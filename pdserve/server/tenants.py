@@ -10,7 +10,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pdserve.engine.request import Request
+from pdserve.outputs import RequestOutput
 from pdserve.server.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 
 OTHER = "other"
@@ -48,11 +48,11 @@ class TenantMetrics:
                 return tenant
         return OTHER
 
-    def observe_finished(self, model: str, tenant: str | None, req: Request) -> None:
-        """An engine request finished (any way: aborts and errors included)."""
-        t, lbl = req.times, (model, self.label(tenant))
-        self.requests.labels(*lbl, req.status.finish_reason or "error").inc()
-        self.gen_tokens.labels(*lbl).inc(req.num_output_tokens)
+    def observe_finished(self, model: str, tenant: str | None, out: RequestOutput) -> None:
+        """An engine request finished (any way: aborts and errors included): its final output."""
+        t, lbl = out.metrics, (model, self.label(tenant))
+        self.requests.labels(*lbl, out.outputs[0].finish_reason or "error").inc()
+        self.gen_tokens.labels(*lbl).inc(len(out.outputs[0].token_ids))
         for hist, value in ((self.ttft, t.ttft), (self.tpot, t.tpot), (self.queue, t.queue_time)):
             if value is not None:
                 hist.labels(*lbl).observe(value)

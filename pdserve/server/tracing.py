@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.engine.request import Request
+from pdserve.outputs import RequestOutput
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -51,12 +51,12 @@ class RequestTracer:
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._offset_ns
 
-    def record(self, req: Request, headers: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> None:
-        """One finished request as a span tree (call once, when it finished)."""
+    def record(self, out: RequestOutput, headers: Mapping[str, str] | None, attributes: Mapping[str, Any]) -> None:
+        """One finished request (its final output) as a span tree (call once, when it finished)."""
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
-        t = req.times
+        t = out.metrics
         end = t.finished if t.finished is not None else time.perf_counter()
         parent = self.propagator.extract(carrier=dict(headers)) if headers else None
         span = self.tracer.start_span("llm_request", context=parent, kind=SpanKind.SERVER,
@@ -64,7 +64,7 @@ class RequestTracer:
         ctx = trace.set_span_in_context(span)
         sched = t.first_scheduled
         self._child("queue", ctx, t.arrival, sched if sched is not None else end)
-        res = req.kv_transfer_result or {}
+        res = out.kv_transfer_result or {}
         if sched is not None and res and not res.get("do_remote_prefill"):  # PD decode role: the pull began here
             kv_attrs = {k: res[k] for k in ("bytes", "ok", "remote_engine_id") if res.get(k) is not None}
             self._child("kv_transfer", ctx, sched, sched + float(res.get("seconds") or 0.0), kv_attrs)
@@ -73,8 +73,8 @@ class RequestTracer:
             self._child("prefill", ctx, sched, t.first_token if t.first_token is not None else end, {}, events)
         if t.first_token is not None:
             self._child("decode", ctx, t.first_token, end, {"tokens": max(len(t.token_times) - 1, 0)})
-        if req.error is not None:
-            span.set_status(Status(StatusCode.ERROR, req.error))
+        if out.error is not None:
+            span.set_status(Status(StatusCode.ERROR, out.error))
         span.end(end_time=self._ns(end))
 
     def _child(self, name: str, ctx: Any, start: float, end: float, attributes: Mapping[str, Any] | None = None,

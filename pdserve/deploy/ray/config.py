@@ -96,7 +96,7 @@ class RayServeConfig:
         for k in ("kv_role", "kv_host", "kv_port", "num_threads", "host", "port"):
             if k in self.engine:
                 raise RayConfigError(f"engine.{k} is set per replica by the deployment; remove it")
-        from pdserve.disagg.router_serving import RouterConfig
+        from pdserve.router.serving import RouterConfig
 
         router_fields = {f.name for f in dataclasses.fields(RouterConfig)} - {"prefill", "decode"}
         bad = sorted(set(self.router) - router_fields)

@@ -21,9 +21,9 @@ from fastapi.responses import PlainTextResponse
 
 from pdserve.deploy.ray.directory import get_directory, pools
 from pdserve.deploy.ray.metrics import merge
-from pdserve.disagg.router import create_router_app
-from pdserve.disagg.router_serving import RouterConfig
-from pdserve.disagg.trust import secret_from_env
+from pdserve.kv_transfer.trust import secret_from_env
+from pdserve.router.app import create_router_app
+from pdserve.router.serving import RouterConfig
 
 
 class OpenAIIngress:

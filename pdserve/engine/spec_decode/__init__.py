@@ -1,78 +1,34 @@
-"""Speculative decoding, engine side: which decodes speculate, their drafts, and the acceptance counters.
+"""Speculative decoding, engine side: which requests speculate, how many drafts fit a step, and the counters.
 
-A speculating decode row carries its newest token plus k drafted tokens; the model layer verifies the drafts in the
-same forward pass (pdserve/model/spec_sampler.py) and returns the accepted drafts followed by one more token (the
-correction at the first rejected position, or a bonus token after the last draft). The engine then appends those
-tokens in order, as if decoded one by one (stop strings, stop tokens and max_tokens apply to each in turn), counts
-only the accepted drafts as computed, and frees the blocks that only rejected drafts used.
+Drafts come from the model runner's drafter (pdserve/model/spec): after a step, it proposes drafts for the requests
+the scheduler marked (ScheduledRequest.propose_drafts, up to num_speculative_tokens each), and the scheduler keeps
+them as the request's `spec_token_ids`. At the request's next step the scheduler puts as many of them as the policy
+plans (policy.py, guard.py) and the token budget leaves into its row; the runner verifies them in the same forward
+pass (rejection_sampler.py) and returns the accepted drafts followed by one more token (the correction at the first
+rejected position, or a bonus token after the last draft). The scheduler then appends those tokens in order, as if
+decoded one by one (stop tokens and max_tokens apply to each in turn; stop strings too, found by the output
+processor), counts only the accepted drafts as computed, and frees the blocks that only rejected drafts used.
 
 Which requests speculate: every decode except those with structured output (their grammar matcher cannot be rolled
-back). Logprobs, penalties, min_tokens, logit_bias, seeds and n > 1 are supported (each position is sampled with
-the same transforms as a plain decode). A seeded request draws from its own generator; its output is reproducible
-for the same drafts, i.e. the same speculative config, batch-size switch and token budget.
+back) and pooling requests. Logprobs, penalties, min_tokens, logit_bias, seeds and n > 1 are supported (each
+position is sampled with the same transforms as a plain decode). A seeded request draws from its own generator; its
+output is reproducible for the same drafts, i.e. the same speculative config, batch-size switch and token budget.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from pdserve.config import SpeculativeConfig
 from pdserve.engine.request import Request
-from pdserve.engine.spec_decode.draft_model import DraftModelProposer, DraftTarget
 from pdserve.engine.spec_decode.guard import SpecGuard
-from pdserve.engine.spec_decode.ngram import NgramProposer
-from pdserve.engine.spec_decode.policy import Predict, SpecPolicy
-from pdserve.engine.spec_decode.proposer import RESERVED, Proposer
-from pdserve.engine.spec_decode.suffix import SuffixProposer
-
-
-@dataclass
-class SpecDecodeStats:
-    """Totals since start, under vLLM's metric names (spec_decode_num_*_total)."""
-
-    num_drafts: int = 0  # decode rows that carried at least one draft token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
-    disabled_steps: dict[str, int] = field(default_factory=dict)  # reason -> steps with decodes but no drafts
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted <= 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafted
-        self.num_accepted_tokens += num_accepted
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per speculating step: 1 + accepted drafts on average (vLLM's mean acceptance length)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-
-def make_proposer(config: SpeculativeConfig, target: DraftTarget | None = None) -> Proposer:
-    """The proposer of `config.method` (config.py's SPEC_METHODS lists the methods that exist); `target`: what a
-    draft model must match (the engine's model), for draft_model."""
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    if config.method == "suffix":
-        return SuffixProposer(config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_cached_requests,
-                              config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
-    if config.method == "draft_model":
-        if target is None:
-            raise ValueError("speculative_config: draft_model needs the engine's target model to load against")
-        return DraftModelProposer.load(config, target)
-    raise ValueError(f"speculative_config: method {config.method!r} has no proposer")
+from pdserve.engine.spec_decode.policy import PROBE_EVERY, Predict, SpecPolicy
+from pdserve.engine.spec_decode.stats import SpecDecodeStats
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None,
-                 predict: Predict | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, predict: Predict | None = None) -> None:
         """`predict`: the step time model (StepBudget.predict) that the `auto` policy weighs drafts with."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = proposer if proposer is not None else make_proposer(config)
         self.policy = SpecPolicy(self.k, config.policy == "auto", predict)
         self.guard = SpecGuard() if self.policy.auto else None  # "always" drafts whatever it measures
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k, disabled_steps=self.policy.disabled_steps)
@@ -93,35 +49,32 @@ class SpecDecoder:
             return False
         return self.policy.plan([r for r in decodes if self.eligible(r)], num_prefilling)
 
+    def num_drafts(self, req: Request, budget: int) -> int:
+        """How many of the request's proposals (spec_token_ids) its row takes this step: what the policy planned,
+        what its max_tokens leaves (one token always comes from the target) and `budget`."""
+        k = min(self.policy.k_for.get(req.request_id, 0), req.max_tokens - req.num_output_tokens - 1, budget)
+        return max(min(k, len(req.spec_token_ids)), 0) if self.eligible(req) else 0
+
+    def num_to_propose(self, req: Request, num_decoding: int) -> int:
+        """After a step where `num_decoding` requests sample, how many drafts to ask the drafter for this request
+        (for its next step): none where the next step will not speculate (the batch-size switch, the guard's
+        measurement, an auto policy that is off and owes the request no probe) or its max_tokens leaves no room."""
+        if not self.eligible(req) or not self.enabled_for_step(num_decoding):
+            return 0
+        if self.guard is not None and not self.guard.allow(num_decoding):
+            return 0
+        p = self.policy
+        if p.auto and p.state != "on" and p.idle.get(req.request_id, 0) + 1 < PROBE_EVERY:
+            return 0
+        return max(0, min(self.k, req.max_tokens - req.num_output_tokens - 2))
+
     @staticmethod
     def eligible(req: Request) -> bool:
         return req.matcher is None and not req.pooling
 
-    def propose(self, req: Request, max_tokens: int) -> tuple[list[int], int]:
-        """Drafts for a decoding request (at most the policy's k and what its max_tokens leaves; a batched
-        proposer answers with RESERVED slots that `fill` replaces once the step's decodes are known), and the
-        token budget they take, at most max_tokens: the drafts plus the context a draft model must first catch up
-        on. A request too far behind for the budget catches up in chunks and drafts in a later step."""
-        k = min(self.policy.k_for.get(req.request_id, 0), req.max_tokens - req.num_output_tokens - 1)
-        if k <= 0 or max_tokens <= 0 or not self.eligible(req):
-            return [], 0
-        behind = self.proposer.num_behind(req)
-        k = min(k, max_tokens - behind)
-        if k <= 0:
-            return [], self.proposer.catch_up(req, max_tokens)
-        drafts = self.proposer.propose(req, k)
-        return drafts, (len(drafts) + behind) if drafts else 0
-
-    def fill(self, reqs: list[Request]) -> None:
-        """After scheduling: a batched proposer drafts for the step's speculating decodes at once."""
-        if self.proposer.batched:
-            self.proposer.fill(reqs)
-            assert all(RESERVED not in r.spec_token_ids for r in reqs), "a batched proposer left a slot unfilled"
-
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         self.stats.observe(num_drafted, num_accepted)
         self.policy.observe(req, num_drafted, num_accepted)
-        self.proposer.on_verified(req, num_drafted, num_accepted)
 
     def observe_step(self, num_decodes: int, num_emitted: int, num_draft_tokens: int, seconds: float | None,
                      predicted: float | None) -> None:
@@ -135,12 +88,8 @@ class SpecDecoder:
         if self.guard is not None:
             self.guard.observe(num_decodes, num_emitted, seconds)
 
-    def on_preempted(self, req: Request) -> None:
-        self.proposer.on_preempted(req)
-
     def on_finished(self, req: Request) -> None:
         self.policy.forget(req)
-        self.proposer.on_finished(req)
 
 
-__all__ = ["DraftTarget", "Proposer", "SpecDecodeStats", "SpecDecoder", "make_proposer"]
+__all__ = ["SpecDecodeStats", "SpecDecoder"]

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.disagg.connector import KVConnector, KVTransferError, LoadJob, LoadResult, PinTable, check_compatible
+from pdserve.kv_transfer.connector import KVConnector, KVTransferError, LoadJob, LoadResult, PinTable, check_compatible
 
-logger = logging.getLogger("pdserve.disagg")
+logger = logging.getLogger("pdserve.kv_transfer")
 
 
 LOAD_WORKERS = 4  # concurrent pulls; more queue

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.disagg.router_metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger("pdserve.router")
 

@@ -10,14 +10,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.sampling_params import SamplingParams, StructuredOutputs
-from pdserve.server.request_fields import (
+from pdserve.api.request_fields import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
     STREAM_OPTIONS_REFUSED,
     refused_field,
 )
+from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.sampling_params import SamplingParams, StructuredOutputs
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 

@@ -14,8 +14,8 @@ prompt token and samples the first output token here (greedy output equals coloc
 from the prompt or failed, per `kv_load_failure_policy`. A request aborted during its pull keeps its blocks until
 the pull ends (the connector thread may still be writing them), then they are freed here.
 
-KVTransferManager implements the engine's `pdserve.engine.kv_transfer.KVTransfer`; it never touches the
-scheduler's queues.
+KVTransferManager implements `pdserve.kv_transfer.base.KVTransfer` (what the engine and scheduler call); it never
+touches the scheduler's queues, and reaches requests and blocks through base.py's structural types.
 """
 
 from __future__ import annotations
@@ -23,27 +23,20 @@ from __future__ import annotations
 import array
 import hashlib
 import logging
-import socket
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pdserve.disagg.connector import KVConnector, LoadJob, Pin, PinTable
-from pdserve.disagg.factory import make_connector
-from pdserve.disagg.trust import trust_from_config
-from pdserve.engine.block_manager import BlockManager, KVCacheBlock
-from pdserve.engine.kv_transfer import FinishedLoad
-from pdserve.engine.request import Request, RequestStatus
 from pdserve.errors import RequestRejected
+from pdserve.kv_transfer.base import FinishedLoad, FinishStatus, KVBlocks, KVRequest
+from pdserve.kv_transfer.connector import KVConnector, LoadJob, Pin
+from pdserve.kv_transfer.trust import trust_from_config
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
 
-logger = logging.getLogger("pdserve.disagg")
+logger = logging.getLogger("pdserve.kv_transfer")
 
 
 @dataclass
@@ -58,7 +51,7 @@ class KVTransferStats:
 
 @dataclass
 class PendingLoad:
-    request: Request
+    request: KVRequest
     num_tokens: int  # prompt tokens whose KV the pull provides (together with prefix-cache hits)
     num_cached: int  # of which were prefix-cache hits (not pulled)
     started: float
@@ -71,14 +64,13 @@ def prompt_hash(token_ids: Sequence[int]) -> str:
 
 
 class KVTransferManager:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, kv_cache: torch.Tensor,
-                 connector: KVConnector | None = None) -> None:
+    def __init__(self, config: EngineConfig, block_manager: KVBlocks, connector: KVConnector) -> None:
+        """`connector` (not yet started) shares this manager's `pins` and `engine_id`: factory.py builds both."""
         self.timeout = config.kv_transfer_timeout
         self.block_manager = block_manager
-        self.pins = PinTable()
-        self.engine_id = f"{config.kv_role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-        self.connector = connector or make_connector(config.kv_connector, self.engine_id, kv_cache, config.kv_host,
-                                                     config.kv_port, self.pins, config.kv_transfer_timeout)
+        self.pins = connector.pins
+        self.engine_id = connector.engine_id
+        self.connector = connector
         self.connector.start()
         self.trust = trust_from_config(config)
         logger.info("KV transfer (%s role): %s", config.kv_role, self.trust.describe())
@@ -116,7 +108,7 @@ class KVTransferManager:
         return self.trust.verify(params)
 
     # ---- decode side ---------------------------------------------------------------------------------------
-    def wants_remote_load(self, req: Request, num_cached: int) -> bool:
+    def wants_remote_load(self, req: KVRequest, num_cached: int) -> bool:
         """True when the request should pull KV before computing. Consumes the params either way, so a later
         recompute (preemption, failed pull) never pulls again."""
         p = req.kv_transfer_params
@@ -141,7 +133,7 @@ class KVTransferManager:
         self.connector.send_release(p)
         return False
 
-    def _check_params(self, req: Request, p: dict[str, Any]) -> str | None:
+    def _check_params(self, req: KVRequest, p: dict[str, Any]) -> str | None:
         for key in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids"):
             if p.get(key) is None:
                 return f"kv_transfer_params lacks {key}"
@@ -160,7 +152,7 @@ class KVTransferManager:
             return "remote_block_ids cover fewer tokens than the prompt"
         return None
 
-    def start_load(self, req: Request, computed_blocks: Sequence[KVCacheBlock], num_cached: int) -> bool:
+    def start_load(self, req: KVRequest, computed_blocks: Sequence[Any], num_cached: int) -> bool:
         """Allocate blocks for all prompt tokens but the last and start pulling the ones not cached here.
         Returns False (changing nothing) when the blocks cannot be had now; the scheduler sets the status."""
         n_load = req.num_prompt_tokens - 1
@@ -179,7 +171,7 @@ class KVTransferManager:
         return True
 
     # ---- both sides ----------------------------------------------------------------------------------------
-    def on_finish(self, req: Request, status: RequestStatus) -> bool:
+    def on_finish(self, req: KVRequest, status: FinishStatus) -> bool:
         """Called by the scheduler when a request finishes. True: the manager keeps the request's blocks (a pin,
         or a pull still writing them); False: the scheduler frees them as usual."""
         rid = req.request_id
@@ -188,8 +180,7 @@ class KVTransferManager:
             self.orphans.add(rid)
             return True
         p = req.kv_transfer_params
-        if not p or not p.get("do_remote_decode") or status not in (RequestStatus.FINISHED_STOPPED,
-                                                                     RequestStatus.FINISHED_LENGTH):
+        if not p or not p.get("do_remote_decode") or status.finish_reason not in ("stop", "length"):
             return False
         try:  # pins only for the router (the server verified the params already)
             self.trust.verify(p)

@@ -1,9 +1,15 @@
-"""AsyncEngine: the engine loop in its own thread, per-request output streams for asyncio handlers.
+"""EngineClient: the server's one face of an engine (vLLM's EngineClient), over plain data.
 
-HTTP work (parsing, JSON, SSE writes) happens on the event-loop thread, tokenizing in worker threads; the engine
-thread only drains a command queue (adds, aborts) and steps. An API request's children are admitted all or none
-(`add_requests`), before its response starts. Torch kernels release the GIL, so the event loop keeps serving clients
-while a step runs. An abort (client gone) is applied before the next step starts.
+What a server may do with an engine: process inputs (prompts -> validated requests; a worker thread may call it),
+add requests all or none and stream their RequestOutputs, abort, read the tokenizer and the model's facts
+(ModelInfo), the published KV state (KVSnapshot), per-request explanations, and profile steps. The server reads a
+request only for its inputs (id, prompt, token ids, fan-out indices); what became of it comes in RequestOutputs. So
+the engine core could move to a process of its own behind this same face (issue 28).
+
+In-process, the engine runs in its own thread (EngineThread): HTTP work (parsing, JSON, SSE writes) happens on the
+event-loop thread, tokenizing in worker threads; the engine thread only drains a command queue (adds, aborts) and
+steps. Torch kernels release the GIL, so the event loop keeps serving clients while a step runs. An abort (client
+gone) is applied before the next step starts.
 """
 
 from __future__ import annotations
@@ -16,19 +22,29 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from pdserve.engine.engine import LLMEngine, StepResult, StepStats
-from pdserve.engine.explain import ExplanationHistory, RequestExplainer
+from pdserve.config import EngineConfig
+from pdserve.engine.engine import LLMEngine, PromptType, StepResult
+from pdserve.engine.engine_thread import EngineThread, StepTurns
+from pdserve.engine.explain import ExplanationHistory, RequestExplainer, StallThreshold
+from pdserve.engine.messages import SchedulerStats, StepStats
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler import StepKind
+from pdserve.engine.spec_decode.stats import SpecDecodeStats
+from pdserve.kv_transfer.base import FinishedLoad
+from pdserve.model.inputs import StepKind
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
-from pdserve.server.metrics import Metrics
+from pdserve.roofline import DeviceSpec
+from pdserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.server.tracing import RequestTracer
-logger = logging.getLogger("pdserve.async_engine")
+logger = logging.getLogger("pdserve.engine_client")
+
+EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
+
+__all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVSnapshot", "LLMEngine",
+           "ModelInfo", "ProfilerState", "PromptType", "QueueFull", "RequestStream", "SchedulerStats",
+           "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
 
 
 class QueueFull(RuntimeError):
@@ -48,6 +64,23 @@ class ProfilerState(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """What a server knows of the model an engine serves."""
+
+    model: str  # the model's path or name, as configured
+    max_model_len: int
+    vocab_size: int
+    hidden_size: int  # an embedding's dimension
+    dtype: str
+    kernels: str  # resolved: "native" | "torch"
+    kv_role: str  # "both" | "prefill" | "decode" (PD disaggregation)
+    engine_id: str | None  # PD roles: this instance's id in KV hand-offs
+    speculative: bool  # speculative decoding is on: outputs report drafted and accepted tokens
+    device: DeviceSpec | None  # the peaks the live roofline measures MFU/MBU against (None: unknown)
+    peak_flops: float
+
+
+@dataclass(frozen=True)
 class KVSnapshot:
     """Block-manager and KV-transfer state as the engine thread last saw it (after a step, or while idle).
     Immutable, so the event loop reads it without racing the engine thread that changes the live state."""
@@ -59,16 +92,26 @@ class KVSnapshot:
     num_requests_holding_blocks: int
     num_pinned_blocks: int  # PD prefill role: blocks held for decode instances to pull
     num_requests_loading_kv: int  # PD decode role: requests whose prompt KV is being pulled
+    num_pinned_requests: int = 0  # PD prefill role: requests whose blocks are pinned
 
     @classmethod
     def of(cls, engine: LLMEngine) -> KVSnapshot:
         """Build on the engine thread (or before it starts)."""
         bm, kv = engine.block_manager, engine.kv_transfer
         return cls(bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks, len(bm.cached), len(bm.req_blocks),
-                   kv.num_pinned_blocks if kv is not None else 0, kv.num_loading if kv is not None else 0)
+                   kv.num_pinned_blocks if kv is not None else 0, kv.num_loading if kv is not None else 0,
+                   kv.num_pinned_requests if kv is not None else 0)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class StatLogger(Protocol):
+    """Where the engine thread reports steps and outputs (the server's metrics)."""
+
+    def observe_step(self, step: StepStats, sched: SchedulerStats) -> None: ...
+
+    def observe_output(self, out: RequestOutput) -> None: ...
 
 
 @dataclass
@@ -78,7 +121,11 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     request: Request
-    on_finished: Callable[[Request], None] | None = None  # runs on the engine thread once, aborts included
+    on_finished: Callable[[RequestOutput], None] | None = None  # runs on the engine thread once, aborts included
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
     def deliver(self, item: RequestOutput | BaseException) -> None:
         """Hand an item to the consumer's event loop (from the engine thread)."""
@@ -88,73 +135,15 @@ class RequestStream:
             pass
 
 
-class EngineThread:
-    """The one thread that runs torch in a server: it builds the engine, then runs the engine loop.
-
-    Why one thread: PyTorch's OpenMP team belongs to the thread that first runs a parallel op. When the main thread
-    loads the model (creating its team) and another thread then steps the engine, every step of the second
-    thread's team is ~1.6x slower on this 2-core machine (decode step 26 ms offline vs 43 ms; measured with the
-    same engine, main thread vs a second thread). Building and stepping in the same thread avoids it."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            fn, fut = task
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                fut.set_exception(exc)
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._tasks.put((fn, fut))
-        return fut
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        return self.submit(fn).result()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """End the thread once the tasks queued before this ran (an unloaded model's thread does not linger)."""
-        self._tasks.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-
-class StepTurns:
-    """Several models in one server take turns at stepping: one engine step runs at a time, granted in arrival
-    order (a ticket lock), so k busy models get about 1/k of the steps each and every step has all the CPU threads
-    (engines stepping at once would oversubscribe the cores: OpenMP teams spin against each other). An idle model
-    takes no turns. Each step is bounded by its engine's token budget (max_num_batched_tokens, max_step_ms)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._next_ticket = 0
-        self._serving = 0
-
-    def __enter__(self) -> None:
-        with self._cond:
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            while ticket != self._serving:
-                self._cond.wait()
-
-    def __exit__(self, *exc: object) -> None:
-        with self._cond:
-            self._serving += 1
-            self._cond.notify_all()
-
-
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: Metrics | None = None,
+class EngineClient:
+    def __init__(self, engine: LLMEngine, stat_logger: StatLogger | None = None,
                  max_waiting_requests: int | None = None, engine_thread: EngineThread | None = None,
                  step_turns: StepTurns | None = None) -> None:
-        self.engine = engine
-        self.step_turns = step_turns  # several models: steps take turns across the server
-        self.metrics = metrics
+        """Serve `engine` (built on `engine_thread`, which then runs its loop; None: a thread of its own).
+        `step_turns`: several models in one server take turns at stepping."""
+        self._engine = engine
+        self.step_turns = step_turns
+        self.stat_logger = stat_logger
         self.max_waiting_requests = max_waiting_requests
         self._cmds: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -171,13 +160,87 @@ class AsyncEngine:
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
         # per-request explanations (GET /debug/requests/{id}, the log line's `explain`), made as requests finish
-        self.explainer = RequestExplainer(engine.step_log)
-        self.explanations = ExplanationHistory()
+        self._explainer = RequestExplainer(engine.step_log)
+        self._explanations = ExplanationHistory()
         # profiler by phase (/start_profile, /stop_profile): the profiler lives on the engine thread
-        self.profiler_dir: str | None = None
-        self.tracer: RequestTracer | None = None  # OpenTelemetry (--otlp-traces-endpoint), set by the app
+        self._profiler_dir: str | None = None
         self._profiler: PhaseProfiler | None = None
         self._profile_done: Future[ProfileResult] | None = None  # set while a profile is open
+        roof, kv = engine.roofline, engine.kv_transfer
+        self.model_info = ModelInfo(
+            engine.config.model or engine.model_name, engine.max_model_len, engine.arch.vocab_size,
+            engine.arch.hidden_size, str(engine.config.torch_dtype).removeprefix("torch."), engine.kernels,
+            engine.config.kv_role, kv.engine_id if kv is not None else None, engine.spec is not None, roof.device,
+            roof.peak_flops)
+
+    @classmethod
+    def build(cls, config: EngineConfig, engine_thread: EngineThread, device_peaks: DeviceSpec | None = None,
+              load_progress: Callable[[float, str], None] | None = None, **kw: Any) -> EngineClient:
+        """Build the engine on `engine_thread` (blocking: the weights load) and serve it."""
+        engine = engine_thread.call(lambda: LLMEngine(config, device_peaks=device_peaks, load_progress=load_progress))
+        return cls(engine, engine_thread=engine_thread, **kw)
+
+    # ---- what the server may know ----------------------------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's options (effective)."""
+        return self._engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer: encode, decode and the chat template (thread-safe; use off the event loop)."""
+        return self._engine.tokenizer
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    @property
+    def kv_snapshot(self) -> KVSnapshot:
+        """The latest published KV state; safe to read from any thread."""
+        return self._kv_snapshot
+
+    def check_json_schema(self, schema: dict[str, Any]) -> str | None:
+        """Why `schema` cannot constrain output (structured output), or None."""
+        return self._engine.structured.json_schema_error(schema)
+
+    def explanations(self, request_id: str) -> list[dict[str, Any]]:
+        """The explanation of a finished request, or of each child of API request `request_id`."""
+        return self._explanations.get(request_id)
+
+    @property
+    def explanation_history_size(self) -> int:
+        return self._explanations.size
+
+    def configure_introspection(self, explain_itl_threshold: str = "2x", history: int = 1000,
+                                profiler_dir: str | None = None) -> None:
+        """Explanations' stall threshold (explain.StallThreshold.parse) and history size; profile traces' dir."""
+        self._explainer.threshold = StallThreshold.parse(explain_itl_threshold)
+        self._explanations.size = history
+        self._profiler_dir = profiler_dir
+
+    def observe_kv_transfer(self, on_load: Callable[[FinishedLoad], None], on_pin_timeout: Callable[[], None]) -> bool:
+        """PD roles: call `on_load` for every KV pull that ends and `on_pin_timeout` for every pin freed unclaimed
+        (from the engine or connector threads). False: this engine hands off no KV."""
+        kv = self._engine.kv_transfer
+        if kv is None:
+            return False
+        kv.on_load, kv.on_pin_timeout = on_load, on_pin_timeout
+        return True
+
+    # ---- inputs (any thread: no engine state touched) ----------------------------------------------------------
+    def process_inputs(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
+                       cache_salt: str | None = None, priority: int = 0,
+                       kv_transfer_params: dict[str, Any] | None = None) -> list[EngineRequest]:
+        """Tokenize, validate and fan out one API request (InputProcessor.make_requests); RequestRejected when it
+        can never be served. Call in a worker thread: tokenizing and grammar compiling take time."""
+        return self._engine.input_processor.make_requests(prompts, params, parent_id, cache_salt=cache_salt,
+                                                          priority=priority, kv_transfer_params=kv_transfer_params)
+
+    def process_embedding_inputs(self, prompts: list[PromptType], parent_id: str,
+                                 priority: int = 0) -> list[EngineRequest]:
+        """One pooling (embedding) request per prompt (InputProcessor.make_embedding_requests)."""
+        return self._engine.input_processor.make_embedding_requests(prompts, parent_id, priority)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -185,6 +248,10 @@ class AsyncEngine:
             self._loop_done = self._engine_thread.submit(self._loop)
         else:
             self._thread.start()
+
+    def close(self) -> None:
+        """Release the engine's background parts without a loop ever started (shutdown does it otherwise)."""
+        self._engine.close()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort whatever still runs and stop the engine thread."""
@@ -197,25 +264,14 @@ class AsyncEngine:
                 self._loop_done.result(timeout)
         elif self._thread.is_alive():
             self._thread.join(timeout)
-        self.engine.close()
-        if self.tracer is not None:
-            self.tracer.shutdown()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
-    @property
-    def kv_snapshot(self) -> KVSnapshot:
-        """The latest published KV state; safe to read from any thread."""
-        return self._kv_snapshot
+        self._engine.close()
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_requests(self, requests: list[Request],
-                     on_finished: Callable[[Request], None] | None = None) -> list[RequestStream]:
+                     on_finished: Callable[[RequestOutput], None] | None = None) -> list[RequestStream]:
         """Admit an API request's children all or none (raises QueueFull, EngineDead or ShuttingDown before any is
         added), then hand them to the engine. Call on the event loop; read each returned stream with `stream`.
-        `on_finished` runs on the engine thread when a child finishes, however it ends."""
+        `on_finished` runs on the engine thread with a child's final output, however it ends."""
         if self.dead is not None:
             raise EngineDead(f"engine loop died: {self.dead!r}")
         if self.closed:
@@ -250,7 +306,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self.abort(stream.request.request_id)
+                self.abort(stream.request_id)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Admit one request and yield its outputs (`add_requests` + `stream`)."""
@@ -266,7 +322,7 @@ class AsyncEngine:
             streams = list(self._streams.values())
         for s in streams:
             s.deliver(ShuttingDown(reason))
-            self.abort(s.request.request_id)
+            self.abort(s.request_id)
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -274,7 +330,7 @@ class AsyncEngine:
 
     # ---- engine thread -------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        eng = self.engine
+        eng = self._engine
         try:
             while not self._stop.is_set():
                 self._drain_commands()
@@ -304,7 +360,7 @@ class AsyncEngine:
                 s.deliver(EngineDead(f"engine loop died: {exc!r}"))
 
     def _drain_commands(self) -> None:
-        eng = self.engine
+        eng = self._engine
         while True:
             try:
                 kind, arg = self._cmds.get_nowait()
@@ -331,21 +387,18 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
-        if stream is not None and out.finished:
-            self._explain(stream.request)
-        if stream is not None and out.finished and stream.on_finished is not None:
-            try:
-                stream.on_finished(stream.request)
-            except Exception:  # a logging callback never takes the engine loop down
-                logger.exception("on_finished callback failed")
-        if self.metrics is not None and stream is not None:
-            req = stream.request
-            if out.outputs[0].delta_token_ids:
-                self.metrics.observe_token(req, len(out.outputs[0].delta_token_ids))
-            if out.finished:
-                self.metrics.observe_finished(req)
-        if stream is not None:
-            stream.deliver(out)
+        if stream is None:
+            return
+        if out.finished:
+            self._explain(stream.request, out)
+            if stream.on_finished is not None:
+                try:
+                    stream.on_finished(out)
+                except Exception:  # a logging callback never takes the engine loop down
+                    logger.exception("on_finished callback failed")
+        if self.stat_logger is not None:
+            self.stat_logger.observe_output(out)
+        stream.deliver(out)
 
     def _step(self, eng: LLMEngine) -> StepResult:
         """One engine step: under the server's step turns when several models share it, profiled when asked."""
@@ -356,23 +409,23 @@ class AsyncEngine:
 
     def _observe(self, stats: StepStats) -> None:
         """Record a step (an idle one records nothing but refreshes the gauges, which aborts change)."""
-        eng, m = self.engine, self.metrics
-        if m is None:
+        if self.stat_logger is None:
             return
-        bm = eng.block_manager
-        m.observe_step(stats, eng.scheduler.num_running, eng.scheduler.num_waiting, bm.usage,
-                       bm.stats.queries, bm.stats.hits, eng.scheduler.num_preemptions)
-        if eng.spec is not None:
-            m.observe_spec(eng.spec.stats)
+        eng = self._engine
+        bm, sched = eng.block_manager, eng.scheduler
+        self.stat_logger.observe_step(stats, SchedulerStats(
+            sched.num_running, sched.num_waiting, bm.usage, bm.stats.queries, bm.stats.hits, sched.num_preemptions,
+            eng.spec.stats if eng.spec is not None else None))
 
-    def _explain(self, req: Request) -> None:
+    def _explain(self, req: Request, out: RequestOutput) -> None:
         """Keep a finished request's explanation (engine thread; never takes the loop down)."""
         try:
-            self.explanations.add(req.request_id, {"request_id": req.request_id, "parent_id": req.parent_id,
-                                                   "finish_reason": req.status.finish_reason,
-                                                   **self.explainer.explain(req)})
+            reason = out.outputs[0].finish_reason
+            self._explanations.add(out.request_id, {
+                "request_id": out.request_id, "parent_id": req.parent_id, "finish_reason": reason,
+                **self._explainer.explain(out.request_id, out.metrics, reason, out.kv_transfer_result)})
         except Exception:
-            logger.exception("explaining request %s failed", req.request_id)
+            logger.exception("explaining request %s failed", out.request_id)
 
     # ---- profiler by phase ---------------------------------------------------------------------------------
     def start_profile(self, num_steps: int | None) -> None:
@@ -405,8 +458,8 @@ class AsyncEngine:
     def _begin_profile(self, num_steps: int | None) -> None:
         assert self._profile_done is not None
         try:
-            self._profiler = PhaseProfiler(num_steps, self.profiler_dir, self.engine.roofline.device,
-                                           self.engine.config.torch_dtype)
+            self._profiler = PhaseProfiler(num_steps, self._profiler_dir, self._engine.roofline.device,
+                                           self._engine.config.torch_dtype)
         except Exception as exc:  # e.g. a bad step count: the waiting /stop_profile gets it
             self._profile_done.set_exception(exc)
 

@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdserve.engine.request import Request
-from pdserve.engine.spec_decode.proposer import Proposer
+from pdserve.model.spec.proposer import DraftRequest, Proposer
 
 
 class _Node:
@@ -142,12 +141,19 @@ class SuffixProposer(Proposer):
         self.min_token_prob = min_token_prob
         self.global_trie = SuffixTrie(max_tree_depth)
         self.cached: OrderedDict[str, list[int]] = OrderedDict()  # request id -> output added to the global trie
+        self.indexes: dict[str, _RequestIndex] = {}  # request id -> its own trie
 
-    def propose(self, req: Request, k: int) -> list[int]:
-        index = req.spec_index
-        if not isinstance(index, _RequestIndex):
-            index = req.spec_index = _RequestIndex(self.max_depth)
-        tokens = req.all_token_ids
+    def propose(self, reqs: list[DraftRequest], budget: int) -> dict[str, list[int]]:
+        out = {}
+        for r in reqs:
+            if drafts := self._propose(r.req_id, r.token_ids, r.k):
+                out[r.req_id] = drafts
+        return out
+
+    def _propose(self, req_id: str, tokens: list[int], k: int) -> list[int]:
+        index = self.indexes.get(req_id)
+        if index is None:
+            index = self.indexes[req_id] = _RequestIndex(self.max_depth)
         index.extend(tokens)  # only the tokens appended since the last proposal
         context = tokens[-(self.max_depth - 1):]
         draft, score = index.trie.speculate(context, k, self.max_spec_factor, self.min_token_prob)
@@ -157,19 +163,15 @@ class SuffixProposer(Proposer):
                 draft = other
         return draft
 
-    def on_preempted(self, req: Request) -> None:
-        pass  # the index covers tokens, not KV: a recompute changes nothing
-
-    def on_finished(self, req: Request) -> None:
-        req.spec_index = None
-        output = list(req.output_token_ids)
+    def on_finished(self, req_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.indexes.pop(req_id, None)
+        output = list(token_ids[num_prompt_tokens:])
         if self.max_cached <= 0 or not output:
             return
-        key = req.request_id
-        if key in self.cached:  # an id reused: replace its old output
-            self.global_trie.remove(self.cached.pop(key))
+        if req_id in self.cached:  # an id reused: replace its old output
+            self.global_trie.remove(self.cached.pop(req_id))
         self.global_trie.add(output)
-        self.cached[key] = output
+        self.cached[req_id] = output
         while len(self.cached) > self.max_cached:
             _, evicted = self.cached.popitem(last=False)
             self.global_trie.remove(evicted)

@@ -1,6 +1,6 @@
 """The PD router's serving object: runs each request's prompt on a prefill instance and its decode on a decode
 instance, handing the KV over with vLLM's `kv_transfer_params` (so any pdserve or vLLM NixlConnector pair can sit
-behind it). It speaks HTTP to the instances only; the routes in `router.py` parse the client's request and wrap
+behind it). It speaks HTTP to the instances only; the routes in `app.py` parse the client's request and wrap
 the result.
 
     client ──► router ──(body + max_tokens=1, stream=false, kv_transfer_params{do_remote_decode})──► prefill
@@ -9,7 +9,7 @@ the result.
                ◄── tokens (SSE or JSON), relayed as they come
 
 Trust: with a shared secret (`kv_transfer_secret`) the router signs every kv_transfer_params it sends, to prefill
-and decode instances alike (pdserve/disagg/trust.py); instances act on hand-off params only when signed.
+and decode instances alike (pdserve/kv_transfer/trust.py); instances act on hand-off params only when signed.
 
 Failures (every wait is bounded by a timeout):
 - prefill fails (connection error, 5xx, 429, timeout, its instance turns unhealthy while it runs, or it refuses the
@@ -46,12 +46,13 @@ import httpx
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from pdserve.disagg.router_metrics import RouterMetrics, RouteTrace
-from pdserve.disagg.router_pool import Attempt, Instance, InstanceFailed, InstanceRegistry, Tries
-from pdserve.disagg.trust import sign_kv_transfer_params
+from pdserve.api.errors import APIError, validation_message
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.sse import sse
 from pdserve.errors import ErrorCode
-from pdserve.server.errors import APIError, error_body, validation_message
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.kv_transfer.trust import sign_kv_transfer_params
+from pdserve.router.metrics import RouterMetrics, RouteTrace
+from pdserve.router.pool import Attempt, Instance, InstanceFailed, InstanceRegistry, Tries
 
 logger = logging.getLogger("pdserve.router")
 
@@ -89,15 +90,9 @@ class RouterConfig:
         self.decode = [u.rstrip("/") for u in self.decode]
 
 
-class RouterError(Exception):
-    """A failure the router reports itself, as an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, type_: str = "server_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.type, None, self.code)
+def upstream_error(message: str) -> APIError:
+    """A failure the router reports itself: no instance could serve the request (502)."""
+    return APIError(502, message, "server_error", kind="upstream")
 
 
 class UpstreamRejected(Exception):
@@ -107,13 +102,14 @@ class UpstreamRejected(Exception):
         super().__init__(f"upstream answered {status}")
         self.status, self.content = status, content
 
-    def as_router_error(self) -> RouterError:
+    def as_api_error(self) -> APIError:
+        """The instance's error as it answered it (its OpenAI body when it sent one)."""
         try:
             err = json.loads(self.content)["error"]
-            return RouterError(self.status, str(err.get("message")), str(err.get("type", "invalid_request_error")),
-                               err.get("code"))
+            return APIError(self.status, str(err.get("message")), str(err.get("type", "invalid_request_error")),
+                            code=err.get("code"), kind="upstream")
         except (ValueError, KeyError, TypeError, AttributeError):
-            return RouterError(self.status, self.content.decode(errors="replace")[:500], "invalid_request_error")
+            return APIError(self.status, self.content.decode(errors="replace")[:500], kind="upstream")
 
 
 class ClientDisconnected(Exception):
@@ -195,10 +191,6 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None, secret: str
     if params:
         b["kv_transfer_params"] = sign_kv_transfer_params(params, secret)
     return b
-
-
-def sse(obj: dict[str, Any] | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
 def has_token(chunk: dict[str, Any]) -> bool:
@@ -288,7 +280,7 @@ class RouterServing:
         except UpstreamRejected as exc:
             tr.outcome, tr.error = "error", f"upstream {exc.status}"
             return RoutedResponse(exc.status, exc.content)
-        except RouterError as exc:
+        except APIError as exc:
             tr.outcome, tr.error = "error", exc.message
             return RoutedResponse(exc.status, json.dumps(exc.body()).encode())
         except ClientDisconnected:
@@ -310,8 +302,8 @@ class RouterServing:
             async with aclosing(self._decode_stream(path, body, params, tr)) as events:
                 async for event in events:
                     yield event
-        except (RouterError, UpstreamRejected) as exc:
-            err = exc if isinstance(exc, RouterError) else exc.as_router_error()
+        except (APIError, UpstreamRejected) as exc:
+            err = exc if isinstance(exc, APIError) else exc.as_api_error()
             tr.outcome, tr.error = "error", err.message
             yield sse(err.body())
             yield sse("[DONE]")
@@ -334,7 +326,8 @@ class RouterServing:
                 if r.status_code != 200:
                     raise InstanceFailed(f"answered {r.status_code}")
                 return RoutedResponse(200, r.content)
-        return RoutedResponse(502, json.dumps(RouterError(502, "no decode instance answered").body()).encode())
+        err = upstream_error("no decode instance answered")
+        return RoutedResponse(502, json.dumps(err.body()).encode())
 
     def health(self) -> tuple[int, dict[str, Any]]:
         ok, pools = self.registry.health()
@@ -352,7 +345,7 @@ class RouterServing:
         return params
 
     async def _prefill(self, path: str, body: dict[str, Any], tr: RouteTrace) -> dict[str, Any] | None:
-        """Run the prompt on a prefill instance; None when none could (recompute). Raises RouterError or
+        """Run the prompt on a prefill instance; None when none could (recompute). Raises APIError or
         UpstreamRejected."""
         pbody = prefill_body(body, self.cfg.kv_transfer_secret)
         timeout = httpx.Timeout(self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
@@ -371,14 +364,14 @@ class RouterServing:
                     tr.prefill_engine_id = params.get("remote_engine_id")
                 return params or None
         if self.cfg.on_prefill_failure == "fail":
-            raise RouterError(502, f"no prefill instance could serve the request: {tries.last}")
+            raise upstream_error(f"no prefill instance could serve the request: {tries.last}")
         logger.warning("request %s: no prefill succeeded (%s); the decode instance computes the prompt",
                        tr.request_id, tries.last)
         return None
 
     def _decode_tries(self, tr: RouteTrace,
                       params: dict[str, Any] | None) -> Iterator[tuple[Attempt, dict[str, Any] | None]]:
-        """Decode attempts with the kv_transfer_params each should carry; raises RouterError when none is left."""
+        """Decode attempts with the kv_transfer_params each should carry; raises APIError when none is left."""
         tries = Tries(self.registry.decode, self.cfg.max_decode_attempts,
                       on_retry=self.metrics.retries.labels("decode").inc, log_prefix=f"request {tr.request_id}: ")
         for attempt in tries:
@@ -393,7 +386,7 @@ class RouterServing:
                              attempt.inst.url)
                 params, tr.recomputed, tr.decode_attempts = None, True, tr.decode_attempts + 1
                 yield Attempt(attempt.inst, tries), None  # the same instance computes the prompt
-        raise RouterError(502, f"no decode instance could serve the request: {tries.last}")
+        raise upstream_error(f"no decode instance could serve the request: {tries.last}")
 
     async def _decode_json(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
                            tr: RouteTrace) -> RoutedResponse:
@@ -446,5 +439,5 @@ class RouterServing:
                         yield sse(data)
                     raise InstanceFailed("the stream ended without [DONE]")
             if emitted:
-                raise RouterError(502, f"the decode instance failed after tokens were streamed ({attempt.failure}); "
-                                  "not retried so that no token is repeated")
+                raise upstream_error(f"the decode instance failed after tokens were streamed ({attempt.failure}); "
+                                     "not retried so that no token is repeated")

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.request import Request
-from pdserve.engine.spec_decode.proposer import Proposer
+from pdserve.model.spec.proposer import DraftRequest, Proposer
 
 
 class NgramIndex:
@@ -67,9 +66,17 @@ class NgramProposer(Proposer):
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[str, NgramIndex] = {}  # request id -> its n-gram index
 
-    def propose(self, req: Request, k: int) -> list[int]:
-        index = req.spec_index
-        if not isinstance(index, NgramIndex):
-            index = req.spec_index = NgramIndex(self.min_n, self.max_n)
-        return index.propose(req.all_token_ids, k)
+    def propose(self, reqs: list[DraftRequest], budget: int) -> dict[str, list[int]]:
+        out = {}
+        for r in reqs:
+            index = self.indexes.get(r.req_id)
+            if index is None:
+                index = self.indexes[r.req_id] = NgramIndex(self.min_n, self.max_n)
+            if drafts := index.propose(r.token_ids, r.k):
+                out[r.req_id] = drafts
+        return out
+
+    def on_finished(self, req_id: str, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.indexes.pop(req_id, None)

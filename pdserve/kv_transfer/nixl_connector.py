@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.disagg.connector import KVTransferError, LoadJob, PinTable, check_compatible
-from pdserve.disagg.zmq_connector import ZmqConnector, encode_json
+from pdserve.kv_transfer.connector import KVTransferError, LoadJob, PinTable, check_compatible
+from pdserve.kv_transfer.zmq_connector import ZmqConnector, encode_json
 
-logger = logging.getLogger("pdserve.disagg")
+logger = logging.getLogger("pdserve.kv_transfer")
 
 
 def nixl_memory(device: torch.device) -> tuple[str, int]:

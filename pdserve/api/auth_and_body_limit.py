@@ -9,8 +9,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.server.errors import APIError, error_response
-from pdserve.server.metrics import Metrics
+from pdserve.api.errors import APIError, ErrorCounter, error_response
 
 # Paths that need the API key (when one is set); /health and /metrics stay open for probes.
 _KEYED_PREFIXES = ("/v1", "/debug", "/docs", "/redoc")
@@ -26,7 +25,7 @@ class AuthAndBodyLimitMiddleware:
     The body is read here in full (it is needed in full anyway) and replayed to the app; later receives (the
     app listening for a disconnect) go to the client."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: Metrics,
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ErrorCounter,
                  body_read_timeout: float = 30.0) -> None:
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
         self.api_key = api_key.encode() if api_key else None

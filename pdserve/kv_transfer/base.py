@@ -1,4 +1,6 @@
-"""The KV-transfer seam: what the engine and scheduler need from PD disaggregation (pdserve.disagg implements it).
+"""The KV-transfer seam: what the engine and scheduler need from PD disaggregation (`KVTransfer`, implemented by
+manager.py), and what the transfer side needs from the engine's objects (`KVRequest`, `KVBlocks`, `FinishStatus`:
+structural types, so this package imports nothing from the engine).
 
 The transfer side allocates and pins blocks and runs the connector; it never moves requests between the
 scheduler's queues. It reports finished pulls as `FinishedLoad`s and the scheduler applies them
@@ -9,11 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from pdserve.engine.block_manager import KVCacheBlock
-    from pdserve.engine.request import Request, RequestStatus
+from typing import Any, Protocol
 
 
 @dataclass
@@ -26,6 +24,41 @@ class FinishedLoad:
     error: str | None = None  # on failure: why, worded for the request's error
     num_bytes: int = 0
     seconds: float = 0.0
+
+
+class KVRequest(Protocol):
+    """What the transfer side reads and writes on a request (the engine's Request has these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None  # as sent by the router
+    kv_transfer_result: dict[str, Any] | None  # what happened, reported in the response and the request log
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class KVBlocks(Protocol):
+    """The block manager's part the transfer side uses (only on the engine thread)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def get_block_ids(self, request_id: str) -> list[int]: ...
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, computed_blocks: Sequence[Any]) -> bool: ...
+
+    def free(self, request_id: str) -> None: ...
+
+
+class FinishStatus(Protocol):
+    """How a request finished (the engine's RequestStatus): OpenAI's finish_reason, `stop` or `length` when it
+    ended normally."""
+
+    @property
+    def finish_reason(self) -> str | None: ...
 
 
 class KVTransfer(Protocol):
@@ -50,15 +83,15 @@ class KVTransfer(Protocol):
         allowed peer); raises RequestRejected otherwise, having contacted nothing."""
         ...
 
-    def wants_remote_load(self, request: Request, num_cached: int) -> bool:
+    def wants_remote_load(self, request: KVRequest, num_cached: int) -> bool:
         """True when the waiting request should pull its prompt's KV instead of computing it."""
         ...
 
-    def start_load(self, request: Request, computed_blocks: Sequence[KVCacheBlock], num_cached: int) -> bool:
+    def start_load(self, request: KVRequest, computed_blocks: Sequence[Any], num_cached: int) -> bool:
         """Allocate the request's blocks and start the pull; False (nothing changed) when blocks are short."""
         ...
 
-    def on_finish(self, request: Request, status: RequestStatus) -> bool:
+    def on_finish(self, request: KVRequest, status: FinishStatus) -> bool:
         """A request finished. True: the transfer side keeps (and later frees) its blocks."""
         ...
 

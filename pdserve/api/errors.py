@@ -1,21 +1,26 @@
-"""API errors in OpenAI's body, {"error": {"message", "type", "param", "code"}}, and the app's exception handlers.
+"""API errors in OpenAI's body, {"error": {"message", "type", "param", "code"}}, and the exception handlers of the
+server's and the router's apps.
 
-Each error also names a `kind`: the label it is counted under by Metrics.error.
+Each error also names a `kind`: the label it is counted under by the app's metrics (`ErrorCounter.error`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.server.metrics import Metrics
+logger = logging.getLogger("pdserve.api")
 
-logger = logging.getLogger("pdserve.server")
+
+class ErrorCounter(Protocol):
+    """What the guards and handlers count refused requests on (the server's Metrics, the router's RouterMetrics)."""
+
+    def error(self, kind: str) -> None: ...
 
 
 class APIError(Exception):
@@ -50,7 +55,7 @@ def validation_message(e: RequestValidationError) -> APIError:
     return APIError(400, msg or "invalid request", param=".".join(loc) or None)
 
 
-def install_exception_handlers(app: FastAPI, metrics: Metrics) -> None:
+def install_exception_handlers(app: FastAPI, metrics: ErrorCounter) -> None:
     """Every error leaves as an OpenAI error body and counts once in the error metrics."""
 
     @app.exception_handler(APIError)

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from pdserve.disagg.router_pool import Instance
-from pdserve.disagg.router_serving import FORWARDED_HEADERS, RouterServing
-from pdserve.server.errors import APIError
-from pdserve.server.routes_dashboard import stats_envelope
+from pdserve.api.dashboard_page import stats_envelope
+from pdserve.api.errors import APIError
+from pdserve.router.pool import Instance
+from pdserve.router.serving import FORWARDED_HEADERS, RouterServing
 
 
 async def instance_stats(serving: RouterServing, inst: Instance, window: float,

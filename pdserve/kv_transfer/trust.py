@@ -25,12 +25,15 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.config import KV_TRANSFER_SECRET_ENV, EngineConfig
+from pdserve.config import KV_TRANSFER_SECRET_ENV
 from pdserve.errors import ErrorCode, RequestRejected
 
-logger = logging.getLogger("pdserve.disagg")
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig
+
+logger = logging.getLogger("pdserve.kv_transfer")
 
 SIGNATURE_FIELD = "signature"
 MAX_REMOTE_BLOCKS = 1 << 20  # remote_block_ids longer than this cannot be a real prompt's

@@ -1,6 +1,7 @@
 """`pdserve router`: the PD disaggregation router's HTTP app. The routes are thin: they parse the client's request
-and hand it to `RouterServing` (router_serving.py: the prefill -> decode hand-off, retries, streaming relay);
-instances, health and the least-loaded choice live in router_pool.py.
+and hand it to `RouterServing` (serving.py: the prefill -> decode hand-off, retries, streaming relay); instances,
+health and the least-loaded choice live in pool.py. The router speaks HTTP to its instances only: it loads neither
+torch nor the engine (tests/test_architecture.py checks it).
 """
 
 from __future__ import annotations
@@ -8,25 +9,19 @@ from __future__ import annotations
 import argparse
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
-from pdserve.disagg.router_pool import Instance, Pool
-from pdserve.disagg.router_serving import RoutedResponse, RouterConfig, RouterServing, parse_body
-from pdserve.disagg.router_stats import router_stats
-from pdserve.disagg.trust import secret_from_env
-from pdserve.server.auth_and_body_limit import AuthAndBodyLimitMiddleware
-from pdserve.server.errors import install_exception_handlers
-from pdserve.server.routes_dashboard import WindowQuery, page_router
-
-if TYPE_CHECKING:
-    from pdserve.server.metrics import Metrics
-
-__all__ = ["Instance", "Pool", "RouterConfig", "RouterServing", "add_router_parser", "create_router_app"]
+from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
+from pdserve.api.dashboard_page import WindowQuery, page_router
+from pdserve.api.errors import install_exception_handlers
+from pdserve.kv_transfer.trust import secret_from_env
+from pdserve.router.serving import RoutedResponse, RouterConfig, RouterServing, parse_body
+from pdserve.router.stats import router_stats
 
 
 def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -42,10 +37,10 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.serving = serving
     # the server's guards and error bodies: a body over the cap is refused before it is read (413), every error
-    # leaves as an OpenAI body. They only call `error(kind)` on their metrics, which RouterMetrics has.
-    metrics = cast("Metrics", serving.metrics)
-    app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes, metrics=metrics)
-    install_exception_handlers(app, metrics)
+    # leaves as an OpenAI body, counted by RouterMetrics.error
+    app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes,
+                       metrics=serving.metrics)
+    install_exception_handlers(app, serving.metrics)
 
     async def route(path: str, raw: Request) -> Response:
         body = parse_body(path, await raw.body())  # APIError -> 400 with an OpenAI body
