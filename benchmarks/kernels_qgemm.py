@@ -1,15 +1,16 @@
-"""pack_gguf's GEMMs (csrc/qgemm*.cpp) side by side with today's quant_linear and torch's F.linear on the
-dequantized weight (fp32 and bf16), at the linear shapes of SmolLM2-135M and Llama-shaped 1.7B and 7B models.
+"""pack_gguf's GEMMs (csrc/qgemm*.cpp) side by side with torch's F.linear on the dequantized weight (fp32 and
+bf16), at the linear shapes of SmolLM2-135M and Llama-shaped 1.7B and 7B models. (BENCHMARKS.md's tables from
+before 2026-12-02 10:00 UTC also have a column for quant_linear, the GGUF kernels pack_gguf replaced.)
 
     PYTHONPATH=. .venv/bin/python benchmarks/kernels_qgemm.py [--sizes 135M,1.7B,7B] [--types Q4_0,Q4_K,Q6_K,Q8_0]
         [--ms 1,4,16,32,64,512] [--levels avx2,avx512,amx] [--threads 2] [--clock wall|cpu] [--cold-mib 512]
 
 Every implementation of a row runs in the same process, one after another, on the same activations. M = 1 (decode
 GEMV): each call reads a weight not read since at least --cold-mib MiB of other copies (a model's layers stream from
-DRAM the same way); reported as GB/s of the bytes the implementation reads (packed qgemm bytes, the GGUF bytes for
-quant_linear, 4 or 2 bytes a weight for torch) next to the machine's stream bandwidth measured at the start. M > 1:
-one weight, GMAC/s. `--clock cpu` times with the calling thread's CPU time and one thread (on a shared, loaded
-machine wall time measures the neighbours; CPU time measures the kernels); `--clock wall` with perf_counter.
+DRAM the same way); reported as GB/s of the bytes the implementation reads (packed qgemm bytes, 4 or 2 bytes a
+weight for torch) next to the machine's stream bandwidth measured at the start. M > 1: one weight, GMAC/s.
+`--clock cpu` times with the calling thread's CPU time and one thread (on a shared, loaded machine wall time
+measures the neighbours; CPU time measures the kernels); `--clock wall` with perf_counter.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from pdserve.kernels.gguf_random import BLOCKS, random_blocks
 
 # hidden, intermediate, heads, kv heads, head dim
 SIZES = {"135M": (576, 1536, 9, 3, 64), "1.7B": (2048, 8192, 32, 32, 64), "7B": (4096, 11008, 32, 32, 128)}
-LEGACY = {"Q4_0", "Q4_1", "Q8_0"}  # what quant_linear takes
 
 
 @dataclass
@@ -81,7 +81,6 @@ class Weights:
     """One linear's weight in every form a row compares (M = 1 forms as rotations of cold copies)."""
 
     packed: list[Any]
-    gguf: list[torch.Tensor]
     f32: list[torch.Tensor]
     bf16: list[torch.Tensor]
 
@@ -94,7 +93,6 @@ def make_weights(mod: Any, name: str, n: int, k: int, cold_bytes: int, need_cold
     first = mod.pack_gguf(raw, tid, k)
     nc = copies(first.nbytes, cold_bytes) if need_cold else 1
     packed = [first] + [mod.pack_gguf(raw, tid, k) for _ in range(nc - 1)]
-    gguf = [raw] + [raw.clone() for _ in range(copies(raw.numel(), cold_bytes) - 1 if need_cold else 0)]
     f32: list[torch.Tensor] = []
     bf16: list[torch.Tensor] = []
     if with_torch:
@@ -102,7 +100,7 @@ def make_weights(mod: Any, name: str, n: int, k: int, cold_bytes: int, need_cold
         f32 = [wf] + [wf.clone() for _ in range(copies(wf.numel() * 4, cold_bytes) - 1 if need_cold else 0)]
         wb = wf.to(torch.bfloat16)
         bf16 = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2, cold_bytes) - 1 if need_cold else 0)]
-    return Weights(packed, gguf if name in LEGACY else [], f32, bf16)
+    return Weights(packed, f32, bf16)
 
 
 def rate(seconds: float, m: int, n: int, k: int, nbytes: int) -> str:
@@ -120,7 +118,7 @@ def time_rotating(clock: Clock, ws: list[Any], fn: Callable[[Any], object], m: i
 
 def row_cells(mod: Any, clock: Clock, w: Weights, name: str, m: int, n: int, k: int, levels: list[str],
               baselines: bool) -> tuple[list[str], float, float]:
-    """Timings of one (linear, type, M): our kernels per level, then quant_linear, torch fp32, torch bf16 (or
+    """Timings of one (linear, type, M): our kernels per level, then torch fp32, torch bf16 (or
     empty cells). Returns the cells, our best time and torch fp32's time (nan when not run)."""
     x = torch.randn(m, k)
     cells, best = [], math.inf
@@ -130,12 +128,6 @@ def row_cells(mod: Any, clock: Clock, w: Weights, name: str, m: int, n: int, k: 
         best = min(best, t)
         cells.append(rate(t, m, n, k, w.packed[0].nbytes))
     mod.set_active_isa(mod.cpu_isa())
-    if w.gguf:
-        tid = BLOCKS[name][0]
-        t = time_rotating(clock, w.gguf, lambda g: mod.quant_linear(x, g, tid), m)
-        cells.append(rate(t, m, n, k, w.gguf[0].numel()))
-    else:
-        cells.append("")
     t32 = math.nan
     if baselines:
         t32 = time_rotating(clock, w.f32, lambda wf: F.linear(x, wf), m)
@@ -151,8 +143,8 @@ def run_size(mod: Any, clock: Clock, size: str, types: list[str], ms: list[int],
              cold_bytes: int) -> None:
     print(f"\n### {size}: hidden {SIZES[size][0]}, intermediate {SIZES[size][1]}\n")
     print("| linear N x K | type | packed MB (x GGUF) | M | " + " | ".join(f"qgemm {lv}" for lv in levels)
-          + " | quant_linear | torch fp32 | torch bf16 | best qgemm vs fp32 |")
-    print("|---" * (len(levels) + 8) + "|")
+          + " | torch fp32 | torch bf16 | best qgemm vs fp32 |")
+    print("|---" * (len(levels) + 7) + "|")
     for lin, n, k in linears(size):
         for ti, name in enumerate(types):
             if k % BLOCKS[name][1]:

@@ -64,7 +64,8 @@ def main() -> int:
     modes = [("float32", None, "torch", False, 256), ("float32", None, "native", True, 4),
              ("float32", None, "native", True, 256), ("float32", "int8", "native", False, 4),
              ("float32", "int4", "native", False, 4), ("float32", "int8", "torch", False, 4),
-             ("float32", "int8", "torch", False, 256), ("bfloat16", None, "torch", False, 256)]
+             ("float32", "int8", "torch", False, 256), ("bfloat16", None, "torch", False, 256),
+             ("bfloat16", None, "native", True, 256)]
     tok = None
     ref: torch.Tensor | None = None
     rows = []
@@ -80,7 +81,8 @@ def main() -> int:
         secs = time.perf_counter() - t0
         target = torch.tensor(ids[1:])
         nll = -lp[:-1].gather(1, target.unsqueeze(1)).mean().item()
-        label = "native GGUF blocks" if blocks else f"{kernels} {dtype_name}" + (f"+{quant}" if quant else "")
+        label = f"native GGUF blocks, {dtype_name} KV" if blocks else f"{kernels} {dtype_name}" + (
+            f"+{quant}" if quant else "")
         row = {"mode": f"{label} (chunks of {chunk})",
                "weight_bytes": runner.weight_bytes, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
                "seconds": round(secs, 2)}

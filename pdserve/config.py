@@ -57,6 +57,15 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return getattr(torch, dtype_name(name))  # type: ignore[no-any-return]
 
 
+def dtype_reason(name: str) -> str:
+    """Why `--dtype name` resolved as it did, for the start-up log and `pdserve calc --measure`."""
+    if name != "auto":
+        return "as asked"
+    if cpu_has_native_bf16():
+        return "this CPU multiplies bf16 natively (AVX512-BF16 / AMX)"
+    return "no native bf16 on this CPU"
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "ki": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "mi": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "gi": 2**30, "t": 10**12,
@@ -321,8 +330,10 @@ class EngineConfig:
         None, "a model name (`smollm2-135m`, `gemma3-270m`), a `.gguf` file or a Hugging Face directory",
         "`smollm2-135m`")
     dtype: str = option(
-        "auto", "`float32` or `bfloat16`; `auto` takes bf16 only where the CPU has native bf16 matmul (AVX-512 bf16 "
-        "/ AMX), else fp32 (on AVX2, bf16 matmuls are emulated and ~8x slower)")
+        "auto", "`float32` or `bfloat16`: with the native kernels, how float weights and the KV cache are stored "
+        "(activations are float32 inside; GGUF blocks stay as stored); with `--kernels torch`, the compute dtype. "
+        "`auto`: bfloat16 where the CPU has native bf16 (AVX512-BF16 / AMX), else float32 (on AVX2, bf16 matmuls "
+        "in PyTorch are emulated and ~8x slower)")
     seed: int = option(0, "seed of torch's global generator (requests sample with their own `seed`)")
     max_model_len: int | None = option(
         None, "longest prompt + output; at most the model's max_position_embeddings", "the model's")
@@ -358,9 +369,11 @@ class EngineConfig:
     # runtime
     num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")
     kernels: str = option(
-        "auto", "`native`: pdserve's C++ CPU kernels (GGUF Q4_0/Q4_1/Q8_0 and `--quantization` weights read as "
-        "stored, paged attention in place, fused layer ops; float32 activations), `torch`: the PyTorch reference "
-        "path, `auto`: native where built and the dtype is float32")
+        "auto", "`native`: pdserve's C++ CPU kernels: every matrix packed once at load (GGUF types as stored, "
+        "K-quants included; float weights in `dtype`; `--quantization` blocks), GEMMs on the CPU's dot-product "
+        "instructions (AMX, AVX512-BF16, VNNI, AVX2; chosen at run time), paged attention in place, the whole stack "
+        "in one native call; `torch`: the PyTorch reference path; `auto`: native wherever the kernels are built "
+        "(dtype float32 or bfloat16)")
     device: str = option(
         "cpu", "`cpu` or `cuda` (one GPU: weights, KV cache and sampling on it; fails at start-up where "
         "torch.cuda.is_available() is false)")
@@ -381,11 +394,12 @@ class EngineConfig:
         "the preset of the GPU's name), a preset "
         "(`h100`, ...), `FLOPS,BYTES_PER_S`, or `off`")
     linear_backend: str = option(
-        "auto", "`auto`/`onednn`: oneDNN with weights packed once at load (fp32, where available); `torch`: plain "
-        "`F.linear`")
+        "auto", "with `--kernels torch`: `auto`/`onednn`: oneDNN with weights packed once at load (fp32, where "
+        "available); `torch`: plain `F.linear` (the native kernels pack every weight themselves)")
     quantization: str | None = option(
         None, "weight-only quantization of a float checkpoint: `int8` (native: Q8_0 blocks, a scale per 32 "
-        "weights; torch: per output channel) or `int4` (native only: Q4_1 blocks); GGUF files keep their own types")
+        "weights, packed as a GGUF file's are; torch: per output channel) or `int4` (native only: Q4_1 blocks); "
+        "GGUF files keep their own types")
     # PD disaggregation (pdserve.kv_transfer)
     kv_role: str = option("both", "PD disaggregation role: `both` (colocated), `prefill` or `decode` (`--role` on "
                           "`serve`)")

@@ -150,9 +150,20 @@ def test_real_270m_matches_transformers(real_reference: dict[str, Any], kernels_
               num_kv_blocks=256, max_num_batched_tokens=256)
     arch = llm.engine.runner.model.cfg
     assert arch.sliding_window == 512 and arch.layer_types.count("full_attention") == 3 and arch.head_dim == 256
-    outs = llm.generate([{"prompt_token_ids": p} for p in real_reference["ids"]], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == real_reference["tokens"]
-    assert "杭州" in outs[1].outputs[0].text
+    ids, ref = real_reference["ids"], real_reference["tokens"]
+    if kernels_choice == "torch":  # fp32 end to end: the same greedy tokens
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert "杭州" in outs[1].outputs[0].text
+        return
+    # The native GGUF GEMMs quantize activations to int8 per 32 values (as llama.cpp does), so near-tied greedy
+    # choices may flip and the texts then diverge: judged teacher-forced instead, on transformers' continuation.
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p + t} for p, t in zip(ids, ref)], params)
+    ranks = [o.prompt_logprobs[len(p) + i].rank for o, p, t in zip(outs, ids, ref)  # type: ignore[index,union-attr]
+             for i in range(len(t))]
+    top1 = sum(r == 1 for r in ranks) / len(ranks)
+    assert top1 >= 0.9, (top1, ranks)
 
 
 @pytest.mark.slow

@@ -241,3 +241,26 @@ def test_errors(mod: Any) -> None:
             fn()
     assert mod.pack_gguf(w, 12, 256).forward(torch.zeros(0, 256)).shape == (0, 4)
     assert mod.pack_gguf_types()["Q4_K"] == 12
+
+
+@pytest.mark.usefixtures("isa_all")
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_stacked_parts_compute_what_each_part_does(mod: Any, m: int) -> None:
+    """stack_packed (a fused q/k/v of Q4_K, Q4_K and Q6_K parts): each output column is bitwise what its part
+    computes alone, with the bias; rows, dequantize and the byte count follow the parts."""
+    rng = np.random.default_rng(m)
+    k = 256
+    parts = [(name, random_blocks(rng, n, k, name)) for name, n in (("Q4_K", 48), ("Q6_K", 17), ("Q8_0", 16))]
+    packed = [pack(mod, w, name, k) for name, w in parts]
+    stacked = mod.stack_packed(packed)
+    assert stacked.shape == (81, k) and stacked.type_name == "Q4_K+Q6_K+Q8_0"
+    assert stacked.nbytes == sum(p.nbytes for p in packed)
+    x = torch.from_numpy(random_acts(rng, m, k))
+    bias = torch.from_numpy(rng.standard_normal(81).astype(np.float32))
+    expected = torch.cat([p.forward(x, b) for p, b in zip(packed, bias.split([48, 17, 16]))], dim=1)
+    assert torch.equal(stacked.forward(x, bias), expected)
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in packed]))
+    ids = torch.tensor([0, 47, 48, 64, 65, 80])
+    assert torch.equal(stacked.rows(ids), stacked.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="differ in K"):
+        mod.stack_packed([packed[0], pack(mod, random_blocks(rng, 4, 512, "Q4_K"), "Q4_K", 512)])

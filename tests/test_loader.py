@@ -22,6 +22,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from pdserve.config import ModelArchConfig
+from pdserve.kernels.gguf_random import random_blocks
 from pdserve.model import loader
 from pdserve.model.convert import convert_gguf_to_hf
 from pdserve.model.loader import (
@@ -140,10 +141,14 @@ def tiny_model(kind: str, seed: int = 0, **overrides: Any) -> transformers.PreTr
     return model.eval()
 
 
+RANDOM_ONLY = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+
+
 def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
                qtype: Callable[[str, np.ndarray], Q] = lambda name, w: Q.F32,
                extra: Callable[[gguf.GGUFWriter], None] | None = None, vocab_size_key: bool = True) -> dict[str, Q]:
-    """Write `model` as GGUF; returns the ggml type chosen for each HF parameter."""
+    """Write `model` as GGUF; returns the ggml type chosen for each HF parameter. Types gguf cannot quantize to
+    (RANDOM_ONLY: K-quants, IQ4) get random blocks instead of the model's weights."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -196,6 +201,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
             w.add_tensor(_gguf_name(name, arch), data.astype(np.float32))
         elif qt == Q.F16:
             w.add_tensor(_gguf_name(name, arch), data.astype(np.float16))
+        elif qt.name in RANDOM_ONLY:  # gguf cannot quantize to these: random blocks of the type instead
+            blocks = random_blocks(np.random.default_rng(len(chosen)), *data.shape, qt.name)
+            w.add_tensor(_gguf_name(name, arch), blocks, raw_dtype=qt)
         else:
             w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(data, qt), raw_dtype=qt)
     w.write_header_to_file()

@@ -278,10 +278,11 @@ def test_metrics_match_requests(server: ServerProc, client: openai.OpenAI) -> No
     # the server measured or probed this machine's peaks at start: how high they read depends on how busy it was
     assert after["pdserve:device_peak_flops"] > 0 and after["pdserve:device_peak_bandwidth_bytes"] > 0
     assert any(k.startswith("pdserve:device_peaks_info{") for k in after)  # where the peaks came from
-    # which kernels ran (this server computes in bf16, which the native kernels leave to the PyTorch path)
+    # which kernels ran: the native ones, whatever the dtype (`--kernels auto`)
     from pdserve import kernels
 
-    assert after[f"pdserve:kernels_info{{cpu_isa={kernels.require().cpu_isa()},isa=none,kernels=torch}}"] == 1
+    labels = f"cpu_isa={kernels.require().cpu_isa()},isa={kernels.isa()},kernels=native"
+    assert after[f"pdserve:kernels_info{{{labels}}}"] == 1
     # one JSON log line per request with the tenant and phase times
     lines = [json.loads(ln.split("pdserve.requests: ", 1)[1]) for ln in server.log().splitlines()
              if "pdserve.requests: " in ln]

@@ -340,3 +340,41 @@ def test_real_model_q4_gguf_drafts_for_its_fp32_and_int8_weights(fp32_dir: str, 
           f"mean acceptance length {stats.mean_acceptance_length:.2f}")
     assert rate > 0.5
     assert _at_baseline(spec) and spec.engine.block_manager.is_at_baseline()
+
+
+# ---- the default path: default model, default options --------------------------------------------------------------
+DEFAULT_PATH_PROMPTS = ["The history of the printing press begins", "用中文写一首关于秋天的短诗，然后解释它。",
+                        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                        "List the planets of the solar system in order, with one fact about each:"]
+
+
+@pytest.fixture(scope="module")
+def default_path_greedy() -> list[list[int]]:
+    """Greedy outputs (64 tokens) of `LLM()` with no options: the default model on the default kernels and dtype."""
+    from pdserve.llm import LLM
+
+    base = LLM(device_peaks="off", kv_cache_memory="128MiB")
+    outs = base.generate(DEFAULT_PATH_PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_default_path_speculation_is_exact(default_path_greedy: list[list[int]], method: str) -> None:
+    """On the default path (whatever kernels and dtype `auto` picks on this CPU) greedy output with speculation is
+    the output without, token for token, over 64 tokens of four prompts (Chinese among them): verification rows of
+    several tokens compute what one-token decode rows compute (batch-invariant kernels). The draft model is the
+    target itself, so every draft must also be accepted."""
+    from pdserve.llm import LLM
+    from pdserve.model.loader import resolve_model_path
+
+    config: dict[str, Any] = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                               "prompt_lookup_min": 1, "policy": "always"} if method == "ngram"
+                              else _spec(resolve_model_path(None), 4, policy="always"))
+    spec = LLM(device_peaks="off", kv_cache_memory="128MiB", speculative_config=config)
+    outs = spec.generate(DEFAULT_PATH_PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == default_path_greedy
+    stats = spec.engine.spec.stats
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pdserve.config import EngineConfig, parse_size
+from pdserve.config import EngineConfig, dtype_reason, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.core import EngineCore
 from pdserve.engine.input_processor import MAX_PRIORITY, InputLimits, InputProcessor, PromptType
@@ -28,12 +28,13 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import StructuredOutputManager
-from pdserve.kernels import kernels_description, resolve_kernels
+from pdserve.kernels import kernels_description, kernels_isa, resolve_kernels
 from pdserve.kv_transfer.base import KVTransfer
 from pdserve.kv_transfer.factory import make_kv_transfer
 from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.packed_weights import describe_weights
 from pdserve.model.runner import ModelRunner
 from pdserve.model.spec.drafter import DraftTarget, make_proposer
 from pdserve.outputs import RequestOutput
@@ -119,6 +120,10 @@ class LLMEngine:
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
                     kernels_description(self.kernels))
+        if self.kernels == "native":
+            logger.info("native kernels (%s): weights %s; float weights and KV cache in %s (--dtype %s: %s)",
+                        kernels_isa("native")[0], describe_weights(self.runner.model),
+                        str(config.torch_dtype).removeprefix("torch."), config.dtype, dtype_reason(config.dtype))
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:

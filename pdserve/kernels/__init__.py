@@ -22,8 +22,9 @@ log = logging.getLogger("pdserve.kernels")
 
 KERNEL_CHOICES = ("auto", "native", "torch")
 ISA_ENV = "PDSERVE_KERNEL_ISA"
-REQUIRED_OPS = ("quant_linear", "dequantize", "embedding", "quantize", "paged_attention", "reshape_and_cache",
-                "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+REQUIRED_OPS = ("pack_gguf", "pack_float", "stack_packed", "paged_attention", "reshape_and_cache", "rms_norm",
+                "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "NativeProgram")
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # how the native path stores float weights and the KV cache
 
 
 class KernelsUnavailable(RuntimeError):
@@ -78,9 +79,10 @@ def isa() -> str:
 
 
 def resolve_kernels(kernels: str, dtype: torch.dtype, device: str = "cpu") -> str:
-    """"native" or "torch" for `--kernels auto|native|torch`: auto takes the native kernels where they are built
-    and the compute dtype is float32 (their activations are float32; bf16/fp16 models keep the PyTorch path).
-    The native kernels are CPU code: on cuda auto is torch and native an error."""
+    """"native" or "torch" for `--kernels auto|native|torch`: auto takes the native kernels wherever they are built
+    on the CPU, for float32 and bfloat16 (the dtype says how float weights and the KV cache are stored; activations
+    are float32 inside); float16 keeps the PyTorch path. The native kernels are CPU code: on cuda auto is torch and
+    native an error."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     if device != "cpu":
@@ -91,10 +93,10 @@ def resolve_kernels(kernels: str, dtype: torch.dtype, device: str = "cpu") -> st
         return "torch"
     if kernels == "native":
         require()
-        if dtype != torch.float32:
-            raise ValueError(f"--kernels native computes in float32; got dtype {dtype} (use --dtype float32)")
+        if dtype not in NATIVE_DTYPES:
+            raise ValueError(f"--kernels native stores weights and KV as float32 or bfloat16; got dtype {dtype}")
         return "native"
-    return "native" if dtype == torch.float32 and available() else "torch"
+    return "native" if dtype in NATIVE_DTYPES and available() else "torch"
 
 
 def kernels_isa(kernels: str) -> tuple[str, str]:
@@ -107,3 +109,24 @@ def kernels_isa(kernels: str) -> tuple[str, str]:
 def kernels_description(kernels: str) -> str:
     """What ran, for the start-up log and /metrics: "native (avx512)" or "torch"."""
     return f"native ({isa()})" if kernels == "native" else "torch"
+
+
+# The instructions each packed format's GEMMs use at each ISA level (csrc/qgemm*.cpp, csrc/fgemm*.cpp).
+_GEMM_PATHS = {
+    "gguf": {"generic": "int8, portable C++", "avx2": "AVX2 int8 (vpmaddubsw)", "avx512": "AVX-512 VNNI int8",
+             "avx512_bf16": "AVX-512 VNNI int8", "amx": "AMX-INT8 tiles + AVX-512 VNNI int8"},
+    "bf16": {"generic": "portable C++", "avx2": "AVX2 FMA on bf16 widened to fp32",
+             "avx512": "AVX-512 FMA on bf16 widened to fp32", "avx512_bf16": "AVX512-BF16 vdpbf16ps",
+             "amx": "AMX-BF16 tiles"},
+    "f32": {"generic": "portable C++", "avx2": "AVX2 FMA", "avx512": "AVX-512 FMA", "avx512_bf16": "AVX-512 FMA",
+            "amx": "AVX-512 FMA"},
+}
+
+
+def gemm_path(type_name: str) -> str:
+    """How the native kernels multiply a weight stored as `type_name` (Q4_K, BF16, F32, ...) on this CPU: the
+    packing and the instructions, e.g. "pack_gguf, AMX-INT8 tiles + AVX-512 VNNI int8"."""
+    level = isa()
+    if type_name in ("BF16", "F32"):
+        return f"pack_float {type_name.lower()}, {_GEMM_PATHS[type_name.lower()].get(level, level)}"
+    return f"pack_gguf, {_GEMM_PATHS['gguf'].get(level, level)} (activations int8 per 32)"

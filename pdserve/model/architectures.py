@@ -9,11 +9,16 @@ csrc/native_program.cpp.
 
 from __future__ import annotations
 
+import torch
+
 from pdserve.config import ModelArchConfig
 from pdserve.model.causal_lm import CausalLM
+from pdserve.model.cpu_linear import pack_model_linears, use_onednn
 from pdserve.model.gemma import Gemma3ForCausalLM
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.native_ops import KernelSelection
+from pdserve.model.packed_weights import StateDict, pack_float_weights
+from pdserve.model.quant import quantize_model
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -30,3 +35,30 @@ def build_model(cfg: ModelArchConfig, kernels: KernelSelection, max_positions: i
     if cls is None:
         raise ValueError(f"unsupported architecture {cfg.architecture!r}; supported: {sorted(MODEL_CLASSES)}")
     return cls(cfg, kernels, max_positions)
+
+
+def build_loaded_model(cfg: ModelArchConfig, kernels: KernelSelection, max_positions: int, state_dict: StateDict,
+                       dtype: torch.dtype, device: torch.device, quantization: str | None = None,
+                       linear_backend: str = "auto") -> CausalLM:
+    """The model of `cfg` holding `state_dict`'s weights in the formats its kernels read, ready to run.
+
+    Native kernels: every matrix becomes a PackedWeight (GGUF matrices packed as stored when the loader kept them,
+    `--quantization` blocks, else `pack_float` in `dtype`'s format); norms, biases and rope tables stay float32
+    (the activations are float32); the whole stack is recorded into a native program. PyTorch: every tensor in
+    `dtype` on `device`, int8 weights or oneDNN's packed copies where asked."""
+    native = kernels.native is not None
+    model = build_model(cfg, kernels, max_positions)
+    model.load_hf_state_dict(state_dict)
+    model = model.to(device=device, dtype=torch.float32 if native else dtype).eval()
+    model.to_device(device)
+    if native:
+        if quantization:
+            quantize_model(model, quantization, native=True)
+        pack_float_weights(model, dtype)
+        model.build_native_program()
+        return model
+    if quantization:
+        quantize_model(model, quantization, packed=use_onednn(linear_backend, dtype))
+    if device.type == "cpu" and use_onednn(linear_backend, dtype):
+        pack_model_linears(model)  # the float projections that remain
+    return model

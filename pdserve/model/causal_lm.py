@@ -25,7 +25,7 @@ from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.layers.norm import RMSNorm
 from pdserve.model.layers.rotary import RotaryEmbedding
 from pdserve.model.native_ops import KernelSelection
-from pdserve.model.quant_linear import QuantizedWeight, StateDict
+from pdserve.model.packed_weights import GGUFMatrix, StateDict, pack_matrices
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class WeightLoader:
         self.sd = sd
         self.used: set[str] = set()
 
-    def take(self, name: str) -> torch.Tensor | QuantizedWeight:
+    def take(self, name: str) -> torch.Tensor | GGUFMatrix:
         if name not in self.sd:
             raise KeyError(f"checkpoint lacks {name}")
         self.used.add(name)
@@ -115,19 +115,19 @@ class WeightLoader:
     def tensor(self, name: str) -> torch.Tensor:
         """A weight that is always float (norms, biases): GGUF blocks are dequantized."""
         w = self.take(name)
-        return w.dequantize() if isinstance(w, QuantizedWeight) else w
+        return w.dequantize() if isinstance(w, GGUFMatrix) else w
 
     @torch.no_grad()
     def matrix(self, module: Linear | Embedding, names: list[str], bias: list[str] | None = None) -> None:
-        """Fill `module` with the row-concatenation of the named weights: as GGUF blocks when every part is blocks
-        of one type (kept as stored), else as floats (parts in other block types are dequantized)."""
+        """Fill `module` with the row-concatenation of the named weights: packed as stored when every part is a GGUF
+        matrix (packed_weights.pack_matrices, each part in its own type), else as floats (GGUF parts dequantized)."""
         parts = [self.take(n) for n in names]
-        qparts = [p for p in parts if isinstance(p, QuantizedWeight)]
-        if qparts and len(qparts) == len(parts) and len({p.qtype for p in qparts}) == 1:
-            module.set_packed(QuantizedWeight.cat(qparts))
+        gguf = [p for p in parts if isinstance(p, GGUFMatrix)]
+        if gguf and len(gguf) == len(parts):
+            module.set_packed(pack_matrices(gguf))
         else:
             assert module.weight is not None
-            module.weight.copy_(torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]))
+            module.weight.copy_(torch.cat([p.dequantize() if isinstance(p, GGUFMatrix) else p for p in parts]))
         if bias is not None:
             assert isinstance(module, Linear) and module.bias is not None
             module.bias.copy_(torch.cat([self.tensor(n) for n in bias]))

@@ -22,7 +22,7 @@ from pdserve.model.layers.norm import RMSNorm
 from pdserve.model.layers.rotary import RotaryEmbedding
 from pdserve.model.llama import LlamaAttention, LlamaMLP, load_attention, load_embeddings, load_mlp
 from pdserve.model.native_ops import KernelSelection
-from pdserve.model.quant_linear import StateDict
+from pdserve.model.packed_weights import StateDict
 
 NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + w): the module's weight is the checkpoint's w + 1
 

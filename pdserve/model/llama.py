@@ -19,7 +19,7 @@ from pdserve.model.layers.norm import HeadRMSNorm, RMSNorm
 from pdserve.model.layers.paged_attention import PagedAttention
 from pdserve.model.layers.rotary import RotaryEmbedding
 from pdserve.model.native_ops import KernelSelection
-from pdserve.model.quant_linear import StateDict
+from pdserve.model.packed_weights import StateDict
 
 
 class LlamaAttention(nn.Module):
@@ -88,7 +88,7 @@ class LlamaForCausalLM(CausalLM):
     @torch.no_grad()
     def load_hf_state_dict(self, sd: StateDict) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Raises on missing or unexpected names.
-        GGUF blocks (QuantizedWeight) stay blocks where every fused part has one block type."""
+        GGUF matrices are packed as stored (model/packed_weights.py)."""
         load = WeightLoader(sd)
         load_embeddings(self, load)
         load.copy(self.norm.weight, "model.norm.weight")

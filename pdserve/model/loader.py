@@ -23,7 +23,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from pdserve.model.gguf_reader import read_gguf
 from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
 from pdserve.model.load_progress import LoadProgress, ProgressFn
 from pdserve.model.packaged_models import packaged_gguf_path
-from pdserve.model.quant_linear import QTYPES, QuantizedWeight, StateDict
+from pdserve.model.packed_weights import GGUFMatrix, StateDict, reverse_permute_qk
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,6 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_Array = TypeVar("_Array", np.ndarray, torch.Tensor)
 _IGNORED_TENSORS = {"rope_freqs.weight"}  # consumed into rope_scaling (llama3), not a parameter
 
 
@@ -205,13 +204,6 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def reverse_permute_qk(w: _Array, n_head: int) -> _Array:
-    """Undo llama.cpp's `permute(w, n_head)` on q/k rows (weight [n_head*head_dim, in] or bias [n_head*head_dim]).
-
-    llama.cpp: `w.reshape(n_head, 2, hd // 2, *rest).swapaxes(1, 2).reshape(w.shape)`; this is its inverse.
-    """
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 @dataclass(frozen=True)
@@ -369,22 +361,20 @@ def _dequantize(t: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
-def _raw_blocks(t: GGUFTensorInfo, qk_heads: int = 0) -> QuantizedWeight:
-    """A Q4_0/Q4_1/Q8_0 matrix as stored: uint8 [rows, bytes_per_row], no dequantization; with `qk_heads`, q/k
-    rows un-permuted (a permutation of whole rows applies to the blocks as to the floats). Copied in numpy: torch
-    copies uint8 rows ~50x slower."""
-    rows, cols = t.hf_shape
-    blocks = np.asarray(t.data).reshape(rows, -1)
-    if qk_heads:
-        blocks = reverse_permute_qk(blocks, qk_heads)
-    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks).copy() if not qk_heads
-                                            else np.ascontiguousarray(blocks)), int(t.qtype), (rows, cols))
+def _packable_types() -> frozenset[int]:
+    """The ggml types the native kernels read as stored (pack_gguf); none when they are not built."""
+    from pdserve import kernels
+
+    lib = kernels.load()
+    return frozenset(lib.pack_gguf_types().values()) if lib is not None else frozenset()
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
               progress: ProgressFn | None = None) -> LoadedModel:
     """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma3), dequantizing every tensor to `dtype`, or with
-    `keep_quantized` keeping Q4_0/Q4_1/Q8_0 matrices as `QuantizedWeight` blocks (other types still dequantize)."""
+    `keep_quantized` keeping every matrix of a type the native kernels read as stored (pack_gguf: Q4_0 ... Q8_0,
+    K-quants, IQ4_NL/XS) as a `GGUFMatrix`, a view into the file (packed when the model takes it, no float copy);
+    other types and 1-D tensors (norms) still dequantize."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
@@ -405,13 +395,16 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     permuted = meta.arch in _PERMUTED_QK_ARCHS
     arch, norm_shift = meta.arch, gemma_gguf.GGUF_NORM_SHIFT.get(meta.arch, 0.0)
 
-    def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | QuantizedWeight]:
+    packable = _packable_types() if keep_quantized else frozenset()
+
+    def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | GGUFMatrix]:
         name = gguf_to_hf_name(t.name, arch)
         assert name is not None
         qk_heads = (n_head if ".attn_q." in t.name else n_kv) if permuted and (
             ".attn_q." in t.name or ".attn_k." in t.name) else 0
-        if keep_quantized and int(t.qtype) in QTYPES and len(t.ne) == 2:
-            return name, _raw_blocks(t, qk_heads)
+        if int(t.qtype) in packable and len(t.ne) == 2:
+            rows, cols = t.hf_shape
+            return name, GGUFMatrix(np.asarray(t.data).reshape(rows, -1), int(t.qtype), (rows, cols), qk_heads)
         w = _dequantize(t)
         if qk_heads:
             w = reverse_permute_qk(w, qk_heads)
@@ -422,7 +415,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     items = [t for n, t in tensors.items() if n not in _IGNORED_TENSORS]
     tracker = LoadProgress(os.path.basename(path), sum(t.data.nbytes for t in items), progress)
 
-    def convert_tracked(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | QuantizedWeight]:
+    def convert_tracked(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | GGUFMatrix]:
         out = convert(t)
         tracker.advance(t.data.nbytes)
         return out

@@ -11,8 +11,8 @@ model/native_program.py records to build the whole-stack program, so a layer mod
 through them.
 
 `PackedMatrix` is what a Linear or Embedding module accepts besides a float tensor: a weight matrix W [N, K] in a
-packed format, with forward / rows / dequantize. GGUF blocks (model/quant_linear.py QuantizedWeight), the kernels'
-PackedWeight objects (csrc/packed_weight.h), oneDNN's reordered copy and the PyTorch path's int8 weights all are.
+packed format, with forward / rows / dequantize. The kernels' PackedWeight objects (csrc/packed_weight.h: GGUF blocks
+and float weights, model/packed_weights.py), and on the PyTorch path oneDNN's reordered copy and int8 weights, are.
 """
 
 from __future__ import annotations

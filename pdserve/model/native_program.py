@@ -22,9 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from pdserve.model.attention import AttentionMetadata, ForwardContext
-from pdserve.model.cpu_linear import PACKED_MAX_ROWS, OneDNNWeight
 from pdserve.model.native_ops import KernelSelection, NativeOps, Weight
-from pdserve.model.quant_linear import QuantizedWeight
 
 
 class Recordable(Protocol):
@@ -134,17 +132,10 @@ class ProgramRecorder(NativeOps):
         return self._weights[id(w)]
 
     def _add_weight(self, w: Weight) -> int:
-        if isinstance(w, QuantizedWeight):
-            return int(self.prog.add_blocks(w.data, w.qtype, w.shape[1]))
-        if isinstance(w, OneDNNWeight):
-            return int(self.prog.add_dense(w.weight.float().contiguous(), w.packed, PACKED_MAX_ROWS))
-        if isinstance(w, torch.Tensor):
-            if w.dtype != torch.float32:
-                raise ProgramUnsupported(f"a {w.dtype} weight: the program runs float32")
-            return int(self.prog.add_dense(w.detach().contiguous(), None, 0))
         if isinstance(w, self.lib.PackedWeight):
             return int(self.prog.add_packed(w))
-        raise ProgramUnsupported(f"a weight of type {type(w).__name__} has no native program form")
+        raise ProgramUnsupported(f"a weight of type {type(w).__name__} has no native program form (the native path "
+                                 "packs every matrix at load: model/packed_weights.py)")
 
     def _emit(self, op: str, inputs: list[torch.Tensor], width: int = 0, ints: list[int] | None = None,
               floats: list[float] | None = None) -> torch.Tensor | None:

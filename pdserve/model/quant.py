@@ -1,8 +1,9 @@
 """Weight-only quantization of float checkpoints (`--quantization int8|int4`).
 
 With the native kernels (the default where they are built), every projection's weight becomes GGUF
-blocks of 32 weights with their own scale (int8 -> Q8_0, int4 -> Q4_1), read as stored by pdserve/kernels. The rest
-of this file is the PyTorch path (`--kernels torch`, int8 only), through PyTorch's own CPU kernel:
+blocks of 32 weights with their own scale (int8 -> Q8_0, int4 -> Q4_1), packed for pdserve/kernels as a GGUF file's
+blocks are (model/packed_weights.py). The rest of this file is the PyTorch path (`--kernels torch`, int8 only),
+through PyTorch's own CPU kernel:
 
 Each linear layer's weight becomes int8 with one scale per output channel (symmetric, round to nearest). The scale
 is rounded to bfloat16 *before* quantizing, so the int8 kernel (which takes bf16 scales) and the dequantized copy
@@ -25,7 +26,7 @@ from torch import nn
 
 from pdserve.model.cpu_linear import PACKED_MAX_ROWS, pack_weight, packed_linear
 from pdserve.model.layers.linear import Linear
-from pdserve.model.quant_linear import QUANTIZATION_QTYPES, QuantizedWeight
+from pdserve.model.packed_weights import quantize
 
 QUANTIZATION_METHODS = ("int8", "int4")
 # Steps with at most this many tokens read the int8 weights. Measured crossover on 2 AVX2 cores: 8-16 rows
@@ -89,6 +90,6 @@ def quantize_model(model: nn.Module, method: str, packed: bool = False, native: 
     for m in model.modules():
         if isinstance(m, Linear) and m.weight is not None:
             if native:
-                m.set_packed(QuantizedWeight.quantize(m.weight, QUANTIZATION_QTYPES[method]))
+                m.set_packed(quantize(m.weight, method))
             else:
                 m.set_packed(Int8Weight(m.weight, packed))

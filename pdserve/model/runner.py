@@ -13,16 +13,15 @@ import numpy as np
 import torch
 
 from pdserve.config import ModelArchConfig
-from pdserve.model.architectures import build_model
+from pdserve.model.architectures import build_loaded_model
 from pdserve.model.attention import AttentionMetadata, PrefillChunk
-from pdserve.model.cpu_linear import OneDNNWeight, pack_model_linears, use_onednn
+from pdserve.model.cpu_linear import OneDNNWeight
 from pdserve.model.decode_graphs import DecodeGraphRunner
 from pdserve.model.input_batch import InputBatch
 from pdserve.model.inputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.native_ops import select_kernels
-from pdserve.model.quant import quantize_model
-from pdserve.model.quant_linear import StateDict
+from pdserve.model.packed_weights import StateDict
 from pdserve.model.sampler import Sampler, SamplerOutput, score_tokens
 from pdserve.model.spec.proposer import DraftRequest, Proposer
 from pdserve.model.spec.rejection_sampler import RejectionSampler
@@ -55,10 +54,11 @@ class ModelRunner:
                  num_blocks: int, block_size: int, max_model_len: int, kernels: str = "torch",
                  quantization: str | None = None, linear_backend: str = "auto", device: str | torch.device = "cpu",
                  attention_backend: str = "auto", max_num_seqs: int = 64) -> None:
-        """`kernels`: "native" (pdserve/kernels: fused layer ops, paged attention in place, GGUF-block linears) or
-        "torch" (the PyTorch reference path); the engine resolves "auto" before this. `device`: where weights, KV
-        cache, step tensors and sampling live. `attention_backend` (torch kernels): sdpa | flex | auto (flex on
-        cuda). `max_num_seqs`: the largest padded batch of decode graphs (enable_decode_graphs)."""
+        """`kernels`: "native" (pdserve/kernels: weights packed at load, fused layer ops, paged attention in place;
+        `dtype` is then how float weights and the KV cache are stored, activations are float32) or "torch" (the
+        PyTorch reference path, everything in `dtype`); the engine resolves "auto" before this. `device`: where
+        weights, KV cache, step tensors and sampling live. `attention_backend` (torch kernels): sdpa | flex | auto
+        (flex on cuda). `max_num_seqs`: the largest padded batch of decode graphs (enable_decode_graphs)."""
         self.arch = arch
         self.dtype = dtype
         self.block_size = block_size
@@ -71,16 +71,8 @@ class ModelRunner:
                              "float checkpoint")
         selection = select_kernels(kernels, attention_backend, self.device)
         self.backend = selection.attention
-        model = build_model(arch, selection, max_model_len)
-        model.load_hf_state_dict(state_dict)
-        self.model = model.to(device=self.device, dtype=dtype).eval()
-        self.model.to_device(self.device)
-        if quantization:
-            quantize_model(self.model, quantization, packed=use_onednn(linear_backend, dtype), native=native)
-        if on_cpu and use_onednn(linear_backend, dtype):
-            pack_model_linears(self.model)  # the float projections that remain
-        if native:
-            self.model.build_native_program()
+        self.model = build_loaded_model(arch, selection, max_model_len, state_dict, dtype, self.device, quantization,
+                                        linear_backend)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.input_batch = InputBatch(max_num_seqs)

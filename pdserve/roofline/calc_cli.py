@@ -296,6 +296,17 @@ def add_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return p
 
 
+def auto_choice() -> str:
+    """What `--kernels auto --dtype auto` run on this machine, and why (the start-up log says it per model)."""
+    from pdserve.config import dtype_reason, parse_dtype
+    from pdserve.kernels import gemm_path
+
+    dtype = str(parse_dtype("auto")).removeprefix("torch.")
+    fmt = "BF16" if dtype == "bfloat16" else "F32"
+    return (f"--kernels auto: native; --dtype auto: {dtype} ({dtype_reason('auto')}): GGUF blocks {gemm_path('Q4_0')}; "
+            f"float weights {gemm_path(fmt)}; KV cache {dtype}")
+
+
 def run_calc(args: argparse.Namespace) -> int:
     if args.measure:
         from pdserve.roofline.measure import measure_device  # torch: only when measuring
@@ -310,6 +321,8 @@ def run_calc(args: argparse.Namespace) -> int:
             mod = load()
             print(f"# native kernels: {isa()} path" + (f" (CPU's widest: {mod.cpu_isa()})" if mod else
                                                          " (not built: run `make install`)"))
+            if mod is not None:
+                print("# " + auto_choice())
             print(f"# measured peaks saved to {path}" if path else
                   "# the machine was busy while measuring: these peaks are not cached; measure again when it is quiet")
     else:

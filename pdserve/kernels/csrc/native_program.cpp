@@ -74,44 +74,6 @@ Arity arity(Op op) {
   return {};
 }
 
-// oneDNN's linear on a weight reordered once by torch.ops.mkldnn._reorder_linear_weight (model/cpu_linear.py),
-// called through the dispatcher (boxed: no C++ signature to keep in step with torch).
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x.contiguous());
-  stack.emplace_back(packed);
-  stack.emplace_back(bias);
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(c10::IValue());
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-// One weight matrix W [N, K] in any format the Python Linear/Embedding modules hold (model/layers/linear.py).
-struct Weight {
-  at::Tensor blocks;  // GGUF blocks (uint8), with qtype and k
-  int64_t qtype = -1, k = 0;
-  PackedWeightPtr packed;       // the kernels' PackedWeight
-  at::Tensor dense, onednn;     // float32 [N, K]; oneDNN's reordered copy, used up to onednn_max_rows rows
-  int64_t onednn_max_rows = 0;
-
-  at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
-    if (blocks.defined()) return quant_linear(x, blocks, qtype, bias);
-    if (packed) return packed_linear(*packed, x, bias);
-    if (onednn.defined() && x.size(0) <= onednn_max_rows) return onednn_linear(x, onednn, bias);
-    return at::linear(x, dense, bias);
-  }
-  at::Tensor rows(const at::Tensor& ids) const {
-    if (blocks.defined()) return embedding(ids, blocks, qtype, k);
-    if (packed) return packed_rows(*packed, ids);
-    return at::embedding(dense, ids);
-  }
-};
-
 struct Instr {
   Op op;
   std::vector<int64_t> in;
@@ -129,22 +91,11 @@ class NativeProgram {
     consts_.push_back(std::move(t));
     return static_cast<int64_t>(consts_.size()) - 1;
   }
-  int64_t add_blocks(at::Tensor w, int64_t qtype, int64_t k) {
-    Weight x;
-    x.blocks = std::move(w), x.qtype = qtype, x.k = k;
-    return add_weight(std::move(x));
-  }
+  // A weight matrix as the Linear/Embedding modules hold it on the native path (model/packed_weights.py).
   int64_t add_packed(std::shared_ptr<PackedWeight> w) {
     TORCH_CHECK(w != nullptr, "packed weight is None");
-    Weight x;
-    x.packed = std::move(w);
-    return add_weight(std::move(x));
-  }
-  int64_t add_dense(at::Tensor w, std::optional<at::Tensor> onednn, int64_t onednn_max_rows) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "dense weights must be float32 [N, K]");
-    Weight x;
-    x.dense = std::move(w), x.onednn = onednn.value_or(at::Tensor()), x.onednn_max_rows = onednn_max_rows;
-    return add_weight(std::move(x));
+    weights_.push_back(std::move(w));
+    return static_cast<int64_t>(weights_.size()) - 1;
   }
 
   void append(const std::string& name, std::vector<int64_t> in, int64_t out, int64_t slot, std::vector<int64_t> ints,
@@ -214,17 +165,13 @@ class NativeProgram {
   int64_t num_slots() const { return static_cast<int64_t>(slot_widths_.size()); }
 
  private:
-  int64_t add_weight(Weight w) {
-    weights_.push_back(std::move(w));
-    return static_cast<int64_t>(weights_.size()) - 1;
-  }
   const at::Tensor& c(int64_t i) const {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(consts_.size()), "constant ", i, " out of range");
     return consts_[i];
   }
-  const Weight& w(int64_t i) const {
+  const PackedWeight& w(int64_t i) const {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(weights_.size()), "weight ", i, " out of range");
-    return weights_[i];
+    return *weights_[i];
   }
 
   // One instruction; `out` is the slot buffer of an executor-allocated output, and receives the result otherwise.
@@ -234,7 +181,7 @@ class NativeProgram {
     const auto& n = I.ints;
     switch (I.op) {
       case Op::kNarrow: out = v[I.in[0]].narrow(1, n[0], n[1]); break;
-      case Op::kEmbedding: out = w(n[0]).rows(v[I.in[0]]); break;
+      case Op::kEmbedding: out = packed_rows(w(n[0]), v[I.in[0]]); break;
       case Op::kRmsNorm: rms_norm(out, v[I.in[0]], c(n[0]), I.floats[0]); break;
       case Op::kAddRmsNorm: fused_add_rms_norm(v[I.in[0]], v[I.in[1]], c(n[0]), I.floats[0]); break;
       case Op::kHeadRmsNorm: rms_norm_heads(v[I.in[0]], c(n[0]), I.floats[0]); break;
@@ -253,14 +200,14 @@ class NativeProgram {
       case Op::kGeluMul: gelu_tanh_and_mul(out, v[I.in[0]]); break;
       case Op::kScale: v[I.in[0]].mul_(I.floats[0]); break;
       case Op::kLinear:
-        out = w(n[0]).linear(v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt);
+        out = packed_linear(w(n[0]), v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt);
         break;
       default: TORCH_CHECK(false, "unknown op");
     }
   }
 
   std::vector<at::Tensor> consts_;
-  std::vector<Weight> weights_;
+  std::vector<PackedWeightPtr> weights_;
   std::vector<Instr> instrs_;
   std::vector<int64_t> slot_widths_;
   std::vector<bool> defined_ = {true, true};  // ids, positions
@@ -273,9 +220,7 @@ void register_native_program(pybind11::module_& m) {
                             "a model's forward as recorded native ops, run in one call (model/native_program.py)")
       .def(py::init<>())
       .def("add_const", &NativeProgram::add_const, py::arg("t"))
-      .def("add_blocks", &NativeProgram::add_blocks, py::arg("w"), py::arg("qtype"), py::arg("k"))
       .def("add_packed", &NativeProgram::add_packed, py::arg("w"))
-      .def("add_dense", &NativeProgram::add_dense, py::arg("w"), py::arg("onednn"), py::arg("onednn_max_rows"))
       .def("add_slot", &NativeProgram::add_slot, py::arg("width"))
       .def("append", &NativeProgram::append, py::arg("op"), py::arg("inputs"), py::arg("out"), py::arg("slot"),
            py::arg("ints"), py::arg("floats"), py::arg("frees"))

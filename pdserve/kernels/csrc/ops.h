@@ -7,10 +7,6 @@
 
 namespace pdserve {
 
-// quant_linear.cpp: weights in GGUF blocks (uint8 [N, K/32*block_bytes]), float32 activations.
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const std::optional<at::Tensor>& bias);
-at::Tensor embedding(const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t k);
-
 // attention.cpp
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "registry.h"
@@ -51,6 +52,64 @@ at::Tensor packed_rows(const PackedWeight& w, const at::Tensor& ids) {
 
 namespace {
 
+// The rows of several PackedWeights stacked into one W (a fused q/k/v or gate/up projection whose parts a GGUF file
+// stores in different types, e.g. Q4_K q/k beside a Q6_K v). Each part writes its own columns of y, so batch
+// invariance holds part by part.
+class StackedWeight final : public PackedWeight {
+ public:
+  StackedWeight(std::vector<PackedWeightPtr> parts, int64_t n)
+      : PackedWeight(n, parts[0]->k()), parts_(std::move(parts)) {}
+
+  std::string type_name() const override {
+    std::string s;
+    for (const auto& p : parts_) s += (s.empty() ? "" : "+") + p->type_name();
+    return s;
+  }
+  int64_t nbytes() const override {
+    int64_t b = 0;
+    for (const auto& p : parts_) b += p->nbytes();
+    return b;
+  }
+  void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override {
+    int64_t col = 0;
+    for (const auto& p : parts_) {
+      p->forward(x, ldx, m, y + col, ldy, bias ? bias + col : nullptr);
+      col += p->n();
+    }
+  }
+  at::Tensor dequantize() const override {
+    std::vector<at::Tensor> w;
+    for (const auto& p : parts_) w.push_back(p->dequantize());
+    return at::cat(w, 0);
+  }
+  void rows(const int64_t* ids, int64_t t, float* out) const override {
+    for (int64_t i = 0; i < t; ++i) {
+      int64_t id = ids[i];
+      for (const auto& p : parts_) {
+        if (id < p->n()) {
+          p->rows(&id, 1, out + i * k());
+          break;
+        }
+        id -= p->n();
+      }
+    }
+  }
+
+ private:
+  std::vector<PackedWeightPtr> parts_;
+};
+
+std::shared_ptr<PackedWeight> stack_packed(const std::vector<std::shared_ptr<PackedWeight>>& parts) {
+  TORCH_CHECK(!parts.empty(), "stack_packed needs at least one part");
+  int64_t n = 0;
+  for (const auto& p : parts) {
+    TORCH_CHECK(p != nullptr, "stack_packed: a part is None");
+    TORCH_CHECK(p->k() == parts[0]->k(), "stack_packed: parts differ in K (", p->k(), " vs ", parts[0]->k(), ")");
+    n += p->n();
+  }
+  return std::make_shared<StackedWeight>(std::vector<PackedWeightPtr>(parts.begin(), parts.end()), n);
+}
+
 void register_packed_weight(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(
@@ -65,6 +124,8 @@ void register_packed_weight(pybind11::module_& m) {
       .def_property_readonly("shape", [](const PackedWeight& w) { return py::make_tuple(w.n(), w.k()); })
       .def_property_readonly("type_name", &PackedWeight::type_name)
       .def_property_readonly("nbytes", &PackedWeight::nbytes);
+  m.def("stack_packed", &stack_packed, py::arg("parts"),
+        "one PackedWeight whose rows are the parts' rows in order (same K); each part keeps its own format");
 }
 
 }  // namespace
