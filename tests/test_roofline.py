@@ -382,7 +382,7 @@ def test_busy_verdict() -> None:
 
 
 def test_calc_measure_reports_provenance_and_caches_only_quiet(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import pdserve.roofline.calc_cli as calc_mod
+    import pdserve.roofline.measure as calc_mod  # calc_cli imports measure_device from it when measuring
 
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calc_mod, "measure_device", lambda threads: _quiet())

@@ -144,12 +144,14 @@ def measure_device(threads: int | None = None, dtype: torch.dtype | None = None,
             for name, work, fn in kernels:
                 t = _best_time(fn, repeats, budget_s / max(1, runs), clock, warm_up=run == 0)
                 best[name] = max(best[name], work / t)
-    share = clock.share(min(threads, usable_cores()))
+    # rounded as recorded, and judged on the recorded figures (a reader recomputing the verdict gets the same one)
+    share = round(clock.share(min(threads, usable_cores())), 3)
+    load_avg = None if load_avg is None else round(load_avg, 2)
     by_dtype = tuple((name, best[name]) for name, _, _ in kernels if name != "copy")
     provenance = PeaksProvenance(
         "measured", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         f"best of {runs} runs x {repeats} calls: torch.mm {', '.join(sizes)}; copy {copy_bytes / 2**20:.0f} MiB",
-        threads, None if load_avg is None else round(load_avg, 2), round(share, 3), is_busy(load_avg, share))
+        threads, load_avg, share, is_busy(load_avg, share))
     return DeviceSpec(f"this machine ({cpu_name()}, {threads} threads)", max(f for _, f in by_dtype), best["copy"],
                       float(memory_total()), by_dtype, provenance)
 
