@@ -278,3 +278,67 @@ def test_aborts_write_a_log_line_and_unread_streams_abort(aengine: EngineClient,
     while aengine.num_unfinished and time.monotonic() < deadline:
         time.sleep(0.02)
     assert aengine.num_unfinished == 0 and wait_kv_baseline(aengine).num_used_blocks == 0
+
+
+THINK_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>"
+                  "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"
+                  "{% endif %}")
+
+
+class _ThinkTemplateTokenizer:
+    """The session's real tokenizer with a Qwen3-style template that reads `enable_thinking`."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> Any:
+        return self.tok.apply_chat_template(messages, chat_template=THINK_TEMPLATE, **kw)
+
+    def encode(self, text: str, **kw: Any) -> list[int]:
+        return list(self.tok.encode(text, **kw))
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer: Any) -> None:
+    """chat_template_kwargs become template variables (Qwen3's enable_thinking); what the renderer sets itself
+    (tools, messages, add_generation_prompt, ...) cannot be overridden through them."""
+    from pdserve.server.chat_template import render_chat
+
+    tok = _ThinkTemplateTokenizer(tokenizer)
+    msgs = [{"role": "user", "content": "你好，请介绍一下杭州。"}]
+    plain = render_chat(tok, msgs)["prompt"]
+    off = render_chat(tok, msgs, template_kwargs={"enable_thinking": False})["prompt"]
+    on = render_chat(tok, msgs, template_kwargs={"enable_thinking": True})["prompt"]
+    assert "<think>" not in plain and plain == on and off == plain + "<think>\n\n</think>\n"
+    for key in ("tools", "add_generation_prompt", "messages"):
+        with pytest.raises(RequestRejected) as e:
+            render_chat(tok, msgs, template_kwargs={key: None})
+        assert e.value.param == "chat_template_kwargs" and e.value.code == ErrorCode.INVALID_PARAMETER
+
+
+def test_chat_request_passes_chat_template_kwargs(aengine: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chat endpoint accepts chat_template_kwargs (vLLM's field), hands them to the template renderer, and
+    refuses reserved keys with a coded 400 before anything is scheduled."""
+    import pdserve.server.serving as serving_mod
+
+    seen: list[dict[str, Any] | None] = []
+    real = serving_mod.render_chat
+
+    def spy(tok: Any, msgs: list[dict[str, Any]], agp: bool = True, tools: Any = None,
+            template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        seen.append(template_kwargs)
+        return real(tok, msgs, agp, tools, template_kwargs)
+
+    monkeypatch.setattr(serving_mod, "render_chat", spy)
+    serving = OpenAIServingChat(aengine, MODEL)
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "你好"}], max_tokens=3, ignore_eos=True,
+                                 chat_template_kwargs={"enable_thinking": False})
+    out = asyncio.run(serving.create_chat_completion(body, RequestContext()))
+    assert isinstance(out, dict) and out["usage"]["completion_tokens"] == 3
+    assert seen == [{"enable_thinking": False}]
+    bad = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                chat_template_kwargs={"tools": []})
+    with pytest.raises(RequestRejected) as e:
+        asyncio.run(serving.create_chat_completion(bad, RequestContext()))
+    assert e.value.param == "chat_template_kwargs" and seen == [{"enable_thinking": False}]
+    assert wait_kv_baseline(aengine).num_used_blocks == 0

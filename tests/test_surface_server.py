@@ -127,6 +127,8 @@ def counts(srv: ServerProc, name: str) -> dict[tuple[str, ...], float]:
      "invalid_structured_output"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "invalid_tool_choice"),
     ("/v1/chat/completions", {**CHAT, "messages": [BAD_CALL]}, "messages[0].tool_calls[0]", "invalid_parameter"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs",
+     "invalid_parameter"),
     ("/tokenize", {"messages": [BAD_CALL]}, "messages[0].tool_calls[0]", "invalid_parameter"),
     ("/v1/embeddings", {"input": [[1, 10**9]]}, "input", "invalid_prompt"),
 ])
@@ -163,7 +165,6 @@ def test_refusals_answered_and_counted_once(server: ServerProc, path: str, body:
      "stream_options.continuous_usage_stats"),
     ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
     ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
-    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "add_special_tokens": True}, "add_special_tokens"),
     ("/v1/chat/completions", {**CHAT, "reasoning_effort": "low"}, "reasoning_effort"),
     ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
@@ -186,7 +187,8 @@ def test_result_changing_fields_are_refused_by_name(server: ServerProc, path: st
                          "store": True, "metadata": {"k": "v"}, "request_id": "abc", "zz_vendor_field": 1,
                          "stream_options": {"include_usage": True, "continuous_usage_stats": False}}),
     ("/v1/chat/completions", {**CHAT, "echo": False, "add_special_tokens": False, "service_tier": "auto",
-                              "guided_decoding_backend": "xgrammar", "zz_vendor_field": 2, "chat_template_kwargs": {}}),
+                              "guided_decoding_backend": "xgrammar", "zz_vendor_field": 2,
+                              "chat_template_kwargs": {"enable_thinking": False}}),
     ("/v1/embeddings", {"input": "a", "normalize": True, "zz_vendor_field": 3}),
 ])
 def test_harmless_fields_are_accepted_and_logged_once(server: ServerProc, path: str, body: dict[str, Any]) -> None:

@@ -183,6 +183,9 @@ class ChatCompletionRequest(_Sampling):
     prediction: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's per-request template: refused, the model's own is used
     parallel_tool_calls: bool | None = None  # null: true. false: one call (enforced under required / a function)
+    # extra variables for the chat template, as vLLM (e.g. {"enable_thinking": false} for Qwen3); keys the renderer
+    # sets itself are refused (server/chat_template.py RESERVED_TEMPLATE_KWARGS)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def _harmless(self) -> dict[str, bool]:
         # tools and tool_choice are honoured here, and validated by pdserve/server/tools.py

@@ -40,7 +40,6 @@ CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (None, False),
     "add_special_tokens": (None, False),  # chat templates write their own special tokens
     "documents": (None, []),
-    "chat_template_kwargs": (None, {}),
     "tool_choice_required": (None,),
 }
 EMBEDDING_REFUSED: dict[str, tuple[Any, ...]] = {

@@ -42,7 +42,7 @@ from pdserve.engine.client import (
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.chat_template import render_chat
+from pdserve.server.chat_template import check_template_kwargs, render_chat
 from pdserve.server.metrics import Metrics
 from pdserve.server.tenants import TenantMetrics
 from pdserve.server.tool_parsers import get_tool_parser
@@ -205,7 +205,8 @@ class OpenAIServing:
         return await asyncio.to_thread(fn, *args)
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                          prepare: PrepareChat | None = None) -> dict[str, Any]:
+                          prepare: PrepareChat | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
         """Messages through `prepare` and the chat template (in a worker thread) to a token-id prompt; 400 for
         content that is not text, text over the character bound or not valid Unicode, and conversations the
         template rejects. A RequestRejected from `prepare` (bad tools or tool calls) passes through."""
@@ -214,15 +215,17 @@ class OpenAIServing:
         except ContentPartError as e:
             raise APIError(400, str(e), param=e.param, code=ErrorCode.UNSUPPORTED_PARAMETER.value) from e
         self.check_texts(["".join(m["content"] for m in plain)], "messages")
-        prompt: dict[str, Any] = await self.in_thread(self._encode_chat, plain, add_generation_prompt, prepare)
+        check_template_kwargs(template_kwargs)
+        prompt: dict[str, Any] = await self.in_thread(self._encode_chat, plain, add_generation_prompt, prepare,
+                                                      template_kwargs)
         return prompt
 
     def _encode_chat(self, plain: list[dict[str, Any]], add_generation_prompt: bool,
-                     prepare: PrepareChat | None) -> dict[str, Any]:
+                     prepare: PrepareChat | None, template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         # without a tool plan: no tools, the history's tool calls and results mapped all the same
         plain, tools = prepare(plain) if prepare is not None else self.tools.prepare(plain, ToolPlan())
         try:
-            return render_chat(self.client.tokenizer, plain, add_generation_prompt, tools)
+            return render_chat(self.client.tokenizer, plain, add_generation_prompt, tools, template_kwargs)
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
 

@@ -29,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.to_params(body)
         self.constrain_tools(plan, params)
         prompt = await self.render_chat(body.messages, body.add_generation_prompt,
-                                        functools.partial(self.tools.prepare, plan=plan))
+                                        functools.partial(self.tools.prepare, plan=plan), body.chat_template_kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         children = await self.start([prompt], params, rid, body, ctx)
         created = int(time.time())
