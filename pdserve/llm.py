@@ -73,8 +73,11 @@ class LLM:
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `chat_template_kwargs`: extra template variables, as vLLM's (e.g. {"enable_thinking": False})."""
         convs = cast("list[ChatMessages]", [messages] if messages and isinstance(messages[0], dict) else list(messages))
-        prompts: list[PromptType] = [render_chat(self.engine.tokenizer, c, add_generation_prompt) for c in convs]
+        prompts: list[PromptType] = [render_chat(self.engine.tokenizer, c, add_generation_prompt, None,
+                                                 chat_template_kwargs) for c in convs]
         return self.generate(prompts, sampling_params)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pdserve import SamplingParams
+from pdserve.errors import RequestRejected
 from pdserve.server.chat_template import render_chat
 
 from conftest import hf_greedy
@@ -71,6 +72,12 @@ def test_chat_answers_sensibly(llm: Any) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+    # template variables pass through (this template reads none: the same answer); reserved ones are refused
+    again = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(temperature=0, max_tokens=24), chat_template_kwargs={"enable_thinking": False})
+    assert again[0].outputs[0].text == out.text
+    with pytest.raises(RequestRejected):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"add_generation_prompt": False})
 
 
 def test_bf16_chat_streams_whole_characters() -> None:
