@@ -132,6 +132,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               max_prompt_chars=args.max_prompt_chars,
                               prefix_cache_isolation=args.prefix_cache_isolation,
                               tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser,
                               explain_itl_threshold=args.explain_itl_threshold,
                               debug_requests_history=args.debug_requests_history,
                               profiler_dir=args.profiler_dir, otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -229,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=["hermes", "json"], default="hermes",
                      help="how chat output becomes tool calls: hermes (<tool_call>{json}</tool_call> blocks) or "
                      "json (the whole output is a call object or a list of them)")
+    srv.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                     help="reasoning models: the reply's <think> ... </think> text goes to the message's "
+                     "reasoning_content (streamed: delta.reasoning_content), the rest to content; qwen3: only an "
+                     "explicit <think> block, deepseek_r1: everything before </think> (its template opens <think>)")
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="seconds open requests may run after SIGTERM (while /health answers 503 draining) "
                      "before the rest end with an error")

@@ -55,6 +55,7 @@ class ServerConfig:
     max_prompt_chars: int | None = None  # None: serving.PROMPT_CHARS_PER_TOKEN x max_model_len
     prefix_cache_isolation: Literal["none", "tenant"] = "none"
     tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS: <think> text -> reasoning_content
     explain_itl_threshold: str = "2x"  # a stall: an ITL gap above this (explain.StallThreshold.parse)
     debug_requests_history: int = 1000  # finished requests kept for GET /debug/requests/{id}
     profiler_dir: str | None = None  # /start_profile traces go here (None: a new temporary directory)
@@ -71,7 +72,7 @@ class ServerConfig:
     def serving_options(self) -> ServingOptions:
         seqs = self.max_sequences_per_request or self.max_waiting_requests or 1024
         return ServingOptions(self.max_n, seqs, self.max_prompt_chars, self.prefix_cache_isolation,
-                              self.tool_call_parser)
+                              self.tool_call_parser, self.reasoning_parser)
 
 
 def new_registry(base: EngineConfig, cfg: ServerConfig) -> ModelRegistry:

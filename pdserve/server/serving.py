@@ -44,6 +44,7 @@ from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.chat_template import check_template_kwargs, render_chat
 from pdserve.server.metrics import Metrics
+from pdserve.server.reasoning import get_reasoning_parser
 from pdserve.server.tenants import TenantMetrics
 from pdserve.server.tool_parsers import get_tool_parser
 from pdserve.server.tools import ChatTools, ToolPlan
@@ -71,6 +72,7 @@ class ServingOptions:
     max_prompt_chars: int | None = None  # per prompt or conversation; None: PROMPT_CHARS_PER_TOKEN x max_model_len
     prefix_cache_isolation: Literal["none", "tenant"] = "none"  # tenant: no prefix-cache sharing across tenants
     tool_call_parser: str = "hermes"  # how chat output becomes tool calls (tool_parsers.py)
+    reasoning_parser: str | None = None  # how chat output's <think> text becomes reasoning_content (reasoning.py)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class OpenAIServing:
         self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.model_info.max_model_len
         tok = client.tokenizer
         self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser), client.check_json_schema)
+        self.reasoning = get_reasoning_parser(self.options.reasoning_parser)
         # token id -> its text, for logprobs (a few hot ids dominate)
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(lambda t: str(tok.decode([t])))
 

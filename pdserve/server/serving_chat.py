@@ -15,6 +15,7 @@ from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.errors import ErrorCode
 from pdserve.outputs import CompletionOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.server.reasoning import ReasoningStream
 from pdserve.server.serving import Children, OpenAIServing, RequestContext, ServingResult
 from pdserve.server.tool_parsers import ToolCall, ToolStream
 from pdserve.server.tools import ToolPlan, tool_plan
@@ -61,10 +62,14 @@ class OpenAIServingChat(OpenAIServing):
         params.structured_outputs = so
 
     def _choice(self, i: int, c: CompletionOutput, body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        text = c.text
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning is not None:
+            message["reasoning_content"], text = self.reasoning.extract(text)
+            message["content"] = text
         finish = c.finish_reason
         if plan.active:
-            parsed = self.tools.parser.parse(c.text)
+            parsed = self.tools.parser.parse(text)
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [tc.as_openai() for tc in parsed.tool_calls]
@@ -80,12 +85,15 @@ class OpenAIServingChat(OpenAIServing):
         # whole prefill as an inter-token gap. vLLM does the same.
         started: set[int] = set()
         streams: dict[int, ToolStream] = {}
+        thinking: dict[int, ReasoningStream] = {}
         num_calls: dict[int, int] = {}
         async for i, out in self.stream_all(children):
             if i not in started:
                 started.add(i)
                 if plan.active:
                     streams[i], num_calls[i] = self.tools.parser.stream(), 0
+                if self.reasoning is not None:
+                    thinking[i] = self.reasoning.stream()
                 yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]}
             c = out.outputs[0]
@@ -94,8 +102,8 @@ class OpenAIServingChat(OpenAIServing):
                 lps = self._logprobs(c.delta_logprobs)
             if not c.delta_text and not c.finished and lps is None:
                 continue
-            deltas = self._deltas(c, streams.get(i), num_calls, i)
-            if not deltas and not c.finished and lps is None:  # held by the tool parser
+            deltas = self._reasoned_deltas(c, thinking.get(i), streams.get(i), num_calls, i)
+            if not deltas and not c.finished and lps is None:  # held by the reasoning or the tool parser
                 continue
             deltas = deltas or [{} if c.finished else {"content": ""}]
             finish = c.finish_reason
@@ -109,15 +117,31 @@ class OpenAIServingChat(OpenAIServing):
         if (last_chunk := self.final_chunk(base, children, body)) is not None:
             yield last_chunk
 
+    def _reasoned_deltas(self, c: CompletionOutput, thinking: ReasoningStream | None, stream: ToolStream | None,
+                         num_calls: dict[int, int], i: int) -> list[dict[str, Any]]:
+        """With a reasoning parser: its reasoning pieces as reasoning_content deltas, its content through _deltas."""
+        if thinking is None:
+            return self._deltas(c.delta_text, c.finished, stream, num_calls, i)
+        pieces = thinking.feed(c.delta_text) if c.delta_text else []
+        if c.finished:
+            pieces += thinking.finish()
+        out: list[dict[str, Any]] = []
+        content = "".join(t for kind, t in pieces if kind == "content")
+        if reasoning := "".join(t for kind, t in pieces if kind == "reasoning"):
+            out.append({"reasoning_content": reasoning})
+        if content or c.finished:
+            out += self._deltas(content, c.finished, stream, num_calls, i, allow_empty=not out)
+        return out
+
     @staticmethod
-    def _deltas(c: CompletionOutput, stream: ToolStream | None, num_calls: dict[int, int],
-                i: int) -> list[dict[str, Any]]:
+    def _deltas(text: str, finished: bool, stream: ToolStream | None, num_calls: dict[int, int],
+                i: int, allow_empty: bool = True) -> list[dict[str, Any]]:
         """A step's deltas: its text as content, or, with tools, the parser's content and calls. A call goes out
         as OpenAI sends one: index, id, type, name and empty arguments, then its arguments."""
         if stream is None:
-            return [{"content": c.delta_text}] if c.delta_text or not c.finished else []
-        events = stream.feed(c.delta_text) if c.delta_text else []
-        if c.finished:
+            return [{"content": text}] if text or (not finished and allow_empty) else []
+        events = stream.feed(text) if text else []
+        if finished:
             events += stream.finish()
         out: list[dict[str, Any]] = []
         for e in events:
