@@ -340,5 +340,6 @@ def test_chat_request_passes_chat_template_kwargs(aengine: EngineClient, monkeyp
                                 chat_template_kwargs={"tools": []})
     with pytest.raises(RequestRejected) as e:
         asyncio.run(serving.create_chat_completion(bad, RequestContext()))
-    assert e.value.param == "chat_template_kwargs" and seen == [{"enable_thinking": False}]
+    # the renderer itself refuses (one check, shared with LLM.chat), before anything is scheduled
+    assert e.value.param == "chat_template_kwargs" and seen == [{"enable_thinking": False}, {"tools": []}]
     assert wait_kv_baseline(aengine).num_used_blocks == 0

@@ -42,7 +42,7 @@ from pdserve.engine.client import (
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.chat_template import check_template_kwargs, render_chat
+from pdserve.server.chat_template import render_chat
 from pdserve.server.metrics import Metrics
 from pdserve.server.reasoning import get_reasoning_parser
 from pdserve.server.tenants import TenantMetrics
@@ -218,7 +218,6 @@ class OpenAIServing:
         except ContentPartError as e:
             raise APIError(400, str(e), param=e.param, code=ErrorCode.UNSUPPORTED_PARAMETER.value) from e
         self.check_texts(["".join(m["content"] for m in plain)], "messages")
-        check_template_kwargs(template_kwargs)
         prompt: dict[str, Any] = await self.in_thread(self._encode_chat, plain, add_generation_prompt, prepare,
                                                       template_kwargs)
         return prompt
@@ -229,6 +228,8 @@ class OpenAIServing:
         plain, tools = prepare(plain) if prepare is not None else self.tools.prepare(plain, ToolPlan())
         try:
             return render_chat(self.client.tokenizer, plain, add_generation_prompt, tools, template_kwargs)
+        except RequestRejected:  # reserved chat_template_kwargs: render_chat's own coded refusal
+            raise
         except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
 
