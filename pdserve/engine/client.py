@@ -35,6 +35,7 @@ from pdserve.kv_transfer.base import FinishedLoad
 from pdserve.model.inputs import StepKind
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
+from pdserve.profiler.traces import ProfilerLimits
 from pdserve.roofline import DeviceSpec
 from pdserve.sampling_params import SamplingParams
 
@@ -164,6 +165,8 @@ class EngineClient:
         self._explanations = ExplanationHistory()
         # profiler by phase (/start_profile, /stop_profile): the profiler lives on the engine thread
         self._profiler_dir: str | None = None
+        self._profiler_limits = ProfilerLimits()
+        self.after_profile: Callable[[], None] | None = None  # the server's: hand the events' memory back to the OS
         self._profiler: PhaseProfiler | None = None
         self._profile_done: Future[ProfileResult] | None = None  # set while a profile is open
         roof, kv = engine.roofline, engine.kv_transfer
@@ -213,11 +216,15 @@ class EngineClient:
         return self._explanations.size
 
     def configure_introspection(self, explain_itl_threshold: str = "2x", history: int = 1000,
-                                profiler_dir: str | None = None) -> None:
-        """Explanations' stall threshold (explain.StallThreshold.parse) and history size; profile traces' dir."""
+                                profiler_dir: str | None = None, profiler_limits: ProfilerLimits | None = None,
+                                after_profile: Callable[[], None] | None = None) -> None:
+        """Explanations' stall threshold (explain.StallThreshold.parse) and history size; profile traces' dir,
+        the profiler's bounds, and what to run on the engine thread after a profile stops."""
         self._explainer.threshold = StallThreshold.parse(explain_itl_threshold)
         self._explanations.size = history
         self._profiler_dir = profiler_dir
+        self._profiler_limits = profiler_limits or ProfilerLimits()
+        self.after_profile = after_profile
 
     def observe_kv_transfer(self, on_load: Callable[[FinishedLoad], None], on_pin_timeout: Callable[[], None]) -> bool:
         """PD roles: call `on_load` for every KV pull that ends and `on_pin_timeout` for every pin freed unclaimed
@@ -334,6 +341,8 @@ class EngineClient:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
+                if self._profiler is not None and self._profiler.done:  # its steps, or its time, are over
+                    self._finish_profile()
                 if not eng.has_unfinished_requests():
                     if eng.kv_transfer is not None:
                         eng.kv_transfer.poll_pins()  # free released / expired KV pins while idle
@@ -343,8 +352,6 @@ class EngineClient:
                     self._wake.clear()
                     continue
                 result = self._step(eng)
-                if self._profiler is not None and self._profiler.done:
-                    self._finish_profile()
                 self._observe(result.stats)
                 # published before the outputs: a client that saw its request finish reads a state this new
                 self._kv_snapshot = KVSnapshot.of(eng)
@@ -459,7 +466,7 @@ class EngineClient:
         assert self._profile_done is not None
         try:
             self._profiler = PhaseProfiler(num_steps, self._profiler_dir, self._engine.roofline.device,
-                                           self._engine.config.torch_dtype)
+                                           self._engine.config.torch_dtype, self._profiler_limits)
         except Exception as exc:  # e.g. a bad step count: the waiting /stop_profile gets it
             self._profile_done.set_exception(exc)
 
@@ -473,3 +480,6 @@ class EngineClient:
         except Exception as exc:
             logger.exception("profiler stop failed")
             done.set_exception(exc)
+        del prof
+        if self.after_profile is not None:
+            self.after_profile()

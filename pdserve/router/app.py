@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import WindowQuery, page_router
 from pdserve.api.errors import install_exception_handlers
+from pdserve.api.http_protocol import HeadLimits, uvicorn_options
 from pdserve.kv_transfer.trust import secret_from_env
 from pdserve.router.serving import RoutedResponse, RouterConfig, RouterServing, parse_body
 from pdserve.router.stats import router_stats
@@ -116,5 +117,6 @@ def _cmd_router(args: argparse.Namespace) -> int:
                        decode_timeout=args.decode_timeout, max_decode_attempts=args.max_decode_attempts,
                        on_prefill_failure=args.on_prefill_failure,
                        kv_transfer_secret=secret_from_env(args.kv_transfer_secret), max_body_bytes=args.max_body_bytes)
-    uvicorn.run(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
+                **uvicorn_options(HeadLimits()))  # request heads bounded as the server's (http_protocol.py)
     return 0

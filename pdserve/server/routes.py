@@ -9,10 +9,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.background import BackgroundTask
 
 from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.errors import RequestRejected
+from pdserve.server.allocator import trim_heap
 from pdserve.server.model_registry import ModelRegistry, ServedModel
 from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
@@ -23,6 +25,7 @@ from pdserve.server.tracing import trace_headers
 
 router = APIRouter()
 VERSION_HEADER = "x-pdserve-model-version"  # NAME@VERSION of the model that served a request
+TRIM_AFTER_BYTES = 2**20  # a JSON reply this large was built from many small objects: trim the heap after it
 
 
 def _context(raw: Request, user: str | None) -> RequestContext:
@@ -34,7 +37,10 @@ def _respond(result: ServingResult, served: ServedModel | None = None) -> Respon
     # served-by evidence: which model and version answered (an alias or canary may have picked it)
     headers = {VERSION_HEADER: served.version_tag} if served is not None else None
     if isinstance(result, dict):
-        return JSONResponse(result, headers=headers)
+        resp = JSONResponse(result, headers=headers)
+        if len(resp.body) >= TRIM_AFTER_BYTES:  # its objects' pages back to the OS once sent (allocator.py)
+            resp.background = BackgroundTask(trim_heap)
+        return resp
     return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
 
