@@ -476,10 +476,12 @@ class EngineClient:
         if prof is None or done is None or done.done():
             return
         try:
-            done.set_result(prof.stop())
+            result = prof.stop()
         except Exception as exc:
             logger.exception("profiler stop failed")
             done.set_exception(exc)
-        del prof
+            return
+        del prof  # its events' memory is free now: handed back before /stop_profile answers
         if self.after_profile is not None:
             self.after_profile()
+        done.set_result(result)

@@ -39,14 +39,16 @@ def new_trace_path(out_dir: str) -> str:
 
 def rotate_traces(out_dir: str, newest: str, limits: ProfilerLimits) -> bool:
     """Delete traces, oldest first, until the directory's traces fit `limits`; False when `newest` itself had to
-    go (larger than max_bytes alone)."""
-    traces = sorted((p for p in Path(out_dir).glob(f"{TRACE_PREFIX}*.json") if p.is_file()),
-                    key=lambda p: (p.stat().st_mtime_ns, p.name))
+    go (larger than max_bytes alone: then it is the only one removed)."""
     last = Path(newest).resolve()
-    traces.sort(key=lambda p: p.resolve() == last)  # the new one last, whatever the clock says
+    if last.stat().st_size > limits.max_bytes:
+        last.unlink()
+        return False
+    traces = sorted((p for p in Path(out_dir).glob(f"{TRACE_PREFIX}*.json") if p.is_file() and p.resolve() != last),
+                    key=lambda p: (p.stat().st_mtime_ns, p.name)) + [last]  # the new one last, whatever the clock
     sizes = {p: p.stat().st_size for p in traces}
     total = sum(sizes.values())
-    while traces and (len(traces) > limits.max_traces or total > limits.max_bytes):
+    while len(traces) > limits.max_traces or total > limits.max_bytes:
         old = traces.pop(0)
         total -= sizes[old]
         try:
@@ -55,4 +57,4 @@ def rotate_traces(out_dir: str, newest: str, limits: ProfilerLimits) -> bool:
             pass
         logger.info("profiler: removed trace %s (keeping at most %d traces, %d bytes)", old, limits.max_traces,
                     limits.max_bytes)
-    return os.path.exists(newest)
+    return True

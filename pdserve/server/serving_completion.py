@@ -94,8 +94,9 @@ class OpenAIServingCompletion(OpenAIServing):
     def _logprobs(self, body: CompletionRequest, out: RequestOutput | None, out_lps: list[Any],
                   text_offset: int) -> dict[str, Any]:
         """OpenAI's legacy `logprobs` of the output tokens; with echo, of the prompt tokens first (the first with
-        logprob and top_logprobs None), offsets counted from the prompt's start. `out`: where the prompt's come
-        from (None: not in this chunk)."""
+        logprob and top_logprobs None), offsets then summed over the tokens' texts from the prompt's start, as vLLM
+        (a token that ends inside a character decodes longer than its share of the text). `out`: where the
+        prompt's come from (None: not in this chunk)."""
         tokens: list[str] = []
         lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
@@ -109,7 +110,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 tops.append(None if plp is None else {self.token_text(i): v for i, v in plp.top})
                 offsets.append(off)
                 off += len(t)
-            off = text_offset or off  # streamed: the chunk's text starts with the prompt
         for lp in out_lps:
             t = self.token_text(lp.token_id)
             tokens.append(t)
