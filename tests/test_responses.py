@@ -404,3 +404,26 @@ def test_openai_agents_runs_an_agent_with_a_function_tool(server: ServerProc, mo
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds[:2] == ["ToolCallItem", "ToolCallOutputItem"] and kinds[-1] == "MessageOutputItem"
     assert len(result.raw_responses) == 2
+
+
+def _aborted(base: str) -> float:
+    """Engine requests that finished as aborted, from /metrics."""
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith("pdserve:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_client_gone_mid_stream_aborts_the_request(server: ServerProc, model: str) -> None:
+    """A stream dropped after its first delta: its request is aborted, not run to its 1000 tokens (the autouse
+    check then waits for the pool to be back at its baseline)."""
+    before = _aborted(server.base_url)
+    body = {"model": model, "input": ASK, "max_output_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: response.output_text.delta"):
+                break
+    deadline = time.monotonic() + 30
+    while _aborted(server.base_url) < before + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
