@@ -333,6 +333,7 @@ REFUSED: Any = [
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "unsupported_parameter"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_parameter"),
     ({"input": None}, "input", "invalid_parameter"),
+    ({"max_output_tokens": 5000}, "max_output_tokens", "context_length_exceeded"),
     ({"previous_response_id": "resp_nope"}, "previous_response_id", "response_not_found"),
 ]
 

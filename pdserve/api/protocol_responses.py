@@ -210,7 +210,7 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 # chat's param paths -> this API's (an error raised on the chat request names the field the client sent)
 PARAM_NAMES = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
                ("tool_choice.function.name", "tool_choice.name"), ("max_completion_tokens", "max_output_tokens"),
-               ("messages", "input"))
+               ("max_tokens", "max_output_tokens"), ("messages", "input"), ("prompt", "input"))
 
 
 def responses_param(param: str | None) -> str | None:
@@ -222,5 +222,5 @@ def responses_param(param: str | None) -> str | None:
         return head + rest
     for chat, ours in PARAM_NAMES:
         if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
-            return ours + param[len(chat):] if chat != "messages" else ours
+            return ours if chat in ("messages", "prompt") else ours + param[len(chat):]
     return param
