@@ -19,6 +19,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 from test_serving import MODEL, aengine, wait_kv_baseline  # noqa: F401  (aengine: a fixture)
 
 from pdserve.api.protocol_responses import ResponsesRequest, items_to_messages, responses_param
@@ -242,6 +243,12 @@ def test_streaming_event_order(server: ServerProc, client: openai.OpenAI, model:
     assert got.status == "completed" and "".join(texts) == got.output_text
     jsonschema.validate(json.loads(got.output_text), ANSWER)
 
+    class Answer(BaseModel):
+        ok: Literal["是", "no"]
+
+    parsed = client.responses.parse(model=model, input=ASK, text_format=Answer, max_output_tokens=40, temperature=0)
+    assert isinstance(parsed.output_parsed, Answer) and parsed.output_parsed.ok in ("是", "no")
+
 
 def test_function_tool_round_trip(server: ServerProc, client: openai.OpenAI, model: str) -> None:
     kw: Any = dict(model=model, input=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
@@ -370,7 +377,6 @@ def test_models_retrieve(server: ServerProc, client: openai.OpenAI, model: str) 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
 def test_openai_agents_runs_an_agent_with_a_function_tool(server: ServerProc, model: str, streamed: bool) -> None:
     import agents
-    from pydantic import BaseModel
 
     agents.set_tracing_disabled(True)
     calls: list[dict[str, Any]] = []
