@@ -280,6 +280,37 @@ def test_aborts_write_a_log_line_and_unread_streams_abort(aengine: EngineClient,
     assert aengine.num_unfinished == 0 and wait_kv_baseline(aengine).num_used_blocks == 0
 
 
+def test_requests_cut_at_shutdown_leave_log_lines(tiny_hf_model: Any, tokenizer: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Shutdown: a request refused at admission (the grace ran out) and one still running when the engine loop
+    stops each write their request-log line (issue 31 item 8)."""
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=128, max_model_len=512),
+                       model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
+    client = EngineClient(engine, Metrics(MODEL))
+    client.start()
+    serving = OpenAIServingCompletion(client, MODEL)
+    body = CompletionRequest(prompt="Once upon a time", max_tokens=400, ignore_eos=True, stream=True)
+
+    async def cut() -> str:
+        stream = await serving.create_completion(body, RequestContext(tenant="running"))
+        assert not isinstance(stream, dict)
+        first = await anext(aiter(stream))
+        client.shutdown()  # its abort is queued as the loop stops
+        return str(json.loads(first[6:])["id"])
+
+    with caplog.at_level(logging.INFO, logger="pdserve.requests"):
+        rid = asyncio.run(cut())
+        client.closed = True  # as fail_all leaves it
+        with pytest.raises(APIError) as exc:
+            asyncio.run(serving.create_completion(body, RequestContext(tenant="late")))
+    assert exc.value.status == 503 and exc.value.code == "server_shutting_down"
+    recs = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.requests"]
+    assert [(r["request_id"], r["finish_reason"]) for r in recs if r["tenant"] == "running"] == [(f"{rid}-0-0",
+                                                                                                 "abort")]
+    assert [(r["finish_reason"], r["error"]) for r in recs if r["tenant"] == "late"] == [
+        ("abort", "server_shutting_down")]
+
+
 THINK_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>"
                   "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n{% endif %}"

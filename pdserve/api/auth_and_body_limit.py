@@ -11,9 +11,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.api.errors import APIError, ErrorCounter, error_response
 
-# Paths that need the API key (when one is set); /health and /metrics stay open for probes.
+# Paths that need the API key (when one is set); /health stays open for probes. /metrics (tenant names, load) and
+# /version (commit, library versions) need it too unless `public_metrics` (`--metrics-public`).
 _KEYED_PREFIXES = ("/v1", "/debug", "/docs", "/redoc")
 _KEYED_PATHS = ("/tokenize", "/detokenize", "/openapi.json", "/start_profile", "/stop_profile")
+_METRICS_PATHS = ("/metrics", "/version")
 
 
 class AuthAndBodyLimitMiddleware:
@@ -26,10 +28,13 @@ class AuthAndBodyLimitMiddleware:
     app listening for a disconnect) go to the client."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ErrorCounter,
-                 body_read_timeout: float = 30.0) -> None:
+                 body_read_timeout: float = 30.0, admin_api_key: str | None = None,
+                 public_metrics: bool = False) -> None:
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
         self.api_key = api_key.encode() if api_key else None
+        self.admin_api_key = admin_api_key.encode() if admin_api_key else None  # opens the API too
         self.body_read_timeout = body_read_timeout
+        self.keyed_paths = _KEYED_PATHS + (() if public_metrics else _METRICS_PATHS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,7 +43,7 @@ class AuthAndBodyLimitMiddleware:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            if self.api_key and (path.startswith(_KEYED_PREFIXES) or path in _KEYED_PATHS):
+            if self.api_key and (path.startswith(_KEYED_PREFIXES) or path in self.keyed_paths):
                 self._check_key(headers.get("authorization", ""))
             if int(headers.get("content-length", "0") or 0) > self.max_body_bytes:
                 raise _too_large(self.max_body_bytes)
@@ -58,7 +63,9 @@ class AuthAndBodyLimitMiddleware:
 
     def _check_key(self, authorization: str) -> None:
         scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key or b""):
+        key = token.strip().encode()
+        admin = self.admin_api_key is not None and hmac.compare_digest(key, self.admin_api_key)
+        if scheme.lower() != "bearer" or not (hmac.compare_digest(key, self.api_key or b"") or admin):
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                            "authentication_error", code="invalid_api_key", kind="unauthorized")
 

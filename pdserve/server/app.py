@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import page_router
 from pdserve.api.errors import install_exception_handlers
+from pdserve.api.log_hygiene import install_log_hygiene
 from pdserve.cache import cache_root
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineThread, LLMEngine
@@ -63,6 +64,7 @@ class ServerConfig:
     admin_api_key: str | None = None  # None: no admin API (/admin answers 404)
     audit_log: str | None = None  # JSONL path; None: <cache dir>/audit.jsonl with the admin API, else memory; "off"
     tenant_label_limit: int = 16  # distinct tenants labelled in the per-tenant metrics; later ones: "other"
+    metrics_public: bool = False  # /metrics and /version without the API key
 
     def audit_log_path(self) -> Path | None:
         if self.audit_log == "off" or self.audit_log is None and not self.admin_api_key:
@@ -109,7 +111,8 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
         *(m.metrics.registry for m in registry.loaded() if m.metrics is not None), registry.tenant_metrics.registry])
     app.state.admin_api_key = cfg.admin_api_key
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
-                       metrics=metrics, body_read_timeout=cfg.body_read_timeout)
+                       metrics=metrics, body_read_timeout=cfg.body_read_timeout, admin_api_key=cfg.admin_api_key,
+                       public_metrics=cfg.metrics_public)
     install_exception_handlers(app, metrics)
     app.include_router(router)
     app.include_router(models_router)
@@ -161,4 +164,5 @@ class DrainingServer(uvicorn.Server):
 def run_server(app: FastAPI, host: str, port: int, log_level: str, grace: float) -> None:
     """Serve until SIGTERM/SIGINT, then drain (DrainingServer)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+    install_log_hygiene()  # after uvicorn set its loggers up: no secret, no client-made line break in a log line
     DrainingServer(config, app.state.registry, grace).run()
