@@ -428,6 +428,8 @@ def test_every_admin_call_is_one_audit_line(server: ServerProc, tmp_path: Path) 
         ("PUT", "/aliases/chat", {"json": {"model": "nope"}}, 404, "model_not_found"),
         ("POST", "/models", {"json": {"name": "bad name"}}, 400, "invalid_model_name"),
         ("POST", "/models", {"json": {"name": "opts", "options": {"no_such_option": 1}}}, 400, "invalid_model_spec"),
+        ("POST", "/models", {"json": {"name": "x", "bogus": 1}}, 400, None),  # refused by the schema
+        ("PUT", "/aliases/chat", {"json": {"canary": {"model": MODEL, "share": 2}}}, 400, None),
     ]
     for method, path, kw, status, code in calls:
         before = len(lines())
@@ -439,5 +441,8 @@ def test_every_admin_call_is_one_audit_line(server: ServerProc, tmp_path: Path) 
         assert len(new) == 1, (method, path, new)
         assert new[0]["outcome"] == ("ok" if status == 200 else "error") and new[0]["key_id"], new
         assert ADMIN_KEY not in json.dumps(new, ensure_ascii=False)
+    before = len(lines())  # a caller without the admin key is refused (401) and writes nothing: no flooding
+    assert httpx.delete(server.base_url + f"/admin/models/{MODEL}", headers=AUTH).status_code == 401
+    assert len(lines()) == before
     assert httpx.post(server.base_url + CMPL, headers=AUTH, json={**GOOD, "model": "chat"}).status_code == 200
     baseline(server)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.api.errors import APIError
+from pdserve.api.errors import APIError, validation_message
 from pdserve.server.audit import key_id
 from pdserve.server.model_registry import ModelRegistry
 from pdserve.server.model_routes import model_entry
@@ -58,7 +61,33 @@ def admin_key(raw: Request) -> str:
     return key_id(raw.app.state.admin_api_key) or ""
 
 
-admin_router = APIRouter(prefix="/admin", dependencies=[Depends(admin_key)])
+# the audit action of each changing route (by its handler's name)
+_ACTIONS = {"load_model": "load", "unload_model": "unload", "sleep_model": "sleep", "wake_model": "wake",
+            "set_alias": "switch", "rollback_alias": "rollback"}
+
+
+class AuditedRoute(APIRoute):
+    """An admin route whose body or query the schema refuses (400, before the handler runs) is still one audit
+    line, like every other refused admin call (the admin key was checked first: its dependency runs before)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        action = _ACTIONS.get(self.name)
+
+        async def audited(raw: Request) -> Response:
+            try:
+                return await handler(raw)
+            except RequestValidationError as e:
+                if action is not None and is_admin(raw):
+                    target = str(raw.path_params.get("name") or raw.path_params.get("alias") or "")
+                    _registry(raw).refused(action, target[:128], key_id(raw.app.state.admin_api_key),
+                                           validation_message(e))
+                raise
+
+        return audited
+
+
+admin_router = APIRouter(prefix="/admin", dependencies=[Depends(admin_key)], route_class=AuditedRoute)
 
 
 def _registry(raw: Request) -> ModelRegistry:
