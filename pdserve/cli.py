@@ -11,6 +11,7 @@ import time
 import typing
 from typing import Any
 
+from pdserve.api.log_hygiene import install_log_hygiene
 from pdserve.config import EngineConfig, shown_default
 
 
@@ -290,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call drowns bench output
+    install_log_hygiene()  # no client-made line break splits a line (uvicorn's loggers get it once it set them up)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

@@ -87,6 +87,8 @@ def _read_or_create(path: Path) -> str | None:
             finally:
                 tmp.unlink()
         key = path.read_text(encoding="utf-8").strip()
+        if path.stat().st_mode & 0o077:
+            logger.warning("the default kv_transfer secret file %s is readable by other users (chmod 600 it)", path)
     except OSError as exc:
         logger.error("no kv_transfer_secret and the default secret file %s is unusable (%s): PD hand-offs are "
                      "refused; set --kv-transfer-secret", path, exc.strerror or exc)
