@@ -244,4 +244,8 @@ def test_router_refuses_bad_bodies(pd: PD) -> None:
         r = httpx.post(url, content=big, timeout=30)
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
         assert neighbour.result(timeout=60) == pd.reference
+    # the dashboard's ?key= never reaches the router's access log
+    assert httpx.get(pd.router.base_url + "/dashboard", params={"key": "sk-router-0b5e"}).status_code == 200
+    time.sleep(0.2)
+    assert "sk-router-0b5e" not in pd.router.log() and "/dashboard?key=***" in pd.router.log()
     assert_baseline(pd)
