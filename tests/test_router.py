@@ -226,7 +226,7 @@ def test_no_healthy_instance() -> None:
     stream, whole, (status, health), models = asyncio.run(go())
     events = events_of(stream)
     assert events[-1] == "[DONE]" and "no decode instance could serve" in events[0]["error"]["message"]
-    assert events[0]["error"]["code"] == 502
+    assert events[0]["error"]["code"] == "upstream_error"
     assert whole.status == 502 and "ConnectError" in json.loads(whole.content)["error"]["message"]
     assert status == 503 and health["status"] == "unavailable" and not health["decode"][0]["healthy"]
     assert models.status == 502
@@ -434,7 +434,7 @@ def test_router_app_refuses_bad_bodies_with_openai_errors() -> None:
         assert pre.bodies == [] and dec.bodies == []  # nothing reached an instance
         r = client.post("/v1/completions", json={"prompt": "你好", "n": "1", "stream": "false", "max_tokens": 2})
         assert r.status_code == 200 and pre.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
-        assert client.post("/v1/nothing", json={}).json()["error"]["code"] == 404
+        assert client.post("/v1/nothing", json={}).json()["error"]["code"] == "not_found"
         assert 'pdserve:router_request_errors_total{kind="payload_too_large"} 2.0' in client.get("/metrics").text
 
 

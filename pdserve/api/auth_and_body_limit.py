@@ -86,7 +86,7 @@ class AuthAndBodyLimitMiddleware:
 
     async def _refuse(self, e: APIError, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.error(e.kind)
-        await error_response(e)(scope, receive, send)
+        await error_response(e, scope["path"])(scope, receive, send)
 
 
 def _too_large(limit: int) -> APIError:

@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.api.request_id import request_id
 from pdserve.errors import RequestRejected
 from pdserve.server.model_registry import ModelRegistry, ServedModel
 from pdserve.server.serving import RequestContext, ServingResult
@@ -27,7 +28,7 @@ VERSION_HEADER = "x-pdserve-model-version"  # NAME@VERSION of the model that ser
 
 def _context(raw: Request, user: str | None) -> RequestContext:
     return RequestContext(tenant=raw.headers.get("x-tenant") or user, is_disconnected=raw.is_disconnected,
-                          trace_headers=trace_headers(raw.headers))
+                          trace_headers=trace_headers(raw.headers), request_id=request_id(raw))
 
 
 def _respond(result: ServingResult, served: ServedModel | None = None) -> Response:
