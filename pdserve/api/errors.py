@@ -41,9 +41,12 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.type, self.param, self.code)
 
     def anthropic_body(self) -> dict[str, Any]:
-        """Anthropic's error body: its error type follows the status (ANTHROPIC_ERROR_TYPES)."""
+        """Anthropic's error body: its error type follows the status (ANTHROPIC_ERROR_TYPES); it has no `param`,
+        so the message names the field when it does not already."""
         kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        named = self.param is None or self.param in self.message
+        return {"type": "error", "error": {"type": kind,
+                                           "message": self.message if named else f"{self.param}: {self.message}"}}
 
 
 # ErrorCode -> (HTTP status, OpenAI error type, metrics kind): every code has one answer

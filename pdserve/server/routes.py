@@ -12,6 +12,7 @@ from prometheus_client import generate_latest
 
 from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
 from pdserve.api.request_id import request_id
 from pdserve.errors import RequestRejected
 from pdserve.server.model_registry import ModelRegistry, ServedModel
@@ -19,6 +20,7 @@ from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
 from pdserve.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from pdserve.server.serving_messages import ServingMessages
 from pdserve.server.serving_tokenization import OpenAIServingTokenization
 from pdserve.server.tracing import trace_headers
 
@@ -90,6 +92,19 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
     with _routed(raw, body) as served:
         serving: OpenAIServingTokenization = served.serving_tokenization
         return await serving.detokenize(body)
+
+
+@router.post("/v1/messages")  # Anthropic Messages: a view of the model's chat serving
+async def messages(body: MessagesRequest, raw: Request) -> Response:
+    with _routed(raw, body) as served:
+        serving = ServingMessages(served.serving_chat)
+        return _respond(await serving.create_message(body, _context(raw, body.user)), served)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, raw: Request) -> dict[str, Any]:
+    with _routed(raw, body) as served:
+        return await ServingMessages(served.serving_chat).count_tokens(body)
 
 
 @router.get("/health")
