@@ -79,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
             message["content"] = text
         finish = c.finish_reason
         if plan.active:
-            parsed = self.tools.parser.parse(text)
+            parsed = self.tools.parse(text, plan)
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [tc.as_openai() for tc in parsed.tool_calls]
@@ -101,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
             if i not in started:
                 started.add(i)
                 if plan.active:
-                    streams[i], num_calls[i] = self.tools.parser.stream(), 0
+                    streams[i], num_calls[i] = self.tools.stream(plan), 0
                 if self.reasoning is not None:
                     thinking[i] = self.reasoning.stream()
                 yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},

@@ -12,10 +12,12 @@ them) and `role: "tool"` results go to the template as they are when it renders 
 Otherwise the calls are appended to the assistant's content in the parser's format (hermes: `<tool_call>` blocks),
 and a tool result becomes a user message `<tool_response>\\n{content}\\n</tool_response>`.
 
-Enforcing. `required` (one or more calls; exactly one with `parallel_tool_calls: false`) and a named function
-(exactly one call of it) constrain the output with the structured-output machinery: the whole output is the
-parser's call markup around `{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`, so the
-arguments always validate. `auto` is unconstrained: the parser decides what is a call.
+Enforcing. `required` (1 to MAX_PARALLEL_TOOL_CALLS calls; exactly one with `parallel_tool_calls: false`) and a
+named function (exactly one call of it) constrain the output with the structured-output machinery: the whole
+output is the parser's call markup around `{"name": <one of the tools>, "arguments": <that tool's parameters
+schema>}`, so the arguments always validate, and after the last call allowed the grammar admits only the stop
+token. Such an output is calls only: what the parser leaves over (a call cut off by max_tokens or a stop string)
+is dropped, never content. `auto` is unconstrained: the parser decides what is a call.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from typing import Any
 
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.sampling_params import StructuredOutputs
-from pdserve.server.tool_parsers import ToolParser
+from pdserve.server.tool_parsers import Event, ParsedOutput, ToolCall, ToolParser, ToolStream
 
 MAX_TOOLS = 128
+# the most calls one reply may make under tool_choice "required" with parallel calls allowed: the grammar ends the
+# turn after this many (a small model would otherwise call until max_tokens)
+MAX_PARALLEL_TOOL_CALLS = 8
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule (letters, digits, _ and -; at most 64), plus "."
 
 DEFAULT_TOOLS_PROMPT = (
@@ -73,6 +78,24 @@ class ToolPlan:
     def active(self) -> bool:
         """Tools in the prompt and the output parsed for calls."""
         return bool(self.tools) and self.choice != "none"
+
+    @property
+    def constrained(self) -> bool:
+        """The grammar makes the whole output tool calls (required, or a named function)."""
+        return self.choice in ("required", "named")
+
+
+class CallsOnly(ToolStream):
+    """A parser's stream with its text events dropped: the calls of an output the grammar makes all calls."""
+
+    def __init__(self, inner: ToolStream) -> None:
+        self.inner = inner
+
+    def feed(self, text: str) -> list[Event]:
+        return [e for e in self.inner.feed(text) if isinstance(e, ToolCall)]
+
+    def finish(self) -> list[Event]:
+        return [e for e in self.inner.finish() if isinstance(e, ToolCall)]
 
 
 def parse_tools(raw: list[Any] | None) -> list[FunctionTool]:
@@ -161,12 +184,23 @@ class ChatTools:
     def constraint(self, plan: ToolPlan) -> StructuredOutputs | None:
         """The grammar for required / a named function; None for auto and none."""
         if plan.choice == "named":
-            tools, one = [t for t in plan.tools if t.name == plan.named], True
+            tools, max_calls = [t for t in plan.tools if t.name == plan.named], 1
         elif plan.choice == "required":
-            tools, one = list(plan.tools), not plan.parallel
+            tools, max_calls = list(plan.tools), MAX_PARALLEL_TOOL_CALLS if plan.parallel else 1
         else:
             return None
-        return self.parser.constraint([(t.name, t.parameters) for t in tools], one)
+        return self.parser.constraint([(t.name, t.parameters) for t in tools], max_calls)
+
+    def stream(self, plan: ToolPlan) -> ToolStream:
+        """A choice's parse state. Under a constraint the output is calls only: text the parser leaves over (a
+        call cut off by max_tokens or a stop string) is never content."""
+        s = self.parser.stream()
+        return CallsOnly(s) if plan.constrained else s
+
+    def parse(self, text: str, plan: ToolPlan) -> ParsedOutput:
+        """A whole reply's calls and content (none under a constraint, as `stream`)."""
+        parsed = self.parser.parse(text)
+        return ParsedOutput(None, parsed.tool_calls) if plan.constrained else parsed
 
     def prepare(self, messages: list[dict[str, Any]],
                 plan: ToolPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
