@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from pdserve.launch import ServerProc, start_server
+from pdserve.server.tools import MAX_PARALLEL_TOOL_CALLS
 
 KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -191,6 +192,16 @@ def test_tool_round_trip(server: ServerProc, client: anthropic.Anthropic, model:
     ids = httpx.post(server.base_url + "/tokenize", json={"messages": chat_history}, headers=AUTH).json()["tokens"]
     text = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}, headers=AUTH).json()["prompt"]
     assert f'<tool_call>\n{{"name": "{calls[0].name}", "arguments": ' in text and "晴, 21 °C" in text
+    wait_idle(server)
+
+
+def test_any_with_parallel_calls_ends(server: ServerProc, client: anthropic.Anthropic, model: str) -> None:
+    """tool_choice any, parallel calls allowed (Anthropic's default): the grammar ends the turn after at most
+    MAX_PARALLEL_TOOL_CALLS calls, each a tool_use block; no text."""
+    msg = client.messages.create(model=model, max_tokens=1500, extra_body=GREEDY, tools=TOOLS, messages=ASK,
+                                 tool_choice={"type": "any"})
+    assert msg.stop_reason == "tool_use" and text_of(msg) == ""
+    assert 1 <= len(tool_uses(msg)) == len(msg.content) <= MAX_PARALLEL_TOOL_CALLS
     wait_idle(server)
 
 

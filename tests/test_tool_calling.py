@@ -157,6 +157,29 @@ def test_the_tool_grammar_ends_after_the_calls_allowed(tokenizer: Any, parser: T
         assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
 
 
+@pytest.mark.parametrize("choice, parallel, n_calls", [("auto", True, 2), ("auto", False, 1), ("required", True, 2),
+                                                      ("required", False, 1)])
+def test_calls_past_the_request_limit_and_text_under_a_constraint_are_dropped(
+        tokenizer: Any, choice: str, parallel: bool, n_calls: int) -> None:
+    """Without parallel calls only the first call counts; under a constraint (required) the output is calls only,
+    so neither text nor a cut-off call is content. auto keeps the parser's content (an unclosed block as written)."""
+    from pdserve.engine.structured import StructuredOutputManager
+
+    ct = ChatTools(tokenizer, HermesToolParser(), StructuredOutputManager.json_schema_error)
+    plan = tool_plan(TOOLS, choice, parallel)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    text = f'Sure. {call}\n{call.replace("1", "3")} And done. <tool_call>{{"name": "add"'  # the last one cut off
+    plain = HermesToolParser().parse(text)
+    assert len(plain.tool_calls) == 2 and plain.content and plain.content.endswith('<tool_call>{"name": "add"')
+    whole = ct.parse(text, plan)
+    assert whole.tool_calls == plain.tool_calls[:n_calls]
+    assert whole.content == (plain.content if choice == "auto" else None)
+    s = ct.stream(plan)
+    events = [e for i in range(0, len(text), 7) for e in s.feed(text[i:i + 7])] + s.finish()
+    assert [e for e in events if isinstance(e, ToolCall)] == whole.tool_calls
+    assert ("".join(e for e in events if isinstance(e, str)) or None) == whole.content
+
+
 def test_default_template_gets_the_tools_prompt_and_mapped_history(tokenizer: Any) -> None:
     from pdserve.engine.structured import StructuredOutputManager
 

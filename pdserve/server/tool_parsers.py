@@ -121,11 +121,15 @@ class ToolParser(ABC):
         token (the grammar is complete), so a model that would go on calling ends its turn."""
 
     def parse(self, text: str) -> ParsedOutput:
-        s = self.stream()
-        events = s.feed(text) + s.finish()
-        calls = [e for e in events if isinstance(e, ToolCall)]
-        content = "".join(e for e in events if isinstance(e, str))
-        return ParsedOutput(None if calls and not content else content, calls)
+        return parse_with(self.stream(), text)
+
+
+def parse_with(stream: ToolStream, text: str) -> ParsedOutput:
+    """A whole text through a fresh stream: its calls, and its content (None when it is only calls)."""
+    events = stream.feed(text) + stream.finish()
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    content = "".join(e for e in events if isinstance(e, str))
+    return ParsedOutput(None if calls and not content else content, calls)
 
 
 class HermesStream(ToolStream):

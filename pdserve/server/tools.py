@@ -31,7 +31,7 @@ from typing import Any
 
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.sampling_params import StructuredOutputs
-from pdserve.server.tool_parsers import Event, ParsedOutput, ToolCall, ToolParser, ToolStream
+from pdserve.server.tool_parsers import Event, ParsedOutput, ToolCall, ToolParser, ToolStream, parse_with
 
 MAX_TOOLS = 128
 # the most calls one reply may make under tool_choice "required" with parallel calls allowed: the grammar ends the
@@ -85,17 +85,30 @@ class ToolPlan:
         return self.choice in ("required", "named")
 
 
-class CallsOnly(ToolStream):
-    """A parser's stream with its text events dropped: the calls of an output the grammar makes all calls."""
+class FilteredStream(ToolStream):
+    """A parser's stream with its text dropped (an output the grammar makes all calls) and/or its calls past
+    `max_calls` dropped (the request allows no more)."""
 
-    def __init__(self, inner: ToolStream) -> None:
-        self.inner = inner
+    def __init__(self, inner: ToolStream, keep_text: bool, max_calls: int | None) -> None:
+        self.inner, self.keep_text, self.max_calls = inner, keep_text, max_calls
+        self.num_calls = 0
 
     def feed(self, text: str) -> list[Event]:
-        return [e for e in self.inner.feed(text) if isinstance(e, ToolCall)]
+        return self._filter(self.inner.feed(text))
 
     def finish(self) -> list[Event]:
-        return [e for e in self.inner.finish() if isinstance(e, ToolCall)]
+        return self._filter(self.inner.finish())
+
+    def _filter(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for e in events:
+            if not isinstance(e, ToolCall):
+                if self.keep_text:
+                    out.append(e)
+            elif self.max_calls is None or self.num_calls < self.max_calls:
+                self.num_calls += 1
+                out.append(e)
+        return out
 
 
 def parse_tools(raw: list[Any] | None) -> list[FunctionTool]:
@@ -193,13 +206,16 @@ class ChatTools:
 
     def stream(self, plan: ToolPlan) -> ToolStream:
         """A choice's parse state. Under a constraint the output is calls only: text the parser leaves over (a
-        call cut off by max_tokens or a stop string) is never content."""
+        call cut off by max_tokens or a stop string) is never content. Without parallel calls, calls after the
+        first are dropped (`auto` cannot enforce it in the grammar; vLLM filters the same way)."""
         s = self.parser.stream()
-        return CallsOnly(s) if plan.constrained else s
+        if plan.constrained or not plan.parallel:
+            return FilteredStream(s, keep_text=not plan.constrained, max_calls=None if plan.parallel else 1)
+        return s
 
     def parse(self, text: str, plan: ToolPlan) -> ParsedOutput:
-        """A whole reply's calls and content (none under a constraint, as `stream`)."""
-        parsed = self.parser.parse(text)
+        """A whole reply's calls and content, as `stream` gives them."""
+        parsed = parse_with(self.stream(plan), text)
         return ParsedOutput(None, parsed.tool_calls) if plan.constrained else parsed
 
     def prepare(self, messages: list[dict[str, Any]],
