@@ -17,21 +17,15 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from test_tool_calling import ADD, SCHEMAS, WEATHER  # the chat tool tests' schemas, as Anthropic tools here
 
 from pdserve.launch import ServerProc, start_server
 from pdserve.server.tools import MAX_PARALLEL_TOOL_CALLS
 
 KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12},
-    "unit": {"enum": ["celsius", "fahrenheit", "摄氏"]}}, "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-       "required": ["a", "b"], "additionalProperties": False}
 TOOLS: Any = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER},
               {"name": "add", "description": "Add two numbers", "input_schema": ADD}]
-SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris? 用摄氏度"}]
 # anthropic 2.x's create() no longer declares temperature / top_p / top_k; the API (and pdserve) still takes them
 GREEDY: Any = {"temperature": 0}
