@@ -70,6 +70,7 @@ def test_text_system_and_the_same_prompt_as_chat(server: ServerProc, client: ant
     msg = client.messages.create(model=model, max_tokens=12, extra_body=GREEDY, system=SYSTEM,
                                  messages=[{"role": "user", "content": QUESTION}])
     assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_") and msg.model == model
+    assert msg._request_id and msg._request_id.startswith("req_")  # the `request-id` header
     assert msg.stop_reason in ("end_turn", "max_tokens") and msg.stop_sequence is None
     assert 0 < msg.usage.output_tokens <= 12 and (msg.usage.output_tokens == 12) == (msg.stop_reason == "max_tokens")
     # rendered and generated exactly as chat: same prompt tokens, same greedy text

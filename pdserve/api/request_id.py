@@ -1,6 +1,7 @@
 """`x-request-id` on every response (the server's and the router's): the client's own `X-Request-Id`, sanitized, or
 a new id. The id is also put back into the request's headers, so the routes read one value (`request_id(raw)`),
-the request log line carries it, and the router forwards it to the instances it calls (one id across the hops)."""
+the request log line carries it, and the router forwards it to the instances it calls (one id across the hops).
+Anthropic routes also answer it as `request-id`, the header the `anthropic` client reads (`message._request_id`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import uuid
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.api.errors import ANTHROPIC_PREFIX
 
 HEADER = "x-request-id"
 MAX_LEN = 128  # longer ids are cut to this many characters
@@ -41,11 +44,12 @@ class RequestIdMiddleware:
         rid = sanitize(sent).encode()
         scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != HEADER.encode()] + [(HEADER.encode(),
                                                                                                      rid)]
+        names = {HEADER.encode(), b"request-id"} if scope["path"].startswith(ANTHROPIC_PREFIX) else {HEADER.encode()}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*(h for h in message.get("headers", []) if h[0].lower() != HEADER.encode()),
-                                      (HEADER.encode(), rid)]
+                message["headers"] = [*(h for h in message.get("headers", []) if h[0].lower() not in names),
+                                      *((name, rid) for name in sorted(names))]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
