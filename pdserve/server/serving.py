@@ -29,7 +29,7 @@ from pdserve.api.protocol import (
     ContentPartError,
     plain_messages,
 )
-from pdserve.api.sse import named_sse, sse
+from pdserve.api.sse import sse
 from pdserve.engine.client import (
     EngineClient,
     EngineDead,
@@ -326,26 +326,26 @@ class OpenAIServing:
         task.result()
         return children.final_outputs()
 
-    def sse_stream(self, chunks: AsyncIterator[dict[str, Any]], children: Children,
-                   anthropic: bool = False) -> AsyncIterator[str]:
-        """SSE lines for the chunks; an error mid-stream becomes an error event. OpenAI's streams always end with
-        [DONE]; Anthropic's (`anthropic`: named events, its error body) end with their last event.
+    def sse_stream(self, chunks: AsyncIterator[dict[str, Any]], children: Children) -> AsyncIterator[str]:
+        """SSE lines for the chunks; an error mid-stream becomes an error event. Always ends with [DONE].
         If the response never starts iterating (client gone before its first byte), the children are aborted
         when the iterator is dropped."""
-        lines = self._sse_lines(chunks, anthropic)
+        return self.guarded(self._sse_lines(chunks), children)
+
+    def guarded(self, lines: AsyncIterator[str], children: Children) -> AsyncIterator[str]:
+        """`lines` (a response body), with the children aborted if it is dropped before it ends."""
         weakref.finalize(lines, self.abort_unfinished, children).atexit = False
         return lines
 
-    async def _sse_lines(self, chunks: AsyncIterator[dict[str, Any]], anthropic: bool) -> AsyncIterator[str]:
+    async def _sse_lines(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield named_sse(chunk) if anthropic else sse(chunk)
+                yield sse(chunk)
         except APIError as e:
             if self.metrics is not None:
                 self.metrics.error(e.kind)
-            yield named_sse(e.anthropic_body()) if anthropic else sse(e.body())
-        if not anthropic:
-            yield sse("[DONE]")
+            yield sse(e.body())
+        yield sse("[DONE]")
 
     # ---- response parts ------------------------------------------------------------------------------------
     def prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None] | None:

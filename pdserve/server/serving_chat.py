@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.api.errors import APIError
@@ -21,37 +22,48 @@ from pdserve.server.tool_parsers import ToolCall, ToolStream
 from pdserve.server.tools import ToolPlan, tool_plan
 
 
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request admitted to the engine: its id, creation time, children and tool plan (what the chat and
+    the Responses endpoints build their replies from)."""
+
+    rid: str
+    created: int
+    children: Children
+    plan: ToolPlan
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: ChatCompletionRequest, ctx: RequestContext) -> ServingResult:
         """Validate and start the request. Raises APIError or RequestRejected (the app answers both) before
         anything is sent when the body is refused."""
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        children, plan = await self.start_chat(body, ctx, rid)
-        created = int(time.time())
+        run = await self.start_chat(body, ctx, f"chatcmpl-{uuid.uuid4().hex}")
+        rid, children, plan = run.rid, run.children, run.plan
         if body.stream:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+            base = {"id": rid, "object": "chat.completion.chunk", "created": run.created, "model": self.model_name}
             return self.sse_stream(self.chunks(body, children, base, plan), children)
         outs = await self.collect(children, ctx)
         choices = [self.choice(i, out.outputs[0], body, plan) for i, out in enumerate(outs)]
-        resp = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+        resp = {"id": rid, "object": "chat.completion", "created": run.created, "model": self.model_name,
                 "choices": choices}
         if body.prompt_logprobs is not None:  # as vLLM: one list for the conversation, beside the choices
             resp["prompt_logprobs"] = self.prompt_logprobs(outs[0])
         return self.finish_response(resp, children, body)
 
-    async def start_chat(self, body: ChatCompletionRequest, ctx: RequestContext,
-                         rid: str) -> tuple[Children, ToolPlan]:
-        """Check the body, render the conversation and admit it: the one way a chat request (or a request of
-        another chat API translated into one, serving_messages.py) reaches the engine."""
+    async def start_chat(self, body: ChatCompletionRequest, ctx: RequestContext, rid: str) -> ChatRun:
+        """Check the body, render the conversation (tools included) and admit it under `rid`; nothing is sent yet.
+        Raises APIError or RequestRejected when the body is refused."""
         self.check_body(body, 1)
         plan = self.tool_plan(body)
         params = self.to_params(body)
         self.constrain_tools(plan, params)
         prompt = await self.chat_prompt(body, plan)
-        return await self.start([prompt], params, rid, body, ctx), plan
+        children = await self.start([prompt], params, rid, body, ctx)
+        return ChatRun(rid, int(time.time()), children, plan)
 
     async def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
-        """The conversation and its tools through the chat template, as a token-id prompt."""
+        """The conversation and its tools through the chat template, as a token-id prompt (also what
+        /v1/messages/count_tokens counts)."""
         return await self.render_chat(body.messages, body.add_generation_prompt,
                                       functools.partial(self.tools.prepare, plan=plan), body.chat_template_kwargs)
 

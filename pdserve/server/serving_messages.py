@@ -24,10 +24,10 @@ from typing import Any
 from pdserve.api.errors import APIError
 from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
+from pdserve.api.sse import sse
 from pdserve.errors import RequestRejected
-from pdserve.server.serving import Children, RequestContext, ServingResult
-from pdserve.server.serving_chat import OpenAIServingChat
-from pdserve.server.tools import ToolPlan
+from pdserve.server.serving import RequestContext, ServingResult
+from pdserve.server.serving_chat import ChatRun, OpenAIServingChat
 
 # chat field names in refusals raised by the shared chat checks -> the Messages API's names
 _NAMES = [(re.compile(r"\.function\.parameters\b"), ".input_schema"), (re.compile(r"\.function\.(?=\w)"), "."),
@@ -135,18 +135,17 @@ class ServingMessages:
     async def create_message(self, body: MessagesRequest, ctx: RequestContext) -> ServingResult:
         """Validate and start (APIError / RequestRejected before anything is sent), then the message or its
         event stream."""
-        rid = f"msg_{uuid.uuid4().hex[:24]}"
         with anthropic_names():
             req = body.to_chat()
-            children, plan = await self.chat.start_chat(req, ctx, rid)
+            run = await self.chat.start_chat(req, ctx, f"msg_{uuid.uuid4().hex[:24]}")
         if body.stream:
-            return self.chat.sse_stream(self._events(req, children, plan, rid, body), children, anthropic=True)
-        outs = await self.chat.collect(children, ctx)
+            return self.chat.guarded(self._lines(self._events(req, run, body)), run.children)
+        outs = await self.chat.collect(run.children, ctx)
         c = outs[0].outputs[0]
-        message = self.chat.choice(0, c, req, plan)
+        message = self.chat.choice(0, c, req, run.plan)
         reason, sequence = stop_reason(message["finish_reason"], c.stop_reason, body.stop_sequences)
-        usage = self.chat.usage(children)
-        return {**self._shell(rid), "content": content_blocks(message["message"]), "stop_reason": reason,
+        usage = self.chat.usage(run.children)
+        return {**self._shell(run.rid), "content": content_blocks(message["message"]), "stop_reason": reason,
                 "stop_sequence": sequence, "usage": {"input_tokens": usage["prompt_tokens"],
                                                      "output_tokens": usage["completion_tokens"]}}
 
@@ -161,10 +160,22 @@ class ServingMessages:
     def _shell(self, rid: str) -> dict[str, Any]:
         return {"id": rid, "type": "message", "role": "assistant", "model": self.chat.model_name}
 
-    async def _events(self, req: ChatCompletionRequest, children: Children, plan: ToolPlan, rid: str,
+    async def _lines(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+        """The events as SSE (`event: <type>`); an error mid-stream ends it with an `error` event in Anthropic's
+        body (no [DONE]: Anthropic's streams end with their last event)."""
+        try:
+            async for event in events:
+                yield sse(event, event["type"])
+        except APIError as e:
+            if self.chat.metrics is not None:
+                self.chat.metrics.error(e.kind)
+            yield sse(e.anthropic_body(), "error")
+
+    async def _events(self, req: ChatCompletionRequest, run: ChatRun,
                       body: MessagesRequest) -> AsyncIterator[dict[str, Any]]:
+        children, plan = run.children, run.plan
         usage = {"input_tokens": len(children.reqs[0].prompt_token_ids), "output_tokens": 0}
-        yield {"type": "message_start", "message": {**self._shell(rid), "content": [], "stop_reason": None,
+        yield {"type": "message_start", "message": {**self._shell(run.rid), "content": [], "stop_reason": None,
                                                     "stop_sequence": None, "usage": usage}}
         yield {"type": "ping"}
         blocks = BlockStream()
