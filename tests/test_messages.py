@@ -85,6 +85,10 @@ def test_text_system_and_the_same_prompt_as_chat(server: ServerProc, client: ant
                                     messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION[:3]},
                                                                            {"type": "text", "text": QUESTION[3:]}]}])
     assert blocks.usage.input_tokens == msg.usage.input_tokens and text_of(blocks) == text_of(msg)
+    # top_k reaches the sampler: top_k 1 at temperature 1 is greedy
+    top1 = client.messages.create(model=model, max_tokens=12, system=SYSTEM, extra_body={"top_k": 1, "top_p": 0.9},
+                                  messages=[{"role": "user", "content": QUESTION}])
+    assert text_of(top1) == text_of(msg)
     wait_idle(server)
 
 
@@ -292,10 +296,11 @@ def test_request_id_echoed_sanitized_and_logged(server: ServerProc, model: str) 
                                                         extra_headers={"X-Request-Id": "trace-42/a b;<c>"})
     assert mine.headers["x-request-id"] == "trace-42/abc"
     long = httpx.post(server.base_url + "/v1/messages", headers={"x-api-key": KEY, "X-Request-Id": "7" * 1000},
-                      json={"model": model, "max_tokens": 2, "messages": ASK})
+                      json={"model": model, "max_tokens": 2, "messages": ASK, "metadata": {"user_id": "团队-7"}})
     assert long.status_code == 200 and long.headers["x-request-id"] == "7" * 128
     empty = httpx.get(server.base_url + "/health", headers={"X-Request-Id": "<<>>"})
     assert re.fullmatch(r"req_[0-9a-f]{32}", empty.headers["x-request-id"])
     wait_idle(server)
     lines = [json.loads(ln[ln.index("{"):]) for ln in server.log().splitlines() if '"x_request_id"' in ln]
     assert {"trace-42/abc", "7" * 128, r._request_id} <= {ln["x_request_id"] for ln in lines}  # type: ignore
+    assert [ln["tenant"] for ln in lines if ln["x_request_id"] == "7" * 128] == ["团队-7"]  # metadata.user_id

@@ -4,10 +4,11 @@ chat request the chat serving path runs (pdserve/server/serving_messages.py).
 Implemented: model, messages (string content, or text / tool_use / tool_result blocks), system (a string or text
 blocks), max_tokens, temperature, top_p, top_k, stop_sequences, stream, tools (custom tools: name, description,
 input_schema), tool_choice (auto, any, tool, none; disable_parallel_tool_use), metadata.user_id (the tenant when
-no X-Tenant header is sent). `cache_control` on blocks and tools is accepted and has no effect (the prefix cache
-is automatic). Every other field, block type or tool type is refused with a 400 naming it (`unsupported_parameter`):
-nothing is dropped silently. A field sent as null counts as absent (the SDK's own blocks, dumped, carry nulls:
-`citations`, `caller`, ...); a tool_use block's `caller` may be the direct caller, `{"type": "direct"}`.
+no X-Tenant header is sent). `cache_control` (on the request, blocks and tools) is accepted and has no effect (the
+prefix cache is automatic). Every other field, block type or tool type is refused with a 400 naming it
+(`unsupported_parameter`): nothing is dropped silently. A field sent as null counts as absent (the SDK's own
+blocks, dumped, carry nulls: `citations`, `caller`, ...); a tool_use block's `caller` may be the direct caller,
+`{"type": "direct"}`.
 """
 
 from __future__ import annotations
