@@ -84,6 +84,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["code"] is None or isinstance(err["code"], str), err  # as OpenAI's: never a number
     if param is not None:
         assert err["param"] == param, err
     if code is not None:

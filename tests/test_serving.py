@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.api.errors import ERROR_STATUS, APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol_messages import MessagesRequest
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineRequest, KVSnapshot
 from pdserve.engine.engine import LLMEngine
@@ -22,6 +23,7 @@ from pdserve.server.metrics import Metrics
 from pdserve.server.serving import OpenAIServing, RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
+from pdserve.server.serving_messages import ServingMessages
 
 from conftest import loaded_from_hf
 
@@ -169,6 +171,12 @@ def test_every_error_code_has_one_answer() -> None:
         assert (err.status, err.type, err.kind, err.code, err.param, err.message) == \
             (status, type_, kind, code.value, "p", "no")
         assert err.body()["error"]["code"] == code.value and (status == 400) == (type_ == "invalid_request_error")
+        anthropic = err.anthropic_body()["error"]  # no param field: the message names it
+        assert anthropic["message"] == "p: no" and (status == 400) == (anthropic["type"] == "invalid_request_error")
+    # without a code of its own: the status's string code, or null; never a number
+    assert APIError(404, "x").body()["error"]["code"] == "not_found"
+    assert APIError(400, "x").body()["error"]["code"] is None
+    assert APIError(418, "x", code=418).body()["error"]["code"] is None  # type: ignore[arg-type]
 
 
 def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None:
@@ -208,6 +216,18 @@ def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None
             return await read_sse(s)
 
         assert [c["error"]["code"] for c in asyncio.run(stream())] == ["postprocess_failed"]
+
+        async def anthropic_stream() -> list[str]:  # /v1/messages: named events, Anthropic's error body, no [DONE]
+            messages = ServingMessages(OpenAIServingChat(aengine, MODEL))
+            body = MessagesRequest(max_tokens=3, stream=True, messages=[{"role": "user", "content": "你好"}])
+            s = await messages.create_message(body, RequestContext())
+            assert not isinstance(s, dict)
+            return [line async for line in s]
+
+        events = asyncio.run(anthropic_stream())
+        assert [e.split("\n")[0] for e in events] == ["event: message_start", "event: ping", "event: error"]
+        error = json.loads(events[-1].split("\n")[1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "api_error" and error["error"]["message"]
     finally:
         processor.add_request = original  # type: ignore[method-assign]
     assert wait_kv_baseline(aengine).num_used_blocks == 0

@@ -19,10 +19,11 @@ _METRICS_PATHS = ("/metrics", "/version")
 
 
 class AuthAndBodyLimitMiddleware:
-    """Refuse requests without `Authorization: Bearer <api_key>` (401; scheme case-insensitive, key compared in
-    constant time) on the API and introspection paths; bodies over `max_body_bytes` (413), checked on the declared
-    Content-Length and on the bytes received (a chunked upload declares none); and bodies not received within
-    `body_read_timeout` seconds (408: a client that trickles its body cannot hold a connection open).
+    """Refuse requests without `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (401; scheme
+    case-insensitive, key compared in constant time) on the API and introspection paths; bodies over
+    `max_body_bytes` (413), checked on the declared Content-Length and on the bytes received (a chunked upload
+    declares none); and bodies not received within `body_read_timeout` seconds (408: a client that trickles its
+    body cannot hold a connection open).
 
     The body is read here in full (it is needed in full anyway) and replayed to the app; later receives (the
     app listening for a disconnect) go to the client."""
@@ -44,7 +45,7 @@ class AuthAndBodyLimitMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             if self.api_key and (path.startswith(_KEYED_PREFIXES) or path in self.keyed_paths):
-                self._check_key(headers.get("authorization", ""))
+                self._check_key(headers.get("authorization", ""), headers.get("x-api-key"))
             if int(headers.get("content-length", "0") or 0) > self.max_body_bytes:
                 raise _too_large(self.max_body_bytes)
             body, more = await self._read_body(receive) if scope["method"] in ("POST", "PUT", "PATCH") else (b"", [])
@@ -61,12 +62,15 @@ class AuthAndBodyLimitMiddleware:
 
         await self.app(scope, replaying_receive if scope["method"] in ("POST", "PUT", "PATCH") else receive, send)
 
-    def _check_key(self, authorization: str) -> None:
+    def _check_key(self, authorization: str, x_api_key: str | None) -> None:
+        """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
         scheme, _, token = authorization.strip().partition(" ")
+        if x_api_key is not None and not authorization:
+            scheme, token = "bearer", x_api_key
         key = token.strip().encode()
         admin = self.admin_api_key is not None and hmac.compare_digest(key, self.admin_api_key)
         if scheme.lower() != "bearer" or not (hmac.compare_digest(key, self.api_key or b"") or admin):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                            "authentication_error", code="invalid_api_key", kind="unauthorized")
 
     async def _read_body(self, receive: Receive) -> tuple[bytes, list[Message]]:
@@ -93,7 +97,7 @@ class AuthAndBodyLimitMiddleware:
 
     async def _refuse(self, e: APIError, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.error(e.kind)
-        await error_response(e)(scope, receive, send)
+        await error_response(e, scope["path"])(scope, receive, send)
 
 
 def _too_large(limit: int) -> APIError:

@@ -21,6 +21,7 @@ from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import WindowQuery, page_router
 from pdserve.api.errors import install_exception_handlers
 from pdserve.api.log_hygiene import install_log_hygiene
+from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.kv_transfer.trust import secret_from_env
 from pdserve.router.serving import RoutedResponse, RouterConfig, RouterServing, parse_body
 from pdserve.router.stats import router_stats
@@ -42,6 +43,7 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
     # leaves as an OpenAI body, counted by RouterMetrics.error
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes,
                        metrics=serving.metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost; the id is forwarded to the instances (FORWARDED_HEADERS)
     install_exception_handlers(app, serving.metrics)
 
     async def route(path: str, raw: Request) -> Response:

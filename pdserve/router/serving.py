@@ -60,7 +60,7 @@ logger = logging.getLogger("pdserve.router")
 T = TypeVar("T")
 Disconnected = Callable[[], Awaitable[bool]]  # asks whether the client went away
 # passed on to the instances; the W3C trace context too, so both instances' spans join the client's trace
-FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate")
+FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate", "x-request-id")
 # the instance cannot use the hand-off params: the next try computes the prompt instead
 KV_CODES = (ErrorCode.KV_TRANSFER_FAILED, ErrorCode.KV_TRANSFER_PARAMS_REJECTED)
 
@@ -109,7 +109,7 @@ class UpstreamRejected(Exception):
         try:
             err = json.loads(self.content)["error"]
             return APIError(self.status, str(err.get("message")), str(err.get("type", "invalid_request_error")),
-                            code=err.get("code"), kind="upstream")
+                            code=error_code(err), kind="upstream")
         except (ValueError, KeyError, TypeError, AttributeError):
             return APIError(self.status, self.content.decode(errors="replace")[:500], kind="upstream")
 

@@ -25,6 +25,7 @@ from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import page_router
 from pdserve.api.errors import install_exception_handlers
 from pdserve.api.log_hygiene import install_log_hygiene
+from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.cache import cache_root
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineThread, LLMEngine
@@ -119,6 +120,7 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        metrics=metrics, body_read_timeout=cfg.body_read_timeout, admin_api_key=cfg.admin_api_key,
                        public_metrics=cfg.metrics_public)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so the guards' refusals carry the id too
     install_exception_handlers(app, metrics)
     app.include_router(router)
     app.include_router(models_router)
