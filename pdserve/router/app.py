@@ -7,6 +7,7 @@ torch nor the engine (tests/test_architecture.py checks it).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,6 +21,8 @@ from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import WindowQuery, page_router
 from pdserve.api.errors import install_exception_handlers
 from pdserve.api.http_protocol import HeadLimits, uvicorn_options
+from pdserve.api.log_hygiene import install_log_hygiene
+from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.kv_transfer.trust import secret_from_env
 from pdserve.router.serving import RoutedResponse, RouterConfig, RouterServing, parse_body
 from pdserve.router.stats import router_stats
@@ -41,6 +44,7 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
     # leaves as an OpenAI body, counted by RouterMetrics.error
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes,
                        metrics=serving.metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost; the id is forwarded to the instances (FORWARDED_HEADERS)
     install_exception_handlers(app, serving.metrics)
 
     async def route(path: str, raw: Request) -> Response:
@@ -105,6 +109,8 @@ def add_router_parser(sub: Any) -> None:
                    help="shared secret to sign kv_transfer_params with (the instances' --kv-transfer-secret; "
                    "default: env PDSERVE_KV_TRANSFER_SECRET); never logged")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="reject larger request bodies (413)")
+    p.add_argument("--instance-api-key", default=None, help="the instances' --api-key, sent with the router's "
+                   "/metrics polls (default: env PDSERVE_INSTANCE_API_KEY); never logged")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_router)
 
@@ -116,7 +122,10 @@ def _cmd_router(args: argparse.Namespace) -> int:
                        connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
                        decode_timeout=args.decode_timeout, max_decode_attempts=args.max_decode_attempts,
                        on_prefill_failure=args.on_prefill_failure,
-                       kv_transfer_secret=secret_from_env(args.kv_transfer_secret), max_body_bytes=args.max_body_bytes)
-    uvicorn.run(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
-                **uvicorn_options(HeadLimits()))  # request heads bounded as the server's (http_protocol.py)
+                       kv_transfer_secret=secret_from_env(args.kv_transfer_secret), max_body_bytes=args.max_body_bytes,
+                       instance_api_key=args.instance_api_key or os.environ.get("PDSERVE_INSTANCE_API_KEY"))
+    config = uvicorn.Config(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
+                            **uvicorn_options(HeadLimits()))  # request heads bounded as the server's
+    install_log_hygiene()  # after uvicorn set its loggers up: no secret in the access log
+    uvicorn.Server(config).run()
     return 0

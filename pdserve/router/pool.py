@@ -61,10 +61,13 @@ class Pool:
 class InstanceRegistry:
     """The prefill and decode pools; `poll_once` refreshes every instance's health and load from its /metrics."""
 
-    def __init__(self, prefill: list[str], decode: list[str], metrics: RouterMetrics, poll_interval: float) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], metrics: RouterMetrics, poll_interval: float,
+                 api_key: str | None = None) -> None:
         self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill], last_resort=False)
         self.decode = Pool("decode", [Instance(u, "decode") for u in decode])
         self.metrics, self.poll_interval = metrics, poll_interval
+        # the instances' --api-key: their /metrics is behind it (unless they run with --metrics-public)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         # where instances come and go (Ray Serve replicas): asked before each poll for {role: URLs}
         self.discover: Callable[[], Awaitable[dict[str, list[str]]]] | None = None
 
@@ -91,7 +94,7 @@ class InstanceRegistry:
 
     async def _poll(self, client: httpx.AsyncClient, inst: Instance) -> None:
         try:
-            r = await client.get(inst.url + "/metrics", timeout=max(self.poll_interval, 1.0))
+            r = await client.get(inst.url + "/metrics", timeout=max(self.poll_interval, 1.0), headers=self.headers)
             r.raise_for_status()
             load = 0.0
             for fam in text_string_to_metric_families(r.text):

@@ -8,8 +8,9 @@ the result.
                       ──(original body + those kv_transfer_params)──────────────────────────────► decode
                ◄── tokens (SSE or JSON), relayed as they come
 
-Trust: with a shared secret (`kv_transfer_secret`) the router signs every kv_transfer_params it sends, to prefill
-and decode instances alike (pdserve/kv_transfer/trust.py); instances act on hand-off params only when signed.
+Trust: the router signs every kv_transfer_params it sends, to prefill and decode instances alike, with the shared
+secret (`kv_transfer_secret`), else this user's default secret (pdserve/kv_transfer/trust.py); instances act on
+hand-off params only when signed.
 
 Failures (every wait is bounded by a timeout):
 - prefill fails (connection error, 5xx, 429, timeout, its instance turns unhealthy while it runs, or it refuses the
@@ -59,7 +60,7 @@ logger = logging.getLogger("pdserve.router")
 T = TypeVar("T")
 Disconnected = Callable[[], Awaitable[bool]]  # asks whether the client went away
 # passed on to the instances; the W3C trace context too, so both instances' spans join the client's trace
-FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate")
+FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate", "x-request-id")
 # the instance cannot use the hand-off params: the next try computes the prompt instead
 KV_CODES = (ErrorCode.KV_TRANSFER_FAILED, ErrorCode.KV_TRANSFER_PARAMS_REJECTED)
 
@@ -76,6 +77,7 @@ class RouterConfig:
     on_prefill_failure: str = "recompute"  # recompute | fail
     kv_transfer_secret: str | None = field(default=None, repr=False)  # signs kv_transfer_params; never logged
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413 before they are read
+    instance_api_key: str | None = field(default=None, repr=False)  # the instances' --api-key, for /metrics polls
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -107,7 +109,7 @@ class UpstreamRejected(Exception):
         try:
             err = json.loads(self.content)["error"]
             return APIError(self.status, str(err.get("message")), str(err.get("type", "invalid_request_error")),
-                            code=err.get("code"), kind="upstream")
+                            code=error_code(err), kind="upstream")
         except (ValueError, KeyError, TypeError, AttributeError):
             return APIError(self.status, self.content.decode(errors="replace")[:500], kind="upstream")
 
@@ -227,7 +229,8 @@ class RouterServing:
     def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
-        self.registry = InstanceRegistry(cfg.prefill, cfg.decode, self.metrics, cfg.poll_interval)
+        self.registry = InstanceRegistry(cfg.prefill, cfg.decode, self.metrics, cfg.poll_interval,
+                                         cfg.instance_api_key)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -244,10 +247,10 @@ class RouterServing:
                                                                connect=self.cfg.connect_timeout),
                                          limits=limits, transport=self._transport)
         if self.cfg.kv_transfer_secret:
-            logger.info("signing kv_transfer_params with the shared secret (kv_transfer_secret)")
+            logger.info("signing kv_transfer_params (kv_transfer_secret, else this user's default secret)")
         else:
-            logger.warning("no kv_transfer_secret: instances accept unsigned hand-offs, from the peers on their "
-                           "kv_allowed_peers (loopback by default)")
+            logger.warning("no kv_transfer_secret: instances refuse the hand-offs, the decode instances compute "
+                           "every prompt")
         await self.registry.poll_once(self._client)
         if poll:
             self._poller = asyncio.create_task(self.registry.poll_forever(self._client))
