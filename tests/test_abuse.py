@@ -476,7 +476,7 @@ def test_echo_with_logprobs_lists_the_prompt_tokens(server: ServerProc) -> None:
 
 
 def _heap_mib(srv: ServerProc) -> float:
-    [line] = [x for x in httpx.get(srv.base_url + "/metrics").text.splitlines()
+    [line] = [x for x in httpx.get(srv.base_url + "/metrics", headers=AUTH).text.splitlines()
               if x.startswith("pdserve:process_heap_in_use_bytes ")]
     return float(line.split()[-1]) / 2**20
 
