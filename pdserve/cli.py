@@ -137,7 +137,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               debug_requests_history=args.debug_requests_history,
                               profiler_dir=args.profiler_dir, otlp_traces_endpoint=args.otlp_traces_endpoint,
                               admin_api_key=args.admin_api_key, audit_log=args.audit_log,
-                              tenant_label_limit=args.tenant_label_limit)
+                              tenant_label_limit=args.tenant_label_limit,
+                              responses_store_max_entries=args.responses_store_max_entries,
+                              responses_store_max_bytes=args.responses_store_max_bytes,
+                              responses_store_ttl=args.responses_store_ttl)
     registry = new_registry(base, server_cfg)
     for spec in specs:  # each on its own engine thread; peaks resolved there (`auto` may measure)
         served, old = registry.begin_load(spec)
@@ -176,6 +179,31 @@ def serve_option_names() -> set[str]:
     """The option names (argparse dests) of `pdserve serve`."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"}
+
+
+def _add_responses_args(srv: argparse.ArgumentParser) -> None:
+    """The bounds of the stored responses of POST /v1/responses (server/response_store.py)."""
+    srv.add_argument("--responses-store-max-entries", type=int, default=1024,
+                     help="POST /v1/responses: responses kept for previous_response_id and GET /v1/responses/{id} "
+                     "(the oldest dropped first; 0: none kept)")
+    srv.add_argument("--responses-store-max-bytes", type=int, default=64 * 2**20,
+                     help="the stored responses' JSON, in all (the oldest dropped first)")
+    srv.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                     help="seconds a stored response is kept")
+
+
+def _add_introspection_args(srv: argparse.ArgumentParser) -> None:
+    """Explanations, profiles and traces of served requests."""
+    srv.add_argument("--explain-itl-threshold", default="2x",
+                     help="a stall explained in GET /debug/requests/{id} and the request log: an inter-token gap "
+                     "above Nx the request's median ITL, or above a time (50ms, 0.05)")
+    srv.add_argument("--debug-requests-history", type=int, default=1000,
+                     help="finished requests whose explanations GET /debug/requests/{id} keeps (0: none)")
+    srv.add_argument("--profiler-dir", default=None,
+                     help="where /start_profile writes traces (default: a new temporary directory)")
+    srv.add_argument("--otlp-traces-endpoint", default=None,
+                     help="OpenTelemetry collector URL (OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces): one trace "
+                     "per request; needs pip install pdserve[otel]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,19 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reasoning models: the reply's <think> ... </think> text goes to the message's "
                      "reasoning_content (streamed: delta.reasoning_content), the rest to content; qwen3: only an "
                      "explicit <think> block, deepseek_r1: everything before </think> (its template opens <think>)")
+    _add_responses_args(srv)
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="seconds open requests may run after SIGTERM (while /health answers 503 draining) "
                      "before the rest end with an error")
-    srv.add_argument("--explain-itl-threshold", default="2x",
-                     help="a stall explained in GET /debug/requests/{id} and the request log: an inter-token gap "
-                     "above Nx the request's median ITL, or above a time (50ms, 0.05)")
-    srv.add_argument("--debug-requests-history", type=int, default=1000,
-                     help="finished requests whose explanations GET /debug/requests/{id} keeps (0: none)")
-    srv.add_argument("--profiler-dir", default=None,
-                     help="where /start_profile writes traces (default: a new temporary directory)")
-    srv.add_argument("--otlp-traces-endpoint", default=None,
-                     help="OpenTelemetry collector URL (OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces): one trace "
-                     "per request; needs pip install pdserve[otel]")
+    _add_introspection_args(srv)
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_cmd_serve)
 

@@ -86,3 +86,23 @@ def test_failed_model_step_fails_its_requests_only(app_server: tuple[str, LLMEng
     assert engine.block_manager.is_at_baseline()
     metrics = httpx.get(base + "/metrics").text
     assert 'pdserve:request_success_total{finished_reason="error",model_name="tiny"} 3.0' in metrics
+
+
+def test_responses_failure_mid_stream_is_an_error_event(app_server: tuple[str, LLMEngine]) -> None:
+    """POST /v1/responses: a failed request is a 500 with the child's code; streamed, an `error` event then
+    response.failed (typed events, no [DONE]); nothing is stored and the pool is back at its baseline."""
+    base, engine = app_server
+    _poison(engine, "FAIL_RESPONSE")
+    r = httpx.post(base + "/v1/responses", json={"input": "FAIL_RESPONSE", "max_output_tokens": 5}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "postprocess_failed"
+    with httpx.stream("POST", base + "/v1/responses", json={"input": "FAIL_RESPONSE", "max_output_tokens": 5,
+                                                             "stream": True}, timeout=30) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln]
+    names = [ln[7:] for ln in lines if ln.startswith("event: ")]
+    data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert names == [d["type"] for d in data] and names[:2] == ["response.created", "response.in_progress"]
+    assert names[-2:] == ["error", "response.failed"] and data[-2]["code"] == "postprocess_failed"
+    failed = data[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "postprocess_failed"
+    assert httpx.get(f"{base}/v1/responses/{failed['id']}").status_code == 404
+    assert engine.block_manager.is_at_baseline()

@@ -10,13 +10,15 @@ import json
 from typing import Any
 
 
-def sse(obj: dict[str, Any] | str) -> str:
-    """One event: a dict is encoded as JSON; a string (already-encoded JSON, or `[DONE]`) goes out as it is."""
+def sse(obj: dict[str, Any] | str, event: str | None = None) -> str:
+    """One event: a dict is encoded as JSON; a string (already-encoded JSON, or `[DONE]`) goes out as it is.
+    With `event`, an `event:` line names it first (typed streams: the Responses API)."""
+    head = f"event: {event}\n" if event else ""
     if isinstance(obj, str):
-        return f"data: {obj}\n\n"
+        return f"{head}data: {obj}\n\n"
     text = json.dumps(obj, ensure_ascii=False)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate (e.g. in an instance's error message): escaped, still valid JSON
         text = json.dumps(obj)
-    return f"data: {text}\n\n"
+    return f"{head}data: {text}\n\n"

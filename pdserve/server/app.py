@@ -33,6 +33,7 @@ from pdserve.server.metrics import merged_registry
 from pdserve.server.model_registry import ModelRegistry
 from pdserve.server.model_routes import models_router
 from pdserve.server.model_spec import ModelSpec
+from pdserve.server.response_store import ResponseStore
 from pdserve.server.routes import router
 from pdserve.server.routes_dashboard import stats_router
 from pdserve.server.routes_debug import debug_router
@@ -63,6 +64,9 @@ class ServerConfig:
     admin_api_key: str | None = None  # None: no admin API (/admin answers 404)
     audit_log: str | None = None  # JSONL path; None: <cache dir>/audit.jsonl with the admin API, else memory; "off"
     tenant_label_limit: int = 16  # distinct tenants labelled in the per-tenant metrics; later ones: "other"
+    responses_store_max_entries: int = 1024  # stored /v1/responses responses (0: none stored)
+    responses_store_max_bytes: int = 64 * 2**20  # their JSON, in all
+    responses_store_ttl: float = 3600.0  # seconds a stored response lives
 
     def audit_log_path(self) -> Path | None:
         if self.audit_log == "off" or self.audit_log is None and not self.admin_api_key:
@@ -108,6 +112,8 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
     app.state.prometheus = merged_registry(lambda: [
         *(m.metrics.registry for m in registry.loaded() if m.metrics is not None), registry.tenant_metrics.registry])
     app.state.admin_api_key = cfg.admin_api_key
+    app.state.response_store = ResponseStore(cfg.responses_store_max_entries, cfg.responses_store_max_bytes,
+                                             cfg.responses_store_ttl)
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        metrics=metrics, body_read_timeout=cfg.body_read_timeout)
     install_exception_handlers(app, metrics)

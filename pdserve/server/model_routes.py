@@ -15,6 +15,7 @@ import torch
 from fastapi import APIRouter, Request
 
 import pdserve
+from pdserve.api.errors import APIError
 from pdserve.server.model_registry import ModelRegistry, ServedModel
 
 models_router = APIRouter()
@@ -62,6 +63,16 @@ def git_commit() -> str | None:
 @models_router.get("/v1/models")
 async def models(raw: Request) -> dict[str, Any]:
     return list_models(raw.app.state.registry)
+
+
+@models_router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, raw: Request) -> dict[str, Any]:
+    """One entry of the list (an alias is its own entry, with `alias_of`); 404 model_not_found."""
+    found = [m for m in list_models(raw.app.state.registry)["data"] if m["id"] == model_id]
+    if not found:
+        raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found",
+                       kind="not_found")
+    return found[0]
 
 
 @models_router.get("/v1/config")

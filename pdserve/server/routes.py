@@ -12,13 +12,16 @@ from prometheus_client import generate_latest
 
 from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.api.protocol_responses import ResponsesRequest
 from pdserve.errors import RequestRejected
 from pdserve.prefix_hash import pack_hashes
 from pdserve.server.model_registry import ModelRegistry, ServedModel
+from pdserve.server.response_store import owner_key
 from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
 from pdserve.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from pdserve.server.serving_responses import OpenAIServingResponses, delete_response, retrieve_response
 from pdserve.server.serving_tokenization import OpenAIServingTokenization
 from pdserve.server.tracing import trace_headers
 
@@ -133,3 +136,25 @@ async def prefix_hashes(raw: Request, model: str | None = None) -> Response:
                          "version": summary.version, "block_size": summary.block_size, "isolation": isolation,
                          "num_hashes": len(summary.hashes), "hashes": pack_hashes(summary.hashes)},
                         headers={"etag": etag})
+
+
+# ---- the Responses API: stored responses belong to the API key and the X-Tenant header (response_store.py) -------
+def _owner(raw: Request) -> str:
+    return owner_key(raw.headers.get("authorization"), raw.headers.get("x-tenant"))
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+    with _routed(raw, body) as served:
+        serving = OpenAIServingResponses(served.serving_chat, raw.app.state.response_store)
+        return _respond(await serving.create(body, _context(raw, body.user), _owner(raw)), served)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, raw: Request) -> dict[str, Any]:
+    return retrieve_response(raw.app.state.response_store, _owner(raw), response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def remove_response(response_id: str, raw: Request) -> dict[str, Any]:
+    return delete_response(raw.app.state.response_store, _owner(raw), response_id)

@@ -329,7 +329,10 @@ class OpenAIServing:
         """SSE lines for the chunks; an error mid-stream becomes an error event. Always ends with [DONE].
         If the response never starts iterating (client gone before its first byte), the children are aborted
         when the iterator is dropped."""
-        lines = self._sse_lines(chunks)
+        return self.guarded(self._sse_lines(chunks), children)
+
+    def guarded(self, lines: AsyncIterator[str], children: Children) -> AsyncIterator[str]:
+        """`lines` (a response body), with the children aborted if it is dropped before it ends."""
         weakref.finalize(lines, self.abort_unfinished, children).atexit = False
         return lines
 

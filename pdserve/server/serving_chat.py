@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.api.errors import APIError
@@ -21,29 +22,45 @@ from pdserve.server.tool_parsers import ToolCall, ToolStream
 from pdserve.server.tools import ToolPlan, tool_plan
 
 
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request admitted to the engine: its id, creation time, children and tool plan (what the chat and
+    the Responses endpoints build their replies from)."""
+
+    rid: str
+    created: int
+    children: Children
+    plan: ToolPlan
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: ChatCompletionRequest, ctx: RequestContext) -> ServingResult:
         """Validate and start the request. Raises APIError or RequestRejected (the app answers both) before
         anything is sent when the body is refused."""
+        run = await self.start_chat(body, ctx, f"chatcmpl-{uuid.uuid4().hex}")
+        rid, children, plan = run.rid, run.children, run.plan
+        if body.stream:
+            base = {"id": rid, "object": "chat.completion.chunk", "created": run.created, "model": self.model_name}
+            return self.sse_stream(self.chunks(body, children, base, plan), children)
+        outs = await self.collect(children, ctx)
+        choices = [self.choice(i, out.outputs[0], body, plan) for i, out in enumerate(outs)]
+        resp = {"id": rid, "object": "chat.completion", "created": run.created, "model": self.model_name,
+                "choices": choices}
+        if body.prompt_logprobs is not None:  # as vLLM: one list for the conversation, beside the choices
+            resp["prompt_logprobs"] = self.prompt_logprobs(outs[0])
+        return self.finish_response(resp, children, body)
+
+    async def start_chat(self, body: ChatCompletionRequest, ctx: RequestContext, rid: str) -> ChatRun:
+        """Check the body, render the conversation (tools included) and admit it under `rid`; nothing is sent yet.
+        Raises APIError or RequestRejected when the body is refused."""
         self.check_body(body, 1)
         plan = self.tool_plan(body)
         params = self.to_params(body)
         self.constrain_tools(plan, params)
         prompt = await self.render_chat(body.messages, body.add_generation_prompt,
                                         functools.partial(self.tools.prepare, plan=plan), body.chat_template_kwargs)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         children = await self.start([prompt], params, rid, body, ctx)
-        created = int(time.time())
-        if body.stream:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-            return self.sse_stream(self._chunks(body, children, base, plan), children)
-        outs = await self.collect(children, ctx)
-        choices = [self._choice(i, out.outputs[0], body, plan) for i, out in enumerate(outs)]
-        resp = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": choices}
-        if body.prompt_logprobs is not None:  # as vLLM: one list for the conversation, beside the choices
-            resp["prompt_logprobs"] = self.prompt_logprobs(outs[0])
-        return self.finish_response(resp, children, body)
+        return ChatRun(rid, int(time.time()), children, plan)
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
@@ -61,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
                            "the output; set one", param="tool_choice", code=ErrorCode.INVALID_STRUCTURED_OUTPUT.value)
         params.structured_outputs = so
 
-    def _choice(self, i: int, c: CompletionOutput, body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
+    def choice(self, i: int, c: CompletionOutput, body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
         text = c.text
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.reasoning is not None:
@@ -78,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
                 "logprobs": self._logprobs(c.logprobs or []) if body.logprobs else None,
                 "finish_reason": finish, "stop_reason": c.stop_reason}
 
-    async def _chunks(self, body: ChatCompletionRequest, children: Children, base: dict[str, Any],
+    async def chunks(self, body: ChatCompletionRequest, children: Children, base: dict[str, Any],
                       plan: ToolPlan) -> AsyncIterator[dict[str, Any]]:
         # A choice's role chunk goes out right before its first token's chunk, never at arrival: clients (vLLM's
         # bench, the openai SDK) stamp time to first token at the first chunk, so an early one would book the

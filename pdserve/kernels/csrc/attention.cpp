@@ -10,13 +10,12 @@
 // the kernels walk keys in tiles at fixed offsets, and a row's arithmetic does not depend on the rows beside it.
 //
 // Work: groups (sequence, KV head, tile of query tokens); tasks are claimed dynamically from an atomic counter,
-// largest first, by ATen's OpenMP team; the last partition of a split group to finish folds them all.
+// largest first, by the threads of parallel_for (parallel.h); the last partition of a split group to finish folds them all.
 //
 // Sliding window (Gemma 3's local layers, sliding_window = W > 0): the row at position p sees keys p - W < j <= p.
 // Its group holds that one token (its G query heads), so the window's first key is the group's k0 and no kernel
 // needs a per-row lower bound; partitions still sit at multiples of kPartition (the first starts at k0), so a
 // row's arithmetic stays independent of the batch.
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -27,6 +26,7 @@
 #include <memory>
 #include <vector>
 
+#include "parallel.h"
 #include "attention_kernels.h"
 #include "dispatch.h"
 #include "ops.h"
@@ -245,7 +245,7 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
   if (n <= 1 || nthreads <= 1) {
     worker();
   } else {
-    at::parallel_for(0, std::min(nthreads, n), 1, [&](int64_t, int64_t) { worker(); });
+    parallel_for(0, std::min(nthreads, n), 1, [&](int64_t, int64_t) { worker(); });
   }
 }
 
@@ -271,7 +271,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                    block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale)};
   std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                           nseq, t, block_table.size(1), sliding_window);
-  const int64_t nthreads = at::get_num_threads();
+  const int64_t nthreads = num_threads();
   std::vector<float> parts;
   const std::vector<Task> tasks = make_tasks(groups, parts, nthreads, hq / hkv, d);
   run_tasks(a, groups, tasks, nthreads);
@@ -292,7 +292,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
   const float* vp = v.data_ptr<float>();
   const bool bf16 = kv.scalar_type() == at::kBFloat16;
   void* base = kv.data_ptr();
-  at::parallel_for(0, t, std::max<int64_t>(1, 8192 / row), [&](int64_t i0, int64_t i1) {
+  parallel_for(0, t, std::max<int64_t>(1, 8192 / row), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       if (slot[i] < 0) continue;  // padding token: no slot
       const float* src[2] = {kp + i * ks, vp + i * vs};

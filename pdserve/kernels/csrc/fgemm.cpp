@@ -1,7 +1,6 @@
 // Float-weight PackedWeight (packed_weight.h): pack_float(w, "bf16" | "f32") repacks a float32/bfloat16/float16
 // matrix W [N, K] once into the panel layout of fgemm_kernels.h; forward() rounds the activations to bf16 (bf16
 // format), then splits the panels over ATen's threads (pairs of panels: the AMX kernel's 32-column block).
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel.h"
 #include "dispatch.h"
 #include "fgemm_kernels.h"
 #include "packed_weight.h"
@@ -46,7 +46,7 @@ class PackedFloat final : public PackedWeight {
         kpad_(bf16 ? (w.size(1) + kKBlock - 1) / kKBlock * kKBlock : w.size(1)) {
     const int64_t np = panels(), n = w.size(0), k = w.size(1);
     data_ = at::zeros({np * kPanel * kpad_ * (bf16 ? 2 : 4)}, at::kByte);
-    at::parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
+    parallel_for(0, np, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p)
         for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j)
           for (int64_t c = 0; c < k; ++c) {
@@ -74,15 +74,15 @@ class PackedFloat final : public PackedWeight {
     }
     const fgemm::PanelFn fn = bf16_ ? kn.bf16 : kn.f32;
     const int64_t np = panels(), pairs = (np + 1) / 2;
-    const int64_t grain = std::max<int64_t>(1, (pairs + at::get_num_threads() - 1) / at::get_num_threads());
-    at::parallel_for(0, pairs, grain, [&](int64_t a, int64_t b) { fn(pr, 2 * a, std::min(2 * b, np)); });
+    const int64_t grain = std::max<int64_t>(1, (pairs + num_threads() - 1) / num_threads());
+    parallel_for(0, pairs, grain, [&](int64_t a, int64_t b) { fn(pr, 2 * a, std::min(2 * b, np)); });
   }
 
   // x rounded to bf16 into out: row-major [rows][kpad] or, with tiles, AMX A tiles (fgemm::Problem::xb_tiles);
   // rows are padded to a multiple of 16 with zeros. Blocks of 16 rows are split over the threads.
   void convert(const fgemm::Kernels& kn, const float* x, int64_t ldx, int64_t m, bool tiles, uint16_t* out) const {
     const int64_t nkb = kpad_ / kKBlock;
-    at::parallel_for(0, (m + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    parallel_for(0, (m + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
       std::vector<uint16_t> tmp(tiles ? 16 * kpad_ : 0);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t rows = std::min<int64_t>(16, m - 16 * b);
@@ -106,7 +106,7 @@ class PackedFloat final : public PackedWeight {
   }
 
   void rows(const int64_t* ids, int64_t t, float* out) const override {
-    at::parallel_for(0, t, 16, [&](int64_t i0, int64_t i1) {
+    parallel_for(0, t, 16, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i)
         for (int64_t c = 0; c < k(); ++c)
           out[i * k() + c] = bf16_ ? bf16_to_fp32(bf16_data()[slot(ids[i], c)]) : f32_data()[slot(ids[i], c)];

@@ -1,8 +1,8 @@
 // Python bindings of the fused layer ops (rms_norm, fused_add_rms_norm, rms_norm_heads, rotary_embedding,
 // silu_and_mul, gelu_tanh_and_mul): argument checks, ISA choice, row split across ATen's threads. The kernels are in fused_ops_{generic,avx2,avx512}.cpp.
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "parallel.h"
 #include "dispatch.h"
 #include "fused_kernels.h"
 #include "ops.h"
@@ -48,7 +48,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   const float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const int64_t os = out.stride(0), xs = x.stride(0);
-  at::parallel_for(0, t, grain(h), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, t, grain(h), [&](int64_t r0, int64_t r1) {
     fn(o, os, xp, xs, w, h, static_cast<float>(eps), r0, r1);
   });
 }
@@ -63,7 +63,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   float* rp = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const int64_t xs = x.stride(0), rs = residual.stride(0);
-  at::parallel_for(0, t, grain(2 * h), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, t, grain(2 * h), [&](int64_t r0, int64_t r1) {
     fn(xp, xs, rp, rs, w, h, static_cast<float>(eps), r0, r1);
   });
 }
@@ -77,7 +77,7 @@ void rms_norm_heads(at::Tensor& x, const at::Tensor& weight, double eps) {
   float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const int64_t xs = x.stride(0), heads = w / d;
-  at::parallel_for(0, t, grain(w), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, t, grain(w), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) fn(xp + r * xs, d, xp + r * xs, d, wp, d, static_cast<float>(eps), 0, heads);
   });
 }
@@ -105,7 +105,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0), nq = q.size(1) / head_dim, nk = k.size(1) / head_dim;
-  at::parallel_for(0, t, grain(q.size(1) + k.size(1)), [&](int64_t r0, int64_t r1) {
+  parallel_for(0, t, grain(q.size(1) + k.size(1)), [&](int64_t r0, int64_t r1) {
     fn(pos, qp, qs, nq, kp, ks, nk, cp, sp, head_dim, r0, r1);
   });
 }
@@ -119,7 +119,7 @@ void gated_and_mul(at::Tensor& out, const at::Tensor& x, decltype(FusedKernels::
   float* o = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const int64_t os = out.stride(0), xs = x.stride(0);
-  at::parallel_for(0, t, grain(3 * i), [&](int64_t r0, int64_t r1) { fn(o, os, xp, xs, i, r0, r1); });
+  parallel_for(0, t, grain(3 * i), [&](int64_t r0, int64_t r1) { fn(o, os, xp, xs, i, r0, r1); });
 }
 
 }  // namespace

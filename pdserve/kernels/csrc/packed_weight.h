@@ -31,7 +31,7 @@ class PackedWeight {
   // Bytes one pass over W reads (what a batch-1 decode step streams for this matrix).
   virtual int64_t nbytes() const = 0;
   // y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] (+ bias[j]) for r < m, j < n; bias may be null. Threads: the
-  // implementation splits the columns over ATen's pool (at::parallel_for).
+  // implementation splits the columns over the threads (pdserve::parallel_for, parallel.h).
   virtual void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const = 0;
   // W as float32 [n, k]: the values the kernels multiply by (tests, reference paths).
   virtual at::Tensor dequantize() const = 0;

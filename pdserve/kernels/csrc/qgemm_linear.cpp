@@ -1,6 +1,5 @@
 // PackedWeight over GGUF blocks (qgemm.h): pack_gguf, the forward's threading and buffers, dequantize and rows.
 // The arithmetic lives in qgemm_{generic,avx2,avx512,amx}.cpp, picked per call through one IsaTable.
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "parallel.h"
 #include "dispatch.h"
 #include "packed_weight.h"
 #include "qgemm.h"
@@ -70,7 +70,7 @@ class QgemmWeight final : public PackedWeight {
     packed_ = stream_buffer(npanels_ * nchunks_ * t.chunk_bytes());
     const uint8_t* src = data.data_ptr<uint8_t>();
     uint8_t* dst = packed_.data_ptr<uint8_t>();
-    at::parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) { qgemm::pack_panels(t_, src, n, k, p0, p1, dst); });
+    parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) { qgemm::pack_panels(t_, src, n, k, p0, p1, dst); });
   }
 
   std::string type_name() const override { return t_.name; }
@@ -174,11 +174,11 @@ void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int6
   thread_local Scratch act_buf;
   const int64_t rows = use_amx(o, m) ? (m + 15) / 16 * 16 : m;  // AMX tiles read whole 16-row tiles
   const qgemm::Act a = qgemm::act_view(t_, rows, k(), act_buf.get(qgemm::act_bytes(t_, rows, k())));
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { o.quantize_act(t_, x, ldx, r0, r1, a); });
+  parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { o.quantize_act(t_, x, ldx, r0, r1, a); });
   if (rows > m) qgemm::zero_rows(a, m, rows);
-  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t threads = num_threads();
   const int64_t grain = (npanels_ + threads - 1) / threads;  // even split: each thread one contiguous stream
-  at::parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) {
+  parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) {
     if (m <= o.max_rows) run_few(o, a, m, p0, p1, y, ldy, bias);
     else run_many(o, a, m, p0, p1, y, ldy, bias);
   });
@@ -194,7 +194,7 @@ void QgemmWeight::dequant_panel(int64_t p, int c0, int c1, float* out) const {
 at::Tensor QgemmWeight::dequantize() const {
   at::Tensor out = at::empty({n(), k()}, at::kFloat);
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) {
+  parallel_for(0, npanels_, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       dequant_panel(p, 0, static_cast<int>(std::min<int64_t>(kPanel, n() - p * kPanel)), op + p * kPanel * k());
   });
@@ -202,7 +202,7 @@ at::Tensor QgemmWeight::dequantize() const {
 }
 
 void QgemmWeight::rows(const int64_t* ids, int64_t t, float* out) const {
-  at::parallel_for(0, t, 8, [&](int64_t i0, int64_t i1) {
+  parallel_for(0, t, 8, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int c = static_cast<int>(ids[i] % kPanel);
       dequant_panel(ids[i] / kPanel, c, c + 1, out + i * k());

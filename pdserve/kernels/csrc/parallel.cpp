@@ -1,0 +1,226 @@
+// The chunk-claiming pool behind pdserve::parallel_for (parallel.h).
+//
+// One job at a time (a second concurrent caller, or a call from inside a chunk, runs its loop inline). The job's
+// state is one 64-bit atomic: epoch (high 32 bits, +1 per job) and the next unclaimed chunk (low 32). A thread
+// claims chunk i of job e by a CAS from (e, i) to (e, i + 1) with i < nchunks; a successful claim proves the job's
+// fields it read after seeing epoch e belong to job e (they are rewritten only after every chunk of e was claimed
+// and finished, and the epoch moves on). `done_` counts finished chunks of the current job; the caller returns
+// when it reaches nchunks. Workers spin briefly after a job (the next op of a step follows within microseconds),
+// then sleep on a futex; the caller wakes sleepers but never waits for them.
+#include "parallel.h"
+
+#include <ATen/Parallel.h>
+#include <linux/futex.h>
+#include <torch/extension.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "registry.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PDSERVE_PAUSE() _mm_pause()
+#else
+#define PDSERVE_PAUSE() ((void)0)
+#endif
+
+namespace pdserve {
+namespace {
+
+constexpr int64_t kChunksPerThread = 4;  // finer than one per thread: a late worker still finds work to take
+constexpr auto kWorkerSpin = std::chrono::microseconds(100);  // then sleep (the gap between a step's ops is ~us)
+constexpr auto kCallerSpin = std::chrono::microseconds(50);   // then yield (a claimed chunk's thread may need it)
+
+thread_local bool t_in_pool = false;
+std::atomic<bool> g_workers_paused{false};  // tests: workers claim nothing, the caller runs every chunk
+
+// PDSERVE_PARALLEL=omp runs loops on ATen's OpenMP team instead (comparisons; a way out should the pool misbehave).
+bool use_omp() {
+  static const bool omp = [] {
+    const char* v = std::getenv("PDSERVE_PARALLEL");
+    return v != nullptr && std::strcmp(v, "omp") == 0;
+  }();
+  return omp;
+}  // a worker, or a caller inside its own loop: nested loops run inline
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+class Pool {
+ public:
+  void run(int64_t begin, int64_t chunk, int64_t nchunks, int64_t end, ChunkFn fn, const void* ctx,
+           int64_t threads) {
+    std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
+    if (!lock.owns_lock()) {  // another thread's loop is running: this one runs inline rather than queue
+      fn(ctx, begin, end);
+      return;
+    }
+    grow(threads - 1);
+    fn_.store(fn), ctx_.store(ctx), begin_.store(begin), chunk_.store(chunk), end_.store(end);
+    nchunks_.store(nchunks), max_workers_.store(threads - 1);
+    done_.store(0);
+    error_ = nullptr;
+    const uint64_t epoch = (state_.load() >> 32) + 1;
+    state_.store(epoch << 32);  // publish: the fields above are visible to whoever sees this epoch
+    if (sleepers_.load() > 0) {
+      wake_seq_.fetch_add(1);
+      futex_wake_all(&wake_seq_);
+    }
+    t_in_pool = true;
+    work(epoch);
+    t_in_pool = false;
+    wait_done(nchunks);
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  // Claim and run chunks of job `epoch` until none is left (or the job is no longer current).
+  void work(uint64_t epoch) {
+    uint64_t v = state_.load();
+    while ((v >> 32) == epoch) {
+      const int64_t n = nchunks_.load(), i = static_cast<int64_t>(v & 0xffffffffu);
+      if (i >= n) return;
+      const ChunkFn fn = fn_.load();
+      const void* ctx = ctx_.load();
+      const int64_t b = begin_.load() + i * chunk_.load(), e = std::min(end_.load(), b + chunk_.load());
+      if (!state_.compare_exchange_weak(v, v + 1)) continue;  // v reloaded: someone else claimed it, or new job
+      try {
+        fn(ctx, b, e);
+      } catch (...) {
+        std::lock_guard<std::mutex> g(error_mu_);
+        if (!error_) error_ = std::current_exception();
+      }
+      done_.fetch_add(1);
+      v = state_.load();
+    }
+  }
+
+  void wait_done(int64_t nchunks) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0; done_.load() < nchunks; ++spins) {
+      PDSERVE_PAUSE();
+      if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start > kCallerSpin) sched_yield();
+    }
+  }
+
+  void grow(int64_t want) {
+    while (static_cast<int64_t>(workers_.size()) < want) {
+      const int64_t id = static_cast<int64_t>(workers_.size());
+      workers_.emplace_back([this, id] { worker_main(id); });
+      workers_.back().detach();  // the pool lives as long as the process (never destroyed)
+    }
+  }
+
+  void worker_main(int64_t id) {
+    t_in_pool = true;
+    uint64_t seen = 0;  // the last epoch this worker took part in
+    for (;;) {
+      const uint64_t epoch = wait_new_job(seen);
+      seen = epoch;
+      if (id < max_workers_.load() && !g_workers_paused.load()) work(epoch);
+    }
+  }
+
+  // Spin, then sleep, until a job newer than `seen` is published; returns its epoch.
+  uint64_t wait_new_job(uint64_t seen) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0;; ++spins) {
+      const uint64_t epoch = state_.load() >> 32;
+      if (epoch != seen) return epoch;
+      PDSERVE_PAUSE();
+      if ((spins & 255) != 255 || std::chrono::steady_clock::now() - start < kWorkerSpin) continue;
+      const uint32_t seq = wake_seq_.load();
+      sleepers_.fetch_add(1);
+      if ((state_.load() >> 32) == seen) futex_wait(&wake_seq_, seq);  // re-checked after counting as a sleeper
+      sleepers_.fetch_sub(1);
+    }
+  }
+
+  std::mutex call_mu_, error_mu_;
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int64_t> done_{0}, begin_{0}, chunk_{1}, end_{0}, nchunks_{0}, max_workers_{0};
+  std::atomic<ChunkFn> fn_{nullptr};
+  std::atomic<const void*> ctx_{nullptr};
+  std::atomic<uint32_t> wake_seq_{0};
+  std::atomic<int> sleepers_{0};
+  std::exception_ptr error_;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: detached workers may still be asleep on it at exit
+  return *p;
+}
+
+}  // namespace
+
+int64_t num_threads() { return std::max(1, at::get_num_threads()); }
+
+void parallel_run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const void* ctx) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  if (use_omp()) {
+    at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
+    return;
+  }
+  const int64_t threads = t_in_pool ? 1 : num_threads();
+  const int64_t parts = threads * kChunksPerThread;
+  const int64_t chunk = std::max<int64_t>({1, grain, (n + parts - 1) / parts});
+  const int64_t nchunks = (n + chunk - 1) / chunk;
+  if (threads <= 1 || nchunks <= 1) {
+    fn(ctx, begin, end);
+    return;
+  }
+  pool().run(begin, chunk, nchunks, end, fn, ctx, threads);
+}
+
+namespace {
+
+// Test hook: the chunks one loop ran, as (begin, end, ran on the calling thread); `throw_at` >= 0: the chunk
+// holding that index throws.
+std::vector<std::tuple<int64_t, int64_t, bool>> parallel_chunks(int64_t begin, int64_t end, int64_t grain,
+                                                                int64_t throw_at) {
+  std::mutex mu;
+  std::vector<std::tuple<int64_t, int64_t, bool>> out;
+  const std::thread::id caller = std::this_thread::get_id();
+  parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      out.emplace_back(b, e, std::this_thread::get_id() == caller);
+    }
+    TORCH_CHECK(throw_at < b || throw_at >= e, "chunk [", b, ", ", e, ") failed on purpose");
+  });
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void register_parallel(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("parallel_chunks", &parallel_chunks, py::arg("begin"), py::arg("end"), py::arg("grain"),
+        py::arg("throw_at") = -1, py::call_guard<py::gil_scoped_release>(),
+        "run one parallel loop; the chunks it ran as (begin, end, on the calling thread), sorted");
+  m.def("set_parallel_workers_paused", [](bool paused) { g_workers_paused.store(paused); }, py::arg("paused"),
+        "tests: the pool's workers claim no chunks (loops must still finish, on the calling thread)");
+  m.def("parallel_backend", [] { return use_omp() ? "omp" : "pool"; },
+        "what runs the kernels' loops: the chunk-claiming pool, or ATen's OpenMP team (PDSERVE_PARALLEL=omp)");
+}
+
+}  // namespace
+PDSERVE_REGISTER(register_parallel);
+}  // namespace pdserve
