@@ -201,3 +201,27 @@ def test_router_prompt_tokens_equal_the_servers(tok_dir: Path, tokenizer: Any, m
     # what the router does not render routes by load
     assert rt.prompt_token_ids("/v1/completions", {"prompt": ["a", "b"]}) is None
     assert rt.prompt_token_ids("/v1/chat/completions", {**body, "tools": [{"type": "function"}]}) is None
+
+
+def test_published_summary_is_rebuilt_only_when_the_cached_set_changes() -> None:
+    """The engine thread republishes after every step; the hash tuple is copied only when a hash entered or left
+    the block manager's cache (cache_version), and a new engine gets a new epoch."""
+    from types import SimpleNamespace
+
+    from pdserve.engine.client import PrefixSummary
+
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    engine: Any = SimpleNamespace(block_manager=bm)
+    first = PrefixSummary.of(engine)
+    assert first.hashes == () and PrefixSummary.of(engine, first) is first
+    req = Request("r", PROMPT[:8], SamplingParams(), eos_token_ids={2}, max_tokens=8)
+    assert bm.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    bm.cache_full_blocks(req)
+    second = PrefixSummary.of(engine, first)
+    assert second.epoch == first.epoch and second.version > first.version and len(second.hashes) == 2
+    bm.free("r")
+    assert PrefixSummary.of(engine, second) is second  # freed, still cached: the same set
+    assert bm.allocate_slots(Request("x", [1] * 32, SamplingParams(), eos_token_ids={2}, max_tokens=8), 32)
+    assert PrefixSummary.of(engine, second).hashes == ()  # evicted for new blocks
+    assert PrefixSummary.of(engine).epoch != first.epoch
