@@ -11,6 +11,7 @@ import time
 import typing
 from typing import Any
 
+from pdserve.api.log_hygiene import install_log_hygiene
 from pdserve.config import EngineConfig, shown_default
 
 
@@ -137,7 +138,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               debug_requests_history=args.debug_requests_history,
                               profiler_dir=args.profiler_dir, otlp_traces_endpoint=args.otlp_traces_endpoint,
                               admin_api_key=args.admin_api_key, audit_log=args.audit_log,
-                              tenant_label_limit=args.tenant_label_limit,
+                              tenant_label_limit=args.tenant_label_limit, metrics_public=args.metrics_public,
                               responses_store_max_entries=args.responses_store_max_entries,
                               responses_store_max_bytes=args.responses_store_max_bytes,
                               responses_store_ttl=args.responses_store_ttl)
@@ -179,6 +180,18 @@ def serve_option_names() -> set[str]:
     """The option names (argparse dests) of `pdserve serve`."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {a.dest for a in sub.choices["serve"]._actions if a.dest != "help"}
+
+
+def _add_access_args(srv: argparse.ArgumentParser) -> None:
+    """`serve`'s keys and the audit log."""
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, "
+                     "/detokenize, /debug, the API docs, /metrics and /version (/health stays open)")
+    srv.add_argument("--metrics-public", action="store_true", help="serve /metrics and /version without the API "
+                     "key (a Prometheus that cannot send it); they show tenant names, load and versions")
+    srv.add_argument("--admin-api-key", default=None, help="enable the admin API (/admin: load, unload, sleep, "
+                     "wake, aliases, audit) behind 'Authorization: Bearer KEY' (off when unset: /admin is 404)")
+    srv.add_argument("--audit-log", default=None, help="append-only JSONL of model lifecycle changes (default: "
+                     "<cache dir>/audit.jsonl with --admin-api-key, else kept in memory; `off`: no file)")
 
 
 def _add_responses_args(srv: argparse.ArgumentParser) -> None:
@@ -229,16 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="same as --kv-role: PD disaggregation role (see `pdserve router`)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, "
-                     "/detokenize, /debug and the API docs (/health and /metrics stay open)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API (default: the model name)")
     srv.add_argument("--models-config", default=None, help="YAML or JSON file of models to serve: `models: [{name, "
                      "path, version, options: {engine options}}]` and `aliases: {alias: name}` (with --model: "
                      "those are added after these)")
-    srv.add_argument("--admin-api-key", default=None, help="enable the admin API (/admin: load, unload, sleep, "
-                     "wake, aliases, audit) behind 'Authorization: Bearer KEY' (off when unset: /admin is 404)")
-    srv.add_argument("--audit-log", default=None, help="append-only JSONL of model lifecycle changes (default: "
-                     "<cache dir>/audit.jsonl with --admin-api-key, else kept in memory; `off`: no file)")
+    _add_access_args(srv)
     srv.add_argument("--tenant-label-limit", type=int, default=16, help="distinct tenants (X-Tenant header, else "
                      "the body's user) labelled in the per-tenant metrics; later ones are counted as `other`")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
@@ -283,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call drowns bench output
+    install_log_hygiene()  # no client-made line break splits a line (uvicorn's loggers get it once it set them up)
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

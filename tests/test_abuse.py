@@ -21,6 +21,9 @@ from pdserve.launch import ServerProc, start_server
 pytestmark = pytest.mark.slow
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "adm1n-k3y-7f3e"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+MODEL = "tiny"
 MAX_PROMPT_CHARS = 3_000_000
 TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1",
         "--device-peaks", "off"]  # no roofline here; a busy start would measure the peaks anew
@@ -29,11 +32,20 @@ GOOD = {"prompt": "你好，世界！The quick brown fox", "max_tokens": 8, "tem
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("abuse"), "--model", str(tiny_dir), *TINY, "--api-key", KEY,
+    d = tmp_path_factory.mktemp("abuse")
+    srv = start_server(d, "--model", str(tiny_dir), *TINY, "--api-key", KEY, "--served-model-name", MODEL,
                        "--max-num-seqs", "4", "--max-waiting-requests", "16", "--body-read-timeout", "1",
-                       "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--prefix-cache-isolation", "tenant")
+                       "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--prefix-cache-isolation", "tenant",
+                       "--admin-api-key", ADMIN_KEY, "--audit-log", str(d / "audit.jsonl"))
     yield srv
     assert srv.stop() in (0, -15)
+    log = server_output(srv)
+    assert KEY not in log and ADMIN_KEY not in log  # no key in any log line, the access log included
+
+
+def server_output(srv: ServerProc) -> str:
+    """What the server logged (the launcher's first line, `$ command`, shows the keys given on it)."""
+    return "\n".join(ln for ln in srv.log().splitlines() if not ln.startswith("$ "))
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +60,7 @@ def baseline(srv: ServerProc, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         kv = httpx.get(srv.base_url + "/debug/kv", headers=AUTH).json()
-        running = [ln for ln in httpx.get(srv.base_url + "/metrics").text.splitlines()
+        running = [ln for ln in httpx.get(srv.base_url + "/metrics", headers=AUTH).text.splitlines()
                    if ln.startswith("pdserve:num_requests_running")]
         idle = kv["num_used_blocks"] == 0 and kv["open_requests"] == 0 and running[0].endswith(" 0.0")
         if idle:
@@ -72,6 +84,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["code"] is None or isinstance(err["code"], str), err  # as OpenAI's: never a number
     if param is not None:
         assert err["param"] == param, err
     if code is not None:
@@ -169,7 +182,17 @@ def test_auth(server: ServerProc) -> None:
         assert_error(httpx.get(base + path, headers={"Authorization": f"Basic {KEY}"}), 401)
         assert httpx.get(base + path, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
         assert httpx.get(base + path, headers={"Authorization": f"BEARER  {KEY}"}).status_code == 200
-    assert httpx.get(base + "/health").status_code == 200 and httpx.get(base + "/metrics").status_code == 200
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_metrics_and_version_follow_the_api_key(server: ServerProc) -> None:
+    """/metrics shows tenant names and load, /version the commit and library versions: behind --api-key unless
+    --metrics-public (tests/test_dashboard.py's server runs with it). The admin key opens them too."""
+    for path in ["/metrics", "/version"]:
+        assert_error(httpx.get(server.base_url + path), 401, code="invalid_api_key")
+        assert_error(httpx.get(server.base_url + path, headers={"Authorization": "Bearer wrong"}), 401)
+        assert httpx.get(server.base_url + path, headers=AUTH).status_code == 200
+        assert httpx.get(server.base_url + path, headers=ADMIN).status_code == 200
 
 
 def test_slow_body_is_cut_off(server: ServerProc) -> None:
@@ -317,5 +340,110 @@ def test_shutdown_drains(tmp_path: Path, tiny_dir: Path) -> None:
         assert json.loads(lines[-2][6:])["error"]["code"] == "server_shutting_down"
         srv.proc.wait(30)
         assert srv.proc.returncode in (0, -15)
+        rid = json.loads(lines[0][6:])["id"]  # the cut request still leaves its request-log line
+        [cut] = [r for r in request_log(srv) if r["request_id"] == f"{rid}-0-0"]
+        assert cut["finish_reason"] == "abort" and cut["output_tokens"] > 0
     finally:
         srv.stop()
+
+
+def request_log(srv: ServerProc) -> list[dict[str, Any]]:
+    return [json.loads(ln.split("pdserve.requests: ", 1)[1]) for ln in srv.log().splitlines()
+            if "pdserve.requests: " in ln]
+
+
+def test_keys_stay_out_of_the_logs(server: ServerProc) -> None:
+    """The dashboard's `?key=` (and any secret-looking query value) is redacted in the access log; a line break in
+    the path cannot split a log line. The module fixture checks the whole log for both keys at the end."""
+    base = server.base_url
+    assert httpx.get(base + "/dashboard", params={"key": KEY}).status_code == 200
+    assert httpx.get(base + "/v1/models", params={"api_key": ADMIN_KEY, "token": KEY}, headers=AUTH).status_code == 200
+    httpx.get(base + "/dashboard/x%0D%0A2026-01-01 00:00:00,000 ERROR forged: line")
+    time.sleep(0.2)
+    log = server_output(server)
+    assert KEY not in log and ADMIN_KEY not in log
+    assert "/dashboard?key=*** " in log and "api_key=***&token=***" in log
+    assert not any(ln.startswith("2026-01-01") for ln in log.splitlines())
+
+
+def test_debug_requests_only_by_full_id_of_ones_own_tenant(server: ServerProc) -> None:
+    def explain(rid: str, headers: dict[str, str]) -> httpx.Response:
+        return httpx.get(server.base_url + "/debug/requests/" + rid, headers=headers)
+
+    r = httpx.post(server.base_url + CMPL, json=GOOD, headers={**AUTH, "X-Tenant": "alice"}, timeout=60)
+    rid = r.json()["id"]
+    own = explain(rid, {**AUTH, "X-Tenant": "alice"})
+    assert own.status_code == 200 and [d["request_id"] for d in own.json()["data"]] == [f"{rid}-0-0"]
+    assert explain(f"{rid}-0-0", {**AUTH, "X-Tenant": "alice"}).status_code == 200  # a child, by its full id
+    for other in ({**AUTH, "X-Tenant": "bob"}, AUTH):  # another tenant, no tenant
+        assert_error(explain(rid, other), 404, code="request_not_found")
+    for prefix in ("cmpl", rid[:12], rid[:-1]):  # never by a prefix, not even one's own
+        assert_error(explain(prefix, {**AUTH, "X-Tenant": "alice"}), 404, code="request_not_found")
+    found = explain(rid[:12], ADMIN).json()["data"]  # the admin key: every tenant, by prefix
+    assert f"{rid}-0-0" in [d["request_id"] for d in found] and found[0]["tenant"] in ("alice", None, "bob")
+    baseline(server)
+
+
+def admin(server: ServerProc, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, server.base_url + "/admin" + path, headers=ADMIN, timeout=60, **kw)
+
+
+BAD_NAMES = ["a b", "..", "../x", "a/b/c", "x\n{\"level\": \"ERROR\"}", "a\x00b", "x" * 10_000, "<img src=x>", "",
+             "-x", "a/sleep"]
+
+
+def test_admin_names_are_checked_and_failed_loads_leave_nothing(server: ServerProc, tmp_path: Path) -> None:
+    for name in BAD_NAMES:
+        r = admin(server, "POST", "/models", json={"name": name, "path": str(tmp_path)})
+        assert r.status_code in (400, 422) if name == "" else r.status_code == 400, (name, r.text)
+        if name:
+            assert_error(r, 400, "name", "invalid_model_name")
+            assert name not in r.text or name.isalnum()
+    assert_error(admin(server, "POST", "/models", json={"name": "ok", "version": "1\nx"}), 400, "version",
+                 "invalid_model_name")
+    assert_error(admin(server, "PUT", "/aliases/a%20b", json={"model": MODEL}), 400, "alias", "invalid_model_name")
+    r = admin(server, "POST", "/models", params={"wait": "true"}, json={"name": "org/broken-1", "path": str(tmp_path)})
+    assert_error(r, 400, "path", "model_load_failed")
+    ids = [m["id"] for m in httpx.get(server.base_url + "/v1/models", headers=AUTH).json()["data"]]
+    assert ids == [MODEL]  # the failed load left nothing behind
+    r = httpx.post(server.base_url + CMPL, headers=AUTH, json={**GOOD, "model": "nope"})
+    assert_error(r, 404, "model", "model_not_found")
+    assert "broken" not in r.text and "<img" not in r.text
+    baseline(server)
+
+
+def test_every_admin_call_is_one_audit_line(server: ServerProc, tmp_path: Path) -> None:
+    audit = Path(server.log_path).parent / "audit.jsonl"
+
+    def lines() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in audit.read_text(encoding="utf-8").splitlines()] if audit.exists() else []
+
+    calls: list[tuple[str, str, dict[str, Any], int, str | None]] = [
+        ("PUT", "/aliases/chat", {"json": {"model": MODEL}}, 200, None),
+        ("DELETE", f"/models/{MODEL}", {}, 409, "model_in_use"),  # the alias routes to it
+        ("POST", "/models", {"json": {"name": MODEL, "path": str(tmp_path)}}, 409, "model_exists"),
+        ("POST", "/models/nope/sleep", {}, 404, "model_not_found"),
+        ("POST", f"/models/{MODEL}/wake", {}, 409, "invalid_model_state"),  # a second wake: it is awake
+        ("POST", "/aliases/chat/rollback", {}, 409, "no_previous_target"),
+        ("POST", "/aliases/nope/rollback", {}, 404, "alias_not_found"),
+        ("PUT", "/aliases/chat", {"json": {"model": "nope"}}, 404, "model_not_found"),
+        ("POST", "/models", {"json": {"name": "bad name"}}, 400, "invalid_model_name"),
+        ("POST", "/models", {"json": {"name": "opts", "options": {"no_such_option": 1}}}, 400, "invalid_model_spec"),
+        ("POST", "/models", {"json": {"name": "x", "bogus": 1}}, 400, None),  # refused by the schema
+        ("PUT", "/aliases/chat", {"json": {"canary": {"model": MODEL, "share": 2}}}, 400, None),
+    ]
+    for method, path, kw, status, code in calls:
+        before = len(lines())
+        r = admin(server, method, path, **kw)
+        assert r.status_code == status, (path, r.text)
+        if code:
+            assert r.json()["error"]["code"] == code
+        new = lines()[before:]
+        assert len(new) == 1, (method, path, new)
+        assert new[0]["outcome"] == ("ok" if status == 200 else "error") and new[0]["key_id"], new
+        assert ADMIN_KEY not in json.dumps(new, ensure_ascii=False)
+    before = len(lines())  # a caller without the admin key is refused (401) and writes nothing: no flooding
+    assert httpx.delete(server.base_url + f"/admin/models/{MODEL}", headers=AUTH).status_code == 401
+    assert len(lines()) == before
+    assert httpx.post(server.base_url + CMPL, headers=AUTH, json={**GOOD, "model": "chat"}).status_code == 200
+    baseline(server)

@@ -1,7 +1,8 @@
 """Fault and abuse cases against a real 1P1D pair and its router on loopback (tiny model, one deployment for the
-module, a shared kv_transfer_secret): forged hand-off params sent straight to an instance, a frozen (SIGSTOPped)
-prefill instance, bodies the router must refuse. Each case checks the status and body, that a well-behaved request
-running alongside completes unchanged, and that KV usage and running requests return to baseline.
+module, no configured kv_transfer_secret: the router signs with the per-user default secret): forged hand-off params
+sent straight to an instance, a frozen (SIGSTOPped) prefill instance, bodies the router must refuse. Each case
+checks the status and body, that a well-behaved request running alongside completes unchanged, and that KV usage
+and running requests return to baseline.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.kv_transfer.trust import default_secret
 from pdserve.launch import ServerProc, free_port, start_pdserve
 
 from conftest import make_tiny_hf_model, start_all
 
 pytestmark = pytest.mark.slow
 
-SECRET = "test-secret-不要告诉别人"
 TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-batched-tokens", "32", "--num-threads", "1",
         "--device-peaks", "off"]  # no roofline here; a busy start would measure the peaks anew
 PROMPT = "你好，世界！请用中文介绍一下你自己。The quick brown fox jumps over the lazy dog. " * 2
@@ -42,11 +43,10 @@ class PD:
 
 
 def start(tmp: Path, cmd: str, *args: str) -> ServerProc:
-    """`pdserve serve|router` on a free port, with the secret from the environment (as a deployment would: a
-    command line shows in `ps` and in the launcher's log)."""
+    """`pdserve serve|router` on a free port, without a configured secret (the default: a single-host deployment
+    run by one user; the secret file is in the session's cache directory, as conftest sets it)."""
     port = free_port()
-    return start_pdserve(tmp, f"{cmd}-{port}", [cmd, "--port", str(port), *args], f"http://127.0.0.1:{port}",
-                         env={"PDSERVE_KV_TRANSFER_SECRET": SECRET})
+    return start_pdserve(tmp, f"{cmd}-{port}", [cmd, "--port", str(port), *args], f"http://127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,10 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[PD]
     finally:
         for s in (router, pre, dec):
             s.stop()
+    secret = default_secret()
+    assert secret
     for s in (pre, dec, router):
-        assert SECRET not in s.log()  # never logged
+        assert secret not in s.log()  # never logged
 
 
 def baseline(srv: ServerProc, timeout: float = 15.0) -> dict[str, Any]:
@@ -80,11 +82,15 @@ def baseline(srv: ServerProc, timeout: float = 15.0) -> dict[str, Any]:
             return kv
 
 
-def running(srv: ServerProc) -> float:
+def metric(srv: ServerProc, name: str) -> float:
     for line in httpx.get(srv.base_url + "/metrics").text.splitlines():
-        if line.startswith("pdserve:num_requests_running"):
+        if line.startswith(name) and line[len(name)] in "{ ":
             return float(line.rsplit(" ", 1)[1])
-    raise KeyError("pdserve:num_requests_running")
+    raise KeyError(name)
+
+
+def running(srv: ServerProc) -> float:
+    return metric(srv, "pdserve:num_requests_running")
 
 
 def assert_baseline(pd: PD) -> None:
@@ -163,10 +169,27 @@ def test_forged_handoff_never_connects_and_neighbours_are_unaffected(pd: PD) -> 
         assert rec.conns == []
     finally:
         rec.close()
-    # a forged do_remote_decode pins nothing on the prefill instance
-    r = httpx.post(pd.prefill.base_url + "/v1/completions", timeout=60,
-                   json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    assert r.status_code in (200, 400) and "kv_transfer_params" not in (r.json() if r.status_code == 200 else {})
+    assert_baseline(pd)
+
+
+def test_unsigned_remote_decode_pins_nothing(pd: PD) -> None:
+    """Only the router may ask a prefill instance to keep KV for a decode instance: a client's own
+    do_remote_decode (sent straight to the prefill instance, a flood of them) is a coded 400 and pins nothing,
+    while routed requests, signed with the per-user default secret, still hand their KV over."""
+    body = {**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    moved = metric(pd.decode, "pdserve:kv_transfer_bytes_total")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        neighbours = [pool.submit(routed_text, pd, s) for s in (False, True)]
+        forged = [pool.submit(httpx.post, pd.prefill.base_url + "/v1/completions", json=b, timeout=60)
+                  for b in [body, *[{**body, "kv_transfer_params": {**body["kv_transfer_params"],
+                                                                     "signature": "0" * 64}}] * 15]]
+        for f in forged:
+            r = f.result(timeout=90)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "kv_transfer_params_rejected"
+        assert [n.result(timeout=90) for n in neighbours] == [pd.reference] * 2
+    assert metric(pd.decode, "pdserve:kv_transfer_bytes_total") > moved  # the router is still trusted
+    assert metric(pd.prefill, "pdserve:kv_pin_timeouts_total") == 0
     assert_baseline(pd)
 
 
@@ -221,4 +244,8 @@ def test_router_refuses_bad_bodies(pd: PD) -> None:
         r = httpx.post(url, content=big, timeout=30)
         assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
         assert neighbour.result(timeout=60) == pd.reference
+    # the dashboard's ?key= never reaches the router's access log
+    assert httpx.get(pd.router.base_url + "/dashboard", params={"key": "sk-router-0b5e"}).status_code == 200
+    time.sleep(0.2)
+    assert "sk-router-0b5e" not in pd.router.log() and "/dashboard?key=***" in pd.router.log()
     assert_baseline(pd)

@@ -32,7 +32,8 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "你好，世界
 
 
 def families(srv: ServerProc) -> dict[str, Any]:
-    return {f.name: f for f in text_string_to_metric_families(httpx.get(srv.base_url + "/metrics").text)}
+    text = httpx.get(srv.base_url + "/metrics", headers=AUTH).text  # behind --api-key (no --metrics-public)
+    return {f.name: f for f in text_string_to_metric_families(text)}
 
 
 def sample(fams: dict[str, Any], family: str, suffix: str = "", **labels: str) -> float:
@@ -136,7 +137,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[PD]
                          lambda: start_server(tmp, *m, "--role", "decode"))
     port = free_port()
     router = start_pdserve(tmp, "router", ["router", "--port", str(port), "--prefill", pre.base_url, "--decode",
-                                           dec.base_url, "--poll-interval", "0.2"], f"http://127.0.0.1:{port}", 60)
+                                           dec.base_url, "--poll-interval", "0.2"], f"http://127.0.0.1:{port}", 60,
+                           env={"PDSERVE_INSTANCE_API_KEY": KEY})  # its /metrics polls need the instances' key
     yield PD(pre, dec, router)
     for s in (router, pre, dec):
         s.stop()

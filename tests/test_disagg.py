@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdserve.kv_transfer.trust import default_secret, sign_kv_transfer_params
 from pdserve.launch import ServerProc, free_port, start_pdserve, start_server
 
 import netns
@@ -217,8 +218,10 @@ def test_abort_mid_stream_leaves_both_pools_at_baseline(cluster: Cluster) -> Non
 
 
 def test_unclaimed_pin_is_freed_after_the_transfer_timeout(cluster: Cluster) -> None:
-    r = httpx.post(cluster.prefill.base_url + "/v1/completions",
-                   json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    key = default_secret()  # what the router signs with: no secret is configured (tests' session cache dir)
+    r = httpx.post(cluster.prefill.base_url + "/v1/completions", json={
+        "prompt": PROMPTS[0], "max_tokens": 1,
+        "kv_transfer_params": sign_kv_transfer_params({"do_remote_decode": True}, key)})
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_block_ids"] and params["remote_request_id"]
     assert httpx.get(cluster.prefill.base_url + "/debug/kv").json()["num_pinned_blocks"] == len(
@@ -228,7 +231,8 @@ def test_unclaimed_pin_is_freed_after_the_transfer_timeout(cluster: Cluster) -> 
     assert metric(cluster.prefill, "pdserve:kv_pin_timeouts_total") >= 1
     # a decode instance handed these stale params recomputes the prompt and still answers correctly
     want = complete(cluster.ref, PROMPTS[0], stream=False)
-    got = complete(cluster.decode[0].base_url, PROMPTS[0], stream=False, kv_transfer_params=params)
+    got = complete(cluster.decode[0].base_url, PROMPTS[0], stream=False,
+                   kv_transfer_params=sign_kv_transfer_params(params, key))
     assert got == want
     assert metric(cluster.decode[0], "pdserve:kv_transfer_failures_total") >= 1
 

@@ -14,6 +14,7 @@ import pytest
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.kv_transfer.trust import default_secret, default_secret_path, sign_kv_transfer_params
 from pdserve.sampling_params import SamplingParams
 
 from conftest import loaded_from_hf
@@ -74,7 +75,7 @@ def settle(engine: LLMEngine, timeout: float = 10.0) -> None:
 
 def prefill(engine: LLMEngine, prompt: str, rid: str) -> Request:
     req = engine.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=1), rid)
-    req.kv_transfer_params = {"do_remote_decode": True}
+    req.kv_transfer_params = sign_kv_transfer_params({"do_remote_decode": True}, default_secret())  # as the router
     engine.add_request(req)
     run(engine, [req])
     assert req.status == RequestStatus.FINISHED_LENGTH and req.kv_transfer_result is not None
@@ -83,6 +84,8 @@ def prefill(engine: LLMEngine, prompt: str, rid: str) -> Request:
 
 def decode(engine: LLMEngine, prompt: str, params: dict[str, Any], rid: str, max_tokens: int = 12) -> Request:
     req = engine.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), rid)
+    if "signature" not in params:  # signed as the router forwards them (default secret)
+        params = sign_kv_transfer_params(params, default_secret())
     req.kv_transfer_params = params
     engine.add_request(req)
     run(engine, [req])
@@ -181,7 +184,7 @@ def test_abort_during_pull_frees_blocks_after_pull(make_engine: Callable[..., LL
     prompt = PROMPTS[0]
     params = prefill(pre, prompt, "p0").kv_transfer_result or {}
     req = dec.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=8), "d0")
-    req.kv_transfer_params = params
+    req.kv_transfer_params = sign_kv_transfer_params(params, default_secret())
     dec.add_request(req)
     dec.step()
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -252,14 +255,25 @@ def test_verify_kv_transfer_params() -> None:
         with pytest.raises(RequestRejected) as exc:
             signed.verify(params)
         assert exc.value.code == ErrorCode.KV_TRANSFER_PARAMS_REJECTED and exc.value.param == "kv_transfer_params"
-    unsigned = KVTransferTrust.create(None, None)  # loopback only
-    assert unsigned.verify(p) and unsigned.verify({**p, "remote_host": "localhost"})
-    assert unsigned.verify({"do_remote_decode": True})
-    for params in [remote, {**p, "remote_host": "evil.example"}, {**p, "remote_port": "80"},
-                   {**p, "remote_port": 0}, {**p, "remote_block_ids": [-1]}, {**p, "remote_block_ids": "1"},
-                   {**p, "remote_request_id": None}]:
+    # no configured secret: the per-user default secret signs (conftest's session cache holds its file), peers are
+    # loopback only; a client's own params, unsigned, are refused whatever they ask for
+    default = KVTransferTrust.create(None, None)
+    key = default_secret()
+    assert key and default.secret == key and not default.configured and key not in default.describe()
+    assert default_secret_path().stat().st_mode & 0o777 == 0o600
+    assert default.verify(sign_kv_transfer_params(p, key))
+    assert default.verify(sign_kv_transfer_params({**p, "remote_host": "localhost"}, key))
+    assert default.verify(sign_kv_transfer_params({"do_remote_decode": True}, key))
+    for params in [p, {"do_remote_decode": True}, {**p, "remote_port": 21990}, sign_kv_transfer_params(remote, key),
+                   *[sign_kv_transfer_params(x, key) for x in [
+                       {**p, "remote_host": "evil.example"}, {**p, "remote_port": "80"}, {**p, "remote_port": 0},
+                       {**p, "remote_block_ids": [-1]}, {**p, "remote_block_ids": "1"},
+                       {**p, "remote_request_id": None}]]]:
         with pytest.raises(RequestRejected):
-            unsigned.verify(params)
+            default.verify(params)
+    nokey = KVTransferTrust(None, PeerAllowList.parse("loopback"), configured=False)  # no usable secret file
+    with pytest.raises(RequestRejected):
+        nokey.verify(sign_kv_transfer_params({"do_remote_decode": True}, key))
     peers = PeerAllowList.parse("10.0.0.0/8, kv-host-1, ::1")
     assert peers.allows("10.9.9.9") and peers.allows("KV-HOST-1") and peers.allows("[::1]")
     assert not peers.allows("127.0.0.1") and not peers.allows("11.0.0.1")

@@ -59,6 +59,7 @@ RAY_TOKEN = os.urandom(16).hex()
     ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas <= max_replicas"),
     ({"router": {"poll": 1}}, "router: unknown option(s) ['poll']"),
     ({"engine_replicas": [1]}, "config.engine_replicas: expected a mapping"),
+    ({"engine": {"api_key": "k"}}, "add engine.metrics_public: true"),  # its readers send no key
 ])
 def test_config_errors_name_the_key(data: dict[str, Any], message: str) -> None:
     with pytest.raises(RayConfigError) as exc:

@@ -50,6 +50,7 @@ class Fake:
     answer: Handler | None = None
     down: bool = False
     bodies: list[dict[str, Any]] = field(default_factory=list)  # the JSON bodies it received, in order
+    request_ids: list[str | None] = field(default_factory=list)  # each POST's x-request-id header
 
 
 async def tokens_stream(_: dict[str, Any]) -> httpx.Response:
@@ -69,6 +70,7 @@ def transport(*fakes: Fake) -> httpx.MockTransport:
             return httpx.Response(200, json={"data": [{"id": "m"}]})
         body = json.loads(request.content)
         fake.bodies.append(body)
+        fake.request_ids.append(request.headers.get("x-request-id"))
         return await (fake.answer or tokens_stream)(body)
 
     return httpx.MockTransport(handle)
@@ -226,7 +228,7 @@ def test_no_healthy_instance() -> None:
     stream, whole, (status, health), models = asyncio.run(go())
     events = events_of(stream)
     assert events[-1] == "[DONE]" and "no decode instance could serve" in events[0]["error"]["message"]
-    assert events[0]["error"]["code"] == 502
+    assert events[0]["error"]["code"] == "upstream_error"
     assert whole.status == 502 and "ConnectError" in json.loads(whole.content)["error"]["message"]
     assert status == 503 and health["status"] == "unavailable" and not health["decode"][0]["healthy"]
     assert models.status == 502
@@ -336,6 +338,24 @@ def test_router_app_routes() -> None:
         assert r.status_code == 502
 
 
+def test_router_request_id_is_echoed_forwarded_and_errors_carry_string_codes() -> None:
+    pre, dec = Fake("http://p:1", prefill_ok), Fake("http://d:1")
+    cfg = RouterConfig([pre.url], [dec.url], poll_interval=0.05)
+    with TestClient(create_router_app(cfg, transport(pre, dec))) as client:
+        r = client.post("/v1/completions", json={**BODY, "stream": False}, headers={"X-Request-Id": "abc 12<3>"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "abc123"
+        assert pre.request_ids == dec.request_ids == ["abc123"]  # one id across the hops
+        r = client.post("/v1/completions", json={**BODY, "stream": False})  # none sent: one is made, forwarded
+        made = r.headers["x-request-id"]
+        assert made.startswith("req_") and pre.request_ids[-1] == dec.request_ids[-1] == made
+        dec.down = True
+        r = client.post("/v1/completions", json={**BODY, "stream": False}, headers={"X-Request-Id": "x" * 500})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error"
+        assert r.headers["x-request-id"] == "x" * 128
+        r = client.post("/v1/completions", content=b"{not json")
+        assert r.json()["error"]["code"] is None and r.headers["x-request-id"].startswith("req_")
+
+
 # ---- hardening: signed hand-offs, frozen prefill instances, bad bodies ---------------------------------------
 def test_router_signs_handoff_params_and_drops_the_clients() -> None:
     from pdserve.kv_transfer.trust import KVTransferTrust
@@ -434,7 +454,7 @@ def test_router_app_refuses_bad_bodies_with_openai_errors() -> None:
         assert pre.bodies == [] and dec.bodies == []  # nothing reached an instance
         r = client.post("/v1/completions", json={"prompt": "你好", "n": "1", "stream": "false", "max_tokens": 2})
         assert r.status_code == 200 and pre.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
-        assert client.post("/v1/nothing", json={}).json()["error"]["code"] == 404
+        assert client.post("/v1/nothing", json={}).json()["error"]["code"] == "not_found"
         assert 'pdserve:router_request_errors_total{kind="payload_too_large"} 2.0' in client.get("/metrics").text
 
 

@@ -169,6 +169,7 @@ def test_bad_input(server: ServerProc, client: openai.OpenAI, name: str, kw: dic
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["code"] is None or isinstance(err["code"], str), err  # as OpenAI's: never a number
     if param:
         assert err["param"] == param
     if name == "prompt + max_tokens":

@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.api.errors import ERROR_STATUS, APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol_messages import MessagesRequest
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineRequest, KVSnapshot
 from pdserve.engine.engine import LLMEngine
@@ -22,6 +23,7 @@ from pdserve.server.metrics import Metrics
 from pdserve.server.serving import OpenAIServing, RequestContext
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
+from pdserve.server.serving_messages import ServingMessages
 
 from conftest import loaded_from_hf
 
@@ -169,6 +171,12 @@ def test_every_error_code_has_one_answer() -> None:
         assert (err.status, err.type, err.kind, err.code, err.param, err.message) == \
             (status, type_, kind, code.value, "p", "no")
         assert err.body()["error"]["code"] == code.value and (status == 400) == (type_ == "invalid_request_error")
+        anthropic = err.anthropic_body()["error"]  # no param field: the message names it
+        assert anthropic["message"] == "p: no" and (status == 400) == (anthropic["type"] == "invalid_request_error")
+    # without a code of its own: the status's string code, or null; never a number
+    assert APIError(404, "x").body()["error"]["code"] == "not_found"
+    assert APIError(400, "x").body()["error"]["code"] is None
+    assert APIError(418, "x", code=418).body()["error"]["code"] is None  # type: ignore[arg-type]
 
 
 def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None:
@@ -208,6 +216,18 @@ def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None
             return await read_sse(s)
 
         assert [c["error"]["code"] for c in asyncio.run(stream())] == ["postprocess_failed"]
+
+        async def anthropic_stream() -> list[str]:  # /v1/messages: named events, Anthropic's error body, no [DONE]
+            messages = ServingMessages(OpenAIServingChat(aengine, MODEL))
+            body = MessagesRequest(max_tokens=3, stream=True, messages=[{"role": "user", "content": "你好"}])
+            s = await messages.create_message(body, RequestContext())
+            assert not isinstance(s, dict)
+            return [line async for line in s]
+
+        events = asyncio.run(anthropic_stream())
+        assert [e.split("\n")[0] for e in events] == ["event: message_start", "event: ping", "event: error"]
+        error = json.loads(events[-1].split("\n")[1].removeprefix("data: "))
+        assert error["type"] == "error" and error["error"]["type"] == "api_error" and error["error"]["message"]
     finally:
         processor.add_request = original  # type: ignore[method-assign]
     assert wait_kv_baseline(aengine).num_used_blocks == 0
@@ -278,6 +298,37 @@ def test_aborts_write_a_log_line_and_unread_streams_abort(aengine: EngineClient,
     while aengine.num_unfinished and time.monotonic() < deadline:
         time.sleep(0.02)
     assert aengine.num_unfinished == 0 and wait_kv_baseline(aengine).num_used_blocks == 0
+
+
+def test_requests_cut_at_shutdown_leave_log_lines(tiny_hf_model: Any, tokenizer: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Shutdown: a request refused at admission (the grace ran out) and one still running when the engine loop
+    stops each write their request-log line (issue 31 item 8)."""
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=128, max_model_len=512),
+                       model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
+    client = EngineClient(engine, Metrics(MODEL))
+    client.start()
+    serving = OpenAIServingCompletion(client, MODEL)
+    body = CompletionRequest(prompt="Once upon a time", max_tokens=400, ignore_eos=True, stream=True)
+
+    async def cut() -> str:
+        stream = await serving.create_completion(body, RequestContext(tenant="running"))
+        assert not isinstance(stream, dict)
+        first = await anext(aiter(stream))
+        client.shutdown()  # its abort is queued as the loop stops
+        return str(json.loads(first[6:])["id"])
+
+    with caplog.at_level(logging.INFO, logger="pdserve.requests"):
+        rid = asyncio.run(cut())
+        client.closed = True  # as fail_all leaves it
+        with pytest.raises(APIError) as exc:
+            asyncio.run(serving.create_completion(body, RequestContext(tenant="late")))
+    assert exc.value.status == 503 and exc.value.code == "server_shutting_down"
+    recs = [json.loads(r.getMessage()) for r in caplog.records if r.name == "pdserve.requests"]
+    assert [(r["request_id"], r["finish_reason"]) for r in recs if r["tenant"] == "running"] == [(f"{rid}-0-0",
+                                                                                                 "abort")]
+    assert [(r["finish_reason"], r["error"]) for r in recs if r["tenant"] == "late"] == [
+        ("abort", "server_shutting_down")]
 
 
 THINK_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

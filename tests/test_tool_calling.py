@@ -18,7 +18,7 @@ import pytest
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.launch import ServerProc, start_server
 from pdserve.server.tool_parsers import HermesToolParser, JsonToolParser, ToolCall, ToolParser
-from pdserve.server.tools import DEFAULT_TOOLS_PROMPT, ChatTools, tool_plan
+from pdserve.server.tools import DEFAULT_TOOLS_PROMPT, MAX_PARALLEL_TOOL_CALLS, ChatTools, tool_plan
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},
@@ -133,6 +133,51 @@ def test_tool_plan_defaults() -> None:
     assert not tool_plan(TOOLS, "none").active
     named = tool_plan(TOOLS, {"type": "function", "function": {"name": "add"}}, parallel=False)
     assert named.choice == "named" and named.named == "add" and not named.parallel
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), JsonToolParser()], ids=["hermes", "json"])
+def test_the_tool_grammar_ends_after_the_calls_allowed(tokenizer: Any, parser: ToolParser) -> None:
+    """1 to max_calls calls; after the last one allowed only the stop token (the grammar is complete), so a model
+    that would go on calling ends its turn."""
+    from pdserve.engine.structured import StructuredOutputManager
+
+    mgr = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+    call = ("add", {"a": 1, "b": 2})
+    for max_calls in (1, 3):
+        m = mgr.new_matcher(mgr.compile(parser.constraint([("add", ADD), ("get_weather", WEATHER)], max_calls)))
+        if isinstance(parser, HermesToolParser):
+            pieces = [parser.format_calls([call])] + ["\n" + parser.format_calls([call])] * (max_calls - 1)
+        else:  # no free whitespace, keys in the schema's (sorted) order, as the grammar writes it
+            one = {"arguments": call[1], "name": "add"}
+            pieces = [json.dumps(one if max_calls == 1 else [one] * max_calls)]
+        for piece in pieces:
+            assert m.accept_string(piece) and not m.is_terminated()
+        more = "\n<tool_call>" if isinstance(parser, HermesToolParser) else ","
+        assert not m.accept_string(more)  # no further call
+        assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+
+
+@pytest.mark.parametrize("choice, parallel, n_calls", [("auto", True, 2), ("auto", False, 1), ("required", True, 2),
+                                                      ("required", False, 1)])
+def test_calls_past_the_request_limit_and_text_under_a_constraint_are_dropped(
+        tokenizer: Any, choice: str, parallel: bool, n_calls: int) -> None:
+    """Without parallel calls only the first call counts; under a constraint (required) the output is calls only,
+    so neither text nor a cut-off call is content. auto keeps the parser's content (an unclosed block as written)."""
+    from pdserve.engine.structured import StructuredOutputManager
+
+    ct = ChatTools(tokenizer, HermesToolParser(), StructuredOutputManager.json_schema_error)
+    plan = tool_plan(TOOLS, choice, parallel)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    text = f'Sure. {call}\n{call.replace("1", "3")} And done. <tool_call>{{"name": "add"'  # the last one cut off
+    plain = HermesToolParser().parse(text)
+    assert len(plain.tool_calls) == 2 and plain.content and plain.content.endswith('<tool_call>{"name": "add"')
+    whole = ct.parse(text, plan)
+    assert whole.tool_calls == plain.tool_calls[:n_calls]
+    assert whole.content == (plain.content if choice == "auto" else None)
+    s = ct.stream(plan)
+    events = [e for i in range(0, len(text), 7) for e in s.feed(text[i:i + 7])] + s.finish()
+    assert [e for e in events if isinstance(e, ToolCall)] == whole.tool_calls
+    assert ("".join(e for e in events if isinstance(e, str)) or None) == whole.content
 
 
 def test_default_template_gets_the_tools_prompt_and_mapped_history(tokenizer: Any) -> None:
@@ -378,6 +423,30 @@ def test_real_model_parallel_calls_and_round_trip(real_server: ServerProc) -> No
     second = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
                                             temperature=0, max_completion_tokens=40)
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_required_with_parallel_calls_ends_and_cut_calls_are_not_content(server: ServerProc,
+                                                                         client: openai.OpenAI) -> None:
+    """required, parallel calls allowed (the default): the random model would call until max_tokens; the grammar
+    ends the turn after MAX_PARALLEL_TOOL_CALLS. A call cut off by max_tokens is dropped, never content."""
+    kw: Any = dict(model=client.models.list().data[0].id, messages=MSGS, tools=TOOLS, tool_choice="required",
+                   temperature=0)
+    r = client.chat.completions.create(**kw, max_completion_tokens=1500)
+    c = r.choices[0]
+    calls = validate_calls(c.message.tool_calls, set(SCHEMAS))
+    assert c.finish_reason == "tool_calls" and c.message.content is None and 1 <= len(calls) <= MAX_PARALLEL_TOOL_CALLS
+    content, streamed, finish = reassemble(list(client.chat.completions.create(**kw, max_completion_tokens=1500,
+                                                                               stream=True)))
+    assert (content, finish) == ("", "tool_calls") and [(s["name"], json.loads(s["arguments"]))
+                                                        for s in streamed.values()] == calls
+    cut = r.usage.completion_tokens - 3  # the last call cannot close
+    short = client.chat.completions.create(**kw, max_completion_tokens=cut).choices[0]
+    assert short.finish_reason == "length" and short.message.content is None
+    assert validate_calls(short.message.tool_calls or [], set(SCHEMAS)) == calls[:-1]
+    content, streamed, finish = reassemble(list(client.chat.completions.create(**kw, max_completion_tokens=cut,
+                                                                               stream=True)))
+    assert (content, finish, len(streamed)) == ("", "length", len(calls) - 1)
+    wait_idle(server)
 
 
 def test_parallel_tool_calls_null_and_tools_without_parameters(server: ServerProc) -> None:

@@ -143,6 +143,7 @@ class RequestStream:
     queue: asyncio.Queue[RequestOutput | BaseException]
     request: Request
     on_finished: Callable[[RequestOutput], None] | None = None  # runs on the engine thread once, aborts included
+    tenant: str | None = None  # who sent it: kept with its explanation (GET /debug/requests/{id} shows it to them)
 
     @property
     def request_id(self) -> str:
@@ -231,9 +232,11 @@ class EngineClient:
         """Why `schema` cannot constrain output (structured output), or None."""
         return self._engine.structured.json_schema_error(schema)
 
-    def explanations(self, request_id: str) -> list[dict[str, Any]]:
-        """The explanation of a finished request, or of each child of API request `request_id`."""
-        return self._explanations.get(request_id)
+    def explanations(self, request_id: str, tenant: str | None = None, any_tenant: bool = True,
+                     by_prefix: bool = False) -> list[dict[str, Any]]:
+        """The explanation of a finished request, or of each child of API request `request_id` (of `tenant`
+        unless `any_tenant`; every id starting with `request_id` with `by_prefix`): ExplanationHistory.get."""
+        return self._explanations.get(request_id, tenant, any_tenant, by_prefix)
 
     @property
     def explanation_history_size(self) -> int:
@@ -294,11 +297,12 @@ class EngineClient:
         self._engine.close()
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def add_requests(self, requests: list[Request],
-                     on_finished: Callable[[RequestOutput], None] | None = None) -> list[RequestStream]:
+    def add_requests(self, requests: list[Request], on_finished: Callable[[RequestOutput], None] | None = None,
+                     tenant: str | None = None) -> list[RequestStream]:
         """Admit an API request's children all or none (raises QueueFull, EngineDead or ShuttingDown before any is
         added), then hand them to the engine. Call on the event loop; read each returned stream with `stream`.
-        `on_finished` runs on the engine thread with a child's final output, however it ends."""
+        `on_finished` runs on the engine thread with a child's final output, however it ends; `tenant` is kept
+        with the explanations."""
         if self.dead is not None:
             raise EngineDead(f"engine loop died: {self.dead!r}")
         if self.closed:
@@ -310,7 +314,7 @@ class EngineClient:
                 raise QueueFull(f"too many waiting requests ({self.max_waiting_requests}); retry later")
             if dup := [r.request_id for r in requests if r.request_id in self._streams]:
                 raise ValueError(f"duplicate request id {dup[0]!r}")
-            streams = [RequestStream(loop, asyncio.Queue(), r, on_finished) for r in requests]
+            streams = [RequestStream(loop, asyncio.Queue(), r, on_finished, tenant) for r in requests]
             for st in streams:
                 self._streams[st.request.request_id] = st
         for r in requests:
@@ -381,6 +385,7 @@ class EngineClient:
                 self._publish(eng)
                 for out in result.outputs:
                     self._dispatch(out)
+            self._abort_open()
         except BaseException as exc:  # a bug in the engine: fail every open request, refuse new ones
             logger.exception("engine loop died")
             self.dead = exc
@@ -389,6 +394,18 @@ class EngineClient:
                 self._streams.clear()
             for s in streams:
                 s.deliver(EngineDead(f"engine loop died: {exc!r}"))
+
+    def _abort_open(self) -> None:
+        """The loop stops (shutdown): every request still open gets its final (aborted) output, so each one's
+        on_finished runs (its request-log line) even when its abort was queued too late for the loop."""
+        self._drain_commands()  # requests still queued for the engine join it first, then abort with the rest
+        with self._lock:
+            open_ids = list(self._streams)
+        for rid in open_ids:
+            for out in self._engine.abort_request(rid):
+                self._dispatch(out)
+            with self._lock:
+                self._streams.pop(rid, None)
 
     def _drain_commands(self) -> None:
         eng = self._engine
@@ -421,7 +438,7 @@ class EngineClient:
         if stream is None:
             return
         if out.finished:
-            self._explain(stream.request, out)
+            self._explain(stream.request, out, stream.tenant)
             if stream.on_finished is not None:
                 try:
                     stream.on_finished(out)
@@ -448,12 +465,12 @@ class EngineClient:
             sched.num_running, sched.num_waiting, bm.usage, bm.stats.queries, bm.stats.hits, sched.num_preemptions,
             eng.spec.stats if eng.spec is not None else None))
 
-    def _explain(self, req: Request, out: RequestOutput) -> None:
+    def _explain(self, req: Request, out: RequestOutput, tenant: str | None) -> None:
         """Keep a finished request's explanation (engine thread; never takes the loop down)."""
         try:
             reason = out.outputs[0].finish_reason
             self._explanations.add(out.request_id, {
-                "request_id": out.request_id, "parent_id": req.parent_id, "finish_reason": reason,
+                "request_id": out.request_id, "parent_id": req.parent_id, "tenant": tenant, "finish_reason": reason,
                 **self._explainer.explain(out.request_id, out.metrics, reason, out.kv_transfer_result)})
         except Exception:
             logger.exception("explaining request %s failed", out.request_id)

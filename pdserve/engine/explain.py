@@ -159,10 +159,17 @@ class ExplanationHistory:
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
-    def get(self, request_id: str) -> list[dict[str, Any]]:
-        """The record of `request_id`, or of each child of the API request `request_id` (`<id>-<i>-<j>`)."""
+    def get(self, request_id: str, tenant: str | None = None, any_tenant: bool = False,
+            by_prefix: bool = False) -> list[dict[str, Any]]:
+        """The record of `request_id`, or of each child of the API request `request_id` (`<id>-<i>-<j>`), that
+        belongs to `tenant` (a record's `tenant`, None for none) unless `any_tenant`. `by_prefix` (the admin):
+        every record whose id starts with `request_id`, of any tenant."""
         with self._lock:
+            if by_prefix:
+                return [v for k, v in self._items.items() if k.startswith(request_id)]
             if request_id in self._items:
-                return [self._items[request_id]]
-            prefix = request_id + "-"
-            return [v for k, v in self._items.items() if k.startswith(prefix)]
+                found = [self._items[request_id]]
+            else:
+                child = re.compile(re.escape(request_id) + r"-\d+-\d+")
+                found = [v for k, v in self._items.items() if child.fullmatch(k)]
+        return [v for v in found if any_tenant or v.get("tenant") == tenant]

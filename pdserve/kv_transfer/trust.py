@@ -1,15 +1,18 @@
 """Who may hand KV over: `kv_transfer_params` make an instance act (pin blocks, or connect to `remote_host:port`
 and pull), so they must come from the router, never from a client that reaches an instance directly.
 
-Two modes, chosen by whether a shared secret is set (`--kv-transfer-secret` on `serve` and `router`, or the
-environment variable PDSERVE_KV_TRANSFER_SECRET; it is never logged):
+Every hand-off is signed: the router signs each `kv_transfer_params` it sends (an HMAC-SHA256 over the params'
+canonical JSON, in the field `signature`) and an instance acts on hand-off params (`do_remote_decode` on a prefill
+instance, `do_remote_prefill` on a decode instance) only with a valid signature. The key is
 
-- secret set: the router signs every `kv_transfer_params` it sends (an HMAC-SHA256 over the params' canonical JSON,
-  in the field `signature`); an instance accepts hand-off params only with a valid signature. Peers may be anything
-  the router forwards, unless `kv_allowed_peers` narrows them too.
-- no secret: hand-offs that make the instance connect out (`do_remote_prefill`) are accepted only when
-  `remote_host` is on `kv_allowed_peers` (default `loopback`: 127.0.0.0/8, ::1, localhost), so a single-host
-  deployment works unchanged and a forged body cannot reach another machine. Instances say so at start-up.
+- the configured secret (`--kv-transfer-secret` on `serve` and `router`, or the environment variable
+  PDSERVE_KV_TRANSFER_SECRET; never logged): a deployment over several hosts or users;
+- else the per-user default secret, a random key in `<cache dir>/kv_transfer_secret` (or the file named by
+  PDSERVE_KV_TRANSFER_SECRET_FILE), created mode 0600 by the first pdserve process that needs it: a router and
+  instances run by one user on one host share it without any configuration, and a client cannot sign (it cannot
+  read the file). Without a configured secret an instance also pulls only from `kv_allowed_peers` (default
+  `loopback`), so what it pulls is what a local prefill instance advertised to the router.
+- no key at all (the file can be neither read nor created): every hand-off is refused (PD needs a secret).
 
 Rejected params are refused before anything happens: no pin, no outbound connection (`RequestRejected` with
 `ErrorCode.KV_TRANSFER_PARAMS_REJECTED`, a 400 on the HTTP API).
@@ -24,9 +27,12 @@ import ipaddress
 import json
 import logging
 import os
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.cache import cache_root
 from pdserve.config import KV_TRANSFER_SECRET_ENV
 from pdserve.errors import ErrorCode, RequestRejected
 
@@ -42,9 +48,52 @@ _LOOPBACK = ("127.0.0.0/8", "::1/128", "localhost")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-def secret_from_env(value: str | None) -> str | None:
+SECRET_FILE_ENV = "PDSERVE_KV_TRANSFER_SECRET_FILE"
+
+
+def configured_secret(value: str | None) -> str | None:
     """The secret given on the command line, else the environment's; empty means none."""
     return value or os.environ.get(KV_TRANSFER_SECRET_ENV) or None
+
+
+def secret_from_env(value: str | None) -> str | None:
+    """The key a router signs with: the configured secret, else the per-user default secret."""
+    return configured_secret(value) or default_secret()
+
+
+def default_secret_path() -> Path:
+    return Path(os.environ.get(SECRET_FILE_ENV) or cache_root() / "kv_transfer_secret")
+
+
+def default_secret() -> str | None:
+    """The per-user default secret (None when its file can be neither read nor created)."""
+    return _read_or_create(default_secret_path())
+
+
+@functools.lru_cache(maxsize=4)
+def _read_or_create(path: Path) -> str | None:
+    """The key in `path`; created (0600) when missing. Processes starting at once agree: the first link wins."""
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            try:
+                os.link(tmp, path)  # atomic, and never replaces a key another process wrote first
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        key = path.read_text(encoding="utf-8").strip()
+        if path.stat().st_mode & 0o077:
+            logger.warning("the default kv_transfer secret file %s is readable by other users (chmod 600 it)", path)
+    except OSError as exc:
+        logger.error("no kv_transfer_secret and the default secret file %s is unusable (%s): PD hand-offs are "
+                     "refused; set --kv-transfer-secret", path, exc.strerror or exc)
+        return None
+    return key or None
 
 
 def canonical(params: dict[str, Any]) -> bytes:
@@ -98,18 +147,23 @@ class PeerAllowList:
 
 @dataclass(frozen=True)
 class KVTransferTrust:
-    secret: str | None
-    peers: PeerAllowList | None  # None: any peer (only with a secret: the router vouches for it)
+    secret: str | None  # the configured secret, else the per-user default; None: every hand-off is refused
+    peers: PeerAllowList | None  # None: any peer (only with a configured secret: the router vouches for it)
+    configured: bool = True  # the secret was configured (False: the per-user default)
 
     @classmethod
     def create(cls, secret: str | None, allowed_peers: str | None) -> KVTransferTrust:
-        """No allow-list given: `loopback` without a secret, any peer the router signed with one."""
+        """No allow-list given: `loopback` without a configured secret, any peer the router signed with one."""
         spec = allowed_peers if allowed_peers is not None else (None if secret else "loopback")
-        return cls(secret or None, PeerAllowList.parse(spec) if spec is not None else None)
+        peers = PeerAllowList.parse(spec) if spec is not None else None
+        return cls(secret, peers) if secret else cls(default_secret(), peers, configured=False)
 
     def describe(self) -> str:
         """The start-up line (never the secret itself)."""
-        signed = "only when signed by a router holding the shared secret" if self.secret else "unsigned"
+        if self.secret is None:
+            return "refusing every KV hand-off (no kv_transfer_secret, no usable default secret file)"
+        signed = ("only when signed by a router holding the shared secret" if self.configured else
+                  f"only when signed by a router of this user on this host (default secret {default_secret_path()})")
         if self.peers is None:
             peers = "from any peer the router names"
         elif self.peers.any_host:
@@ -143,11 +197,12 @@ def verify_kv_transfer_params(params: dict[str, Any], trust: KVTransferTrust) ->
         raise _reject("kv_transfer_params must be an object")
     if not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
         return params
-    if trust.secret:
-        sig = params.get(SIGNATURE_FIELD)
-        want = sign_kv_transfer_params(params, trust.secret)[SIGNATURE_FIELD]
-        if not isinstance(sig, str) or not hmac.compare_digest(sig, want):
-            raise _reject("kv_transfer_params are accepted only from the PD router (missing or invalid signature)")
+    if trust.secret is None:
+        raise _reject("PD hand-offs need a shared secret (--kv-transfer-secret) on this instance")
+    sig = params.get(SIGNATURE_FIELD)
+    want = sign_kv_transfer_params(params, trust.secret)[SIGNATURE_FIELD]
+    if not isinstance(sig, str) or not hmac.compare_digest(sig, want):
+        raise _reject("kv_transfer_params are accepted only from the PD router (missing or invalid signature)")
     if params.get("do_remote_prefill"):
         host, port, blocks = params.get("remote_host"), params.get("remote_port"), params.get("remote_block_ids")
         if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:

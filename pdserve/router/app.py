@@ -7,6 +7,7 @@ HTTP to its instances only: it loads neither torch nor the engine (tests/test_ar
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +20,8 @@ from prometheus_client import generate_latest
 from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import WindowQuery, page_router
 from pdserve.api.errors import install_exception_handlers
+from pdserve.api.log_hygiene import install_log_hygiene
+from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.kv_transfer.trust import secret_from_env
 from pdserve.router.serving import RoutedResponse, RouterConfig, RouterServing, parse_body
 from pdserve.router.stats import router_stats
@@ -40,6 +43,7 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
     # leaves as an OpenAI body, counted by RouterMetrics.error
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes,
                        metrics=serving.metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost; the id is forwarded to the instances (FORWARDED_HEADERS)
     install_exception_handlers(app, serving.metrics)
 
     async def route(path: str, raw: Request) -> Response:
@@ -115,6 +119,8 @@ def add_router_parser(sub: Any) -> None:
                    "the prefix)")
     p.add_argument("--prefix-pending-ttl", type=float, default=10.0, metavar="S",
                    help="seconds a routed prompt's blocks count as on its instance before its summary shows them")
+    p.add_argument("--instance-api-key", default=None, help="the instances' --api-key, sent with the router's "
+                   "/metrics polls (default: env PDSERVE_INSTANCE_API_KEY); never logged")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=_cmd_router)
 
@@ -128,6 +134,9 @@ def _cmd_router(args: argparse.Namespace) -> int:
                        on_prefill_failure=args.on_prefill_failure,
                        kv_transfer_secret=secret_from_env(args.kv_transfer_secret), max_body_bytes=args.max_body_bytes,
                        routing=args.routing, tokenizer=args.tokenizer, prefix_load_cost=args.prefix_load_cost,
-                       prefix_pending_ttl=args.prefix_pending_ttl)
-    uvicorn.run(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+                       prefix_pending_ttl=args.prefix_pending_ttl,
+                       instance_api_key=args.instance_api_key or os.environ.get("PDSERVE_INSTANCE_API_KEY"))
+    config = uvicorn.Config(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    install_log_hygiene()  # after uvicorn set its loggers up: no secret in the access log
+    uvicorn.Server(config).run()
     return 0

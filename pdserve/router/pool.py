@@ -85,11 +85,13 @@ class InstanceRegistry:
     """The prefill and decode pools; `poll_once` refreshes every instance's health and load from its /metrics."""
 
     def __init__(self, prefill: list[str], decode: list[str], metrics: RouterMetrics, poll_interval: float,
-                 prefix: PrefixRoutingConfig | None = None) -> None:
+                 api_key: str | None = None, prefix: PrefixRoutingConfig | None = None) -> None:
         self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill], last_resort=False, prefix=prefix)
         self.decode = Pool("decode", [Instance(u, "decode") for u in decode], prefix=prefix)
         self.prefix = prefix
         self.metrics, self.poll_interval = metrics, poll_interval
+        # the instances' --api-key: their /metrics is behind it (unless they run with --metrics-public)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         # where instances come and go (Ray Serve replicas): asked before each poll for {role: URLs}
         self.discover: Callable[[], Awaitable[dict[str, list[str]]]] | None = None
 
@@ -116,7 +118,7 @@ class InstanceRegistry:
 
     async def _poll(self, client: httpx.AsyncClient, inst: Instance) -> None:
         try:
-            r = await client.get(inst.url + "/metrics", timeout=max(self.poll_interval, 1.0))
+            r = await client.get(inst.url + "/metrics", timeout=max(self.poll_interval, 1.0), headers=self.headers)
             r.raise_for_status()
             load = 0.0
             for fam in text_string_to_metric_families(r.text):
@@ -135,8 +137,9 @@ class InstanceRegistry:
         instance without the route (404: vLLM, an older pdserve) is routed by load only; neither is a health issue."""
         p = inst.prefixes
         try:
+            headers = {**(self.headers or {}), **({"if-none-match": p.etag} if p.etag else {})}
             r = await client.get(inst.url + "/kv/prefix_hashes", timeout=max(self.poll_interval, 1.0),
-                                 headers={"if-none-match": p.etag} if p.etag else None)
+                                 headers=headers)
             if r.status_code == 304:
                 return
             if r.status_code != 200:

@@ -8,8 +8,9 @@ the result.
                       ──(original body + those kv_transfer_params)──────────────────────────────► decode
                ◄── tokens (SSE or JSON), relayed as they come
 
-Trust: with a shared secret (`kv_transfer_secret`) the router signs every kv_transfer_params it sends, to prefill
-and decode instances alike (pdserve/kv_transfer/trust.py); instances act on hand-off params only when signed.
+Trust: the router signs every kv_transfer_params it sends, to prefill and decode instances alike, with the shared
+secret (`kv_transfer_secret`), else this user's default secret (pdserve/kv_transfer/trust.py); instances act on
+hand-off params only when signed.
 
 Failures (every wait is bounded by a timeout):
 - prefill fails (connection error, 5xx, 429, timeout, its instance turns unhealthy while it runs, or it refuses the
@@ -60,7 +61,7 @@ logger = logging.getLogger("pdserve.router")
 T = TypeVar("T")
 Disconnected = Callable[[], Awaitable[bool]]  # asks whether the client went away
 # passed on to the instances; the W3C trace context too, so both instances' spans join the client's trace
-FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate")
+FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate", "x-request-id")
 # the instance cannot use the hand-off params: the next try computes the prompt instead
 KV_CODES = (ErrorCode.KV_TRANSFER_FAILED, ErrorCode.KV_TRANSFER_PARAMS_REJECTED)
 
@@ -81,6 +82,7 @@ class RouterConfig:
     tokenizer: str | None = None  # the model's tokenizer directory, to route text and chat prompts by prefix
     prefix_load_cost: float = 256.0  # prompt tokens one request on an instance is worth (router/prefix.py)
     prefix_pending_ttl: float = 10.0  # seconds routed blocks count as on their instance before it publishes them
+    instance_api_key: str | None = field(default=None, repr=False)  # the instances' --api-key, for /metrics polls
 
     def __post_init__(self) -> None:
         if self.routing not in ("prefix", "least-loaded"):
@@ -116,7 +118,7 @@ class UpstreamRejected(Exception):
         try:
             err = json.loads(self.content)["error"]
             return APIError(self.status, str(err.get("message")), str(err.get("type", "invalid_request_error")),
-                            code=err.get("code"), kind="upstream")
+                            code=error_code(err), kind="upstream")
         except (ValueError, KeyError, TypeError, AttributeError):
             return APIError(self.status, self.content.decode(errors="replace")[:500], kind="upstream")
 
@@ -238,7 +240,7 @@ class RouterServing:
         self.metrics = RouterMetrics()
         self.prefix = PrefixRouting.from_config(cfg)
         self.registry = InstanceRegistry(cfg.prefill, cfg.decode, self.metrics, cfg.poll_interval,
-                                         self.prefix.config if self.prefix is not None else None)
+                                         cfg.instance_api_key, self.prefix.config if self.prefix is not None else None)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -255,10 +257,10 @@ class RouterServing:
                                                                connect=self.cfg.connect_timeout),
                                          limits=limits, transport=self._transport)
         if self.cfg.kv_transfer_secret:
-            logger.info("signing kv_transfer_params with the shared secret (kv_transfer_secret)")
+            logger.info("signing kv_transfer_params (kv_transfer_secret, else this user's default secret)")
         else:
-            logger.warning("no kv_transfer_secret: instances accept unsigned hand-offs, from the peers on their "
-                           "kv_allowed_peers (loopback by default)")
+            logger.warning("no kv_transfer_secret: instances refuse the hand-offs, the decode instances compute "
+                           "every prompt")
         await self.registry.poll_once(self._client)
         if poll:
             self._poller = asyncio.create_task(self.registry.poll_forever(self._client))

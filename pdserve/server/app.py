@@ -24,6 +24,8 @@ from fastapi import FastAPI
 from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import page_router
 from pdserve.api.errors import install_exception_handlers
+from pdserve.api.log_hygiene import install_log_hygiene
+from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.cache import cache_root
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineThread, LLMEngine
@@ -64,6 +66,7 @@ class ServerConfig:
     admin_api_key: str | None = None  # None: no admin API (/admin answers 404)
     audit_log: str | None = None  # JSONL path; None: <cache dir>/audit.jsonl with the admin API, else memory; "off"
     tenant_label_limit: int = 16  # distinct tenants labelled in the per-tenant metrics; later ones: "other"
+    metrics_public: bool = False  # /metrics and /version without the API key
     responses_store_max_entries: int = 1024  # stored /v1/responses responses (0: none stored)
     responses_store_max_bytes: int = 64 * 2**20  # their JSON, in all
     responses_store_ttl: float = 3600.0  # seconds a stored response lives
@@ -115,7 +118,9 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
     app.state.response_store = ResponseStore(cfg.responses_store_max_entries, cfg.responses_store_max_bytes,
                                              cfg.responses_store_ttl)
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
-                       metrics=metrics, body_read_timeout=cfg.body_read_timeout)
+                       metrics=metrics, body_read_timeout=cfg.body_read_timeout, admin_api_key=cfg.admin_api_key,
+                       public_metrics=cfg.metrics_public)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost, so the guards' refusals carry the id too
     install_exception_handlers(app, metrics)
     app.include_router(router)
     app.include_router(models_router)
@@ -167,4 +172,5 @@ class DrainingServer(uvicorn.Server):
 def run_server(app: FastAPI, host: str, port: int, log_level: str, grace: float) -> None:
     """Serve until SIGTERM/SIGINT, then drain (DrainingServer)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5)
+    install_log_hygiene()  # after uvicorn set its loggers up: no secret, no client-made line break in a log line
     DrainingServer(config, app.state.registry, grace).run()

@@ -314,10 +314,28 @@ class ModelRegistry:
             before.config_hash if before else None, after.config_hash if after else None,
             "error" if error else "ok", error, time.monotonic() - t0, detail))
 
+    def refused(self, action: str, model: str, key: str | None, error: APIError,
+                before: ServedModel | None = None) -> APIError:
+        """Audit a refused admin call (one line, like every admin call) and return the error to raise."""
+        self.record(action, model, key, before, None, time.monotonic(), f"{error.code or error.status}: {error}")
+        return error
+
+    @contextmanager
+    def auditing_refusals(self, action: str, model: str, key: str | None) -> Iterator[None]:
+        """An APIError raised in the block is audited (`refused`) on its way out."""
+        try:
+            yield
+        except APIError as e:
+            raise self.refused(action, model, key, e) from None
+
     # ---- operations (the admin API, start-up) -----------------------------------------------------------------
-    def begin_load(self, spec: ModelSpec) -> tuple[ServedModel, ServedModel | None]:
-        """Register `spec` as loading (409 when the name is taken by a model that is not failed or unloaded, or by
-        an alias); returns the new entry and the one it replaces."""
+    def begin_load(self, spec: ModelSpec, key: str | None = None) -> tuple[ServedModel, ServedModel | None]:
+        """Register `spec` as loading (409 when the name is taken by a model that is not unloaded, or by an alias);
+        returns the new entry and the one it replaces. A refusal is audited."""
+        with self.auditing_refusals("load", spec.name, key):
+            return self._begin_load(spec)
+
+    def _begin_load(self, spec: ModelSpec) -> tuple[ServedModel, ServedModel | None]:
         try:
             served = self.new_entry(spec)
         except (ValueError, TypeError) as e:
@@ -334,7 +352,8 @@ class ModelRegistry:
         return served, old
 
     def finish_load(self, served: ServedModel, old: ServedModel | None, action: str, key: str | None) -> None:
-        """Build the engine (blocking) and audit the outcome; a failure leaves the entry `failed`."""
+        """Build the engine (blocking) and audit the outcome. A failed load leaves nothing behind (the audit line
+        and the load's answer hold the error); a failed wake leaves the entry `failed` (unload removes it)."""
         t0 = time.monotonic()
         try:
             self.build(served)
@@ -342,6 +361,10 @@ class ModelRegistry:
             logger.exception("model %s: load failed", served.name)
             served.state, served.error = "failed", f"{type(e).__name__}: {e}"
             served.error_is_input = isinstance(e, (ValueError, OSError))
+            if action == "load":
+                with self._lock:
+                    if self._models.get(served.name) is served:
+                        del self._models[served.name]
             release_memory()
             self.record(action, served.name, key, old, served, t0, served.error)
             return
@@ -351,7 +374,7 @@ class ModelRegistry:
         self.record(action, served.name, key, old, served, t0)
 
     def load_in_background(self, spec: ModelSpec, key: str | None) -> tuple[ServedModel, threading.Thread]:
-        served, old = self.begin_load(spec)
+        served, old = self.begin_load(spec, key)
         thread = threading.Thread(target=self.finish_load, args=(served, old, "load", key),
                                   name=f"pdserve-load-{spec.name}", daemon=True)
         thread.start()
@@ -379,14 +402,16 @@ class ModelRegistry:
 
     async def _stop(self, name: str, key: str | None, action: str, state: str) -> dict[str, Any]:
         t0 = time.monotonic()
-        served = self._get_entry(name)
-        if action == "unload":
-            self._check_unused(name)
-        with self._lock:
-            if served.state not in ("loaded", "failed", "sleeping") or action == "sleep" and served.state != "loaded":
-                raise APIError(409, f"model {name!r} is {served.state}; cannot {action} it", param="model",
-                               code="invalid_model_state")
-            served.state = state  # from here new requests are refused; in-flight ones finish
+        with self.auditing_refusals(action, name, key):
+            served = self._get_entry(name)
+            if action == "unload":
+                self._check_unused(name)
+            with self._lock:
+                if served.state not in ("loaded", "failed", "sleeping") or \
+                        action == "sleep" and served.state != "loaded":
+                    raise APIError(409, f"model {name!r} is {served.state}; cannot {action} it", param="model",
+                                   code="invalid_model_state")
+                served.state = state  # from here new requests are refused; in-flight ones finish
         await self.drain(served)
         await asyncio.to_thread(self._teardown, served, state)
         if state == "unloaded":
@@ -397,12 +422,13 @@ class ModelRegistry:
         return {"name": name, "state": state}
 
     async def wake(self, name: str, key: str | None) -> dict[str, Any]:
-        served = self._get_entry(name)
-        with self._lock:
-            if served.state != "sleeping":
-                raise APIError(409, f"model {name!r} is {served.state}, not sleeping", param="model",
-                               code="invalid_model_state")
-            served.state, served.progress = "loading", 0.0
+        with self.auditing_refusals("wake", name, key):
+            served = self._get_entry(name)
+            with self._lock:
+                if served.state != "sleeping":
+                    raise APIError(409, f"model {name!r} is {served.state}, not sleeping", param="model",
+                                   code="invalid_model_state")
+                served.state, served.progress = "loading", 0.0
         await asyncio.to_thread(self.finish_load, served, served, "wake", key)
         if served.state == "failed":
             raise APIError(500, f"model {name!r} failed to wake: {served.error}", "internal_error",
@@ -448,10 +474,12 @@ class ModelRegistry:
         return target
 
     def rollback(self, alias: str, key: str | None) -> dict[str, Any]:
-        a = self.aliases().get(alias)
-        if a is None:
-            raise APIError(404, f"alias {alias!r} does not exist", param="alias", code="alias_not_found",
-                           kind="not_found")
-        if a.previous is None:
-            raise APIError(409, f"alias {alias!r} has no previous target", param="alias", code="no_previous_target")
-        return self.set_alias(alias, a.previous, None, key, "rollback")
+        with self.auditing_refusals("rollback", alias, key):
+            a = self.aliases().get(alias)
+            if a is None:
+                raise APIError(404, f"alias {alias!r} does not exist", param="alias", code="alias_not_found",
+                               kind="not_found")
+            if a.previous is None:
+                raise APIError(409, f"alias {alias!r} has no previous target", param="alias",
+                               code="no_previous_target")
+        return self.set_alias(alias, a.previous, None, key, "rollback")  # audits itself

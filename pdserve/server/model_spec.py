@@ -7,11 +7,36 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.config import EngineConfig
+
+# Names the admin API accepts for models and aliases: letters, digits, `.`, `_`, `-`, each part starting with a
+# letter or digit, at most one `org/` part (Hugging Face style, as vLLM's served model names), up to 128 characters.
+# So a name never holds a line break, markup, a space or `..`, and never clashes with the admin routes' own parts.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+MAX_NAME_CHARS = 128
+VERSION_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+
+
+def name_error(name: str, what: str = "model name") -> str | None:
+    """Why `name` cannot be an admin-given model or alias name (None: it can). Never echoes the name."""
+    if len(name) > MAX_NAME_CHARS:
+        return f"a {what} has at most {MAX_NAME_CHARS} characters"
+    if NAME_PATTERN.fullmatch(name) is None or "/" in name and name.rsplit("/", 1)[1] in ("sleep", "wake"):
+        return (f"a {what} is letters, digits, '.', '_' and '-', starting with a letter or digit, with at most "
+                "one 'org/' prefix")
+    return None
+
+
+def version_error(version: str) -> str | None:
+    if VERSION_PATTERN.fullmatch(version) is None:
+        return "a version is up to 64 letters, digits, '.', '_', '+' and '-', starting with a letter or digit"
+    return None
+
 
 # Engine options that never enter the hash or /v1/config (secrets), or are the model itself (the spec's path).
 _HIDDEN_OPTIONS = {"kv_transfer_secret"}

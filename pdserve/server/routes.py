@@ -12,7 +12,9 @@ from prometheus_client import generate_latest
 
 from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
 from pdserve.api.protocol_responses import ResponsesRequest
+from pdserve.api.request_id import request_id
 from pdserve.errors import RequestRejected
 from pdserve.prefix_hash import pack_hashes
 from pdserve.server.model_registry import ModelRegistry, ServedModel
@@ -21,6 +23,7 @@ from pdserve.server.serving import RequestContext, ServingResult
 from pdserve.server.serving_chat import OpenAIServingChat
 from pdserve.server.serving_completion import OpenAIServingCompletion
 from pdserve.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from pdserve.server.serving_messages import ServingMessages
 from pdserve.server.serving_responses import OpenAIServingResponses, delete_response, retrieve_response
 from pdserve.server.serving_tokenization import OpenAIServingTokenization
 from pdserve.server.tracing import trace_headers
@@ -31,7 +34,7 @@ VERSION_HEADER = "x-pdserve-model-version"  # NAME@VERSION of the model that ser
 
 def _context(raw: Request, user: str | None) -> RequestContext:
     return RequestContext(tenant=raw.headers.get("x-tenant") or user, is_disconnected=raw.is_disconnected,
-                          trace_headers=trace_headers(raw.headers))
+                          trace_headers=trace_headers(raw.headers), request_id=request_id(raw))
 
 
 def _respond(result: ServingResult, served: ServedModel | None = None) -> Response:
@@ -95,6 +98,19 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, Any]:
         return await serving.detokenize(body)
 
 
+@router.post("/v1/messages")  # Anthropic Messages: a view of the model's chat serving
+async def messages(body: MessagesRequest, raw: Request) -> Response:
+    with _routed(raw, body) as served:
+        serving = ServingMessages(served.serving_chat)
+        return _respond(await serving.create_message(body, _context(raw, body.user)), served)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, raw: Request) -> dict[str, Any]:
+    with _routed(raw, body) as served:
+        return await ServingMessages(served.serving_chat).count_tokens(body)
+
+
 @router.get("/health")
 async def health(raw: Request) -> Response:
     registry: ModelRegistry = raw.app.state.registry
@@ -140,7 +156,9 @@ async def prefix_hashes(raw: Request, model: str | None = None) -> Response:
 
 # ---- the Responses API: stored responses belong to the API key and the X-Tenant header (response_store.py) -------
 def _owner(raw: Request) -> str:
-    return owner_key(raw.headers.get("authorization"), raw.headers.get("x-tenant"))
+    key = raw.headers.get("x-api-key")  # the key, whichever header carried it (auth_and_body_limit.py)
+    authorization = raw.headers.get("authorization") or (f"Bearer {key}" if key else None)
+    return owner_key(authorization, raw.headers.get("x-tenant"))
 
 
 @router.post("/v1/responses")

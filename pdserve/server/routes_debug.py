@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from pdserve.api.errors import APIError
 from pdserve.engine.client import EngineClient, ProfilerState
 from pdserve.profiler.phase import MAX_PROFILE_STEPS
+from pdserve.server.admin import is_admin
 from pdserve.server.model_registry import ModelRegistry
 
 debug_router = APIRouter()
@@ -74,13 +75,17 @@ async def stop_profile(raw: Request, body: StopProfileRequest | None = None,
 @debug_router.get("/debug/requests/{request_id}")
 async def debug_request(request_id: str, raw: Request) -> dict[str, Any]:
     """A recent finished request's timeline and stall causes; an API request id lists each of its sequences.
-    Every loaded model's history is searched (a sleeping or unloaded model's history went with its engine)."""
+    A caller sees only its own tenant's requests (X-Tenant, as it sent them) and only by their full id; the
+    admin key sees every tenant's, by any id prefix. Every loaded model's history is searched (a sleeping or
+    unloaded model's history went with its engine)."""
     registry: ModelRegistry = raw.app.state.registry
+    admin = is_admin(raw)
+    tenant = raw.headers.get("x-tenant")
     found: list[dict[str, Any]] = []
     sizes = []
     for served in registry.loaded():
         if (client := served.client) is not None:
-            found += client.explanations(request_id)
+            found += client.explanations(request_id, tenant, any_tenant=admin, by_prefix=admin)
             sizes.append(client.explanation_history_size)
     if not found:
         raise APIError(404, f"no recent request {request_id!r} (only the last {max(sizes, default=0)} "

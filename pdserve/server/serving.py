@@ -96,6 +96,7 @@ class RequestContext:
     tenant: str | None = None  # X-Tenant header, else the body's `user`: logged, and the cache salt's tenant
     is_disconnected: Callable[[], Awaitable[bool]] | None = None  # polled while collecting a non-streamed reply
     trace_headers: dict[str, str] | None = None  # incoming W3C trace context (traceparent), for OpenTelemetry
+    request_id: str | None = None  # the x-request-id header (the client's, sanitized, or generated): logged
 
 
 def shutting_down(e: Exception) -> APIError:
@@ -243,10 +244,12 @@ class OpenAIServing:
     def admit(self, reqs: list[EngineRequest], ctx: RequestContext) -> Children:
         """Hand made children to the engine, all or none (429 when the waiting queue cannot take them)."""
         try:
-            streams = self.client.add_requests(reqs, on_finished=lambda out: self.on_finished(out, ctx))
+            streams = self.client.add_requests(reqs, on_finished=lambda out: self.on_finished(out, ctx),
+                                               tenant=ctx.tenant)
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="too_many_requests", kind="rate_limited") from e
         except ShuttingDown as e:
+            self.log_refused(reqs, ctx.tenant, "server_shutting_down")
             raise shutting_down(e) from e
         except EngineDead as e:
             raise APIError(500, str(e), "internal_error", kind="engine") from e
@@ -416,7 +419,7 @@ class OpenAIServing:
     def on_finished(self, out: RequestOutput, ctx: RequestContext) -> None:
         """A child finished (engine thread, its final output): its log line, its tenant's metrics, and its trace
         when tracing is on."""
-        self.log_finished(out, ctx.tenant)
+        self.log_finished(out, ctx.tenant, ctx.request_id)
         if self.tenant_metrics is not None:
             self.tenant_metrics.observe_finished(self.model_name, ctx.tenant, out)
         if (tracer := self.tracer) is not None:
@@ -427,20 +430,30 @@ class OpenAIServing:
                 "gen_ai.response.finish_reasons": [out.outputs[0].finish_reason or ""],
                 **({"pdserve.tenant": ctx.tenant} if ctx.tenant else {})})
 
-    def log_finished(self, out: RequestOutput, tenant: str | None) -> None:
+    def log_refused(self, reqs: list[EngineRequest], tenant: str | None, code: str) -> None:
+        """The request-log lines of children refused at admission (cut by shutdown): as log_finished's, empty."""
+        for r in reqs:
+            request_log.info(json.dumps({
+                "request_id": r.request_id, "model": self.model_name, "version": self.version,
+                "config_hash": self.config_hash, "tenant": tenant, "prompt_tokens": len(r.prompt_token_ids),
+                "output_tokens": 0, "cached_tokens": 0, "finish_reason": "abort", "error": code},
+                ensure_ascii=False))
+
+    def log_finished(self, out: RequestOutput, tenant: str | None, x_request_id: str | None = None) -> None:
         """One JSON line per finished child on the `pdserve.requests` logger (and the /v1/stats tenant view)."""
         if tenant is not None and self.metrics is not None:
             self.metrics.live.record_tenant(out, tenant)
         t = out.metrics
         rec: dict[str, Any] = {
-            "request_id": out.request_id, "model": self.model_name, "version": self.version,
-            "config_hash": self.config_hash, "tenant": tenant, "prompt_tokens": len(out.prompt_token_ids),
-            "output_tokens": len(out.outputs[0].token_ids), "cached_tokens": out.num_cached_tokens,
+            "request_id": out.request_id, "x_request_id": x_request_id, "model": self.model_name,
+            "version": self.version, "config_hash": self.config_hash, "tenant": tenant,
+            "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.outputs[0].token_ids),
+            "cached_tokens": out.num_cached_tokens,
             "queue_s": t.queue_time, "prefill_s": t.prefill_time, "decode_s": t.decode_time, "ttft_s": t.ttft,
             "tpot_s": t.tpot, "e2e_s": t.e2e, "preemptions": len(t.preemptions),
             "finish_reason": out.outputs[0].finish_reason, "error": out.error, **self.spec_counts(out)}
         if found := self.client.explanations(out.request_id):  # timeline and stall causes (explain.py)
-            rec["explain"] = {k: v for k, v in found[0].items() if k not in ("request_id", "parent_id",
+            rec["explain"] = {k: v for k, v in found[0].items() if k not in ("request_id", "parent_id", "tenant",
                                                                              "finish_reason")}
         if self.model_info.engine_id is not None:  # PD roles: which instances served it, and the hand-off
             rec["engine_id"] = self.model_info.engine_id

@@ -57,10 +57,15 @@ class OpenAIServingChat(OpenAIServing):
         plan = self.tool_plan(body)
         params = self.to_params(body)
         self.constrain_tools(plan, params)
-        prompt = await self.render_chat(body.messages, body.add_generation_prompt,
-                                        functools.partial(self.tools.prepare, plan=plan), body.chat_template_kwargs)
+        prompt = await self.chat_prompt(body, plan)
         children = await self.start([prompt], params, rid, body, ctx)
         return ChatRun(rid, int(time.time()), children, plan)
+
+    async def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
+        """The conversation and its tools through the chat template, as a token-id prompt (also what
+        /v1/messages/count_tokens counts)."""
+        return await self.render_chat(body.messages, body.add_generation_prompt,
+                                      functools.partial(self.tools.prepare, plan=plan), body.chat_template_kwargs)
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls is not False)
@@ -86,7 +91,7 @@ class OpenAIServingChat(OpenAIServing):
             message["content"] = text
         finish = c.finish_reason
         if plan.active:
-            parsed = self.tools.parser.parse(text)
+            parsed = self.tools.parse(text, plan)
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [tc.as_openai() for tc in parsed.tool_calls]
@@ -108,7 +113,7 @@ class OpenAIServingChat(OpenAIServing):
             if i not in started:
                 started.add(i)
                 if plan.active:
-                    streams[i], num_calls[i] = self.tools.parser.stream(), 0
+                    streams[i], num_calls[i] = self.tools.stream(plan), 0
                 if self.reasoning is not None:
                     thinking[i] = self.reasoning.stream()
                 yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},

@@ -115,16 +115,21 @@ class ToolParser(ABC):
         """(name, arguments) calls as the model writes them: assistant tool calls in the history, as text."""
 
     @abstractmethod
-    def constraint(self, tools: list[tuple[str, dict[str, Any]]], exactly_one: bool) -> StructuredOutputs:
-        """The grammar that makes the whole output calls (exactly one, or one or more) of these (name, parameters
-        schema) tools, each call's arguments valid against its tool's schema."""
+    def constraint(self, tools: list[tuple[str, dict[str, Any]]], max_calls: int) -> StructuredOutputs:
+        """The grammar that makes the whole output 1 to `max_calls` calls of these (name, parameters schema)
+        tools, each call's arguments valid against its tool's schema; after the last one allowed, only the stop
+        token (the grammar is complete), so a model that would go on calling ends its turn."""
 
     def parse(self, text: str) -> ParsedOutput:
-        s = self.stream()
-        events = s.feed(text) + s.finish()
-        calls = [e for e in events if isinstance(e, ToolCall)]
-        content = "".join(e for e in events if isinstance(e, str))
-        return ParsedOutput(None if calls and not content else content, calls)
+        return parse_with(self.stream(), text)
+
+
+def parse_with(stream: ToolStream, text: str) -> ParsedOutput:
+    """A whole text through a fresh stream: its calls, and its content (None when it is only calls)."""
+    events = stream.feed(text) + stream.finish()
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    content = "".join(e for e in events if isinstance(e, str))
+    return ParsedOutput(None if calls and not content else content, calls)
 
 
 class HermesStream(ToolStream):
@@ -200,15 +205,19 @@ class HermesToolParser(ToolParser):
         return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, ensure_ascii=False)}\n</tool_call>"
                          for n, a in calls)
 
-    def constraint(self, tools: list[tuple[str, dict[str, Any]]], exactly_one: bool) -> StructuredOutputs:
+    def constraint(self, tools: list[tuple[str, dict[str, Any]]], max_calls: int) -> StructuredOutputs:
         # as xgrammar's built-in tool tags: the name is part of the tag's literal beginning, the arguments are the
         # tool's schema (at most one whitespace character in a row: a weak model cannot pad forever)
         tags = [{"type": "tag", "begin": f'{HermesStream.OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
                  "end": f"}}\n{HermesStream.CLOSE}",
                  "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1}}
                 for name, params in tools]
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-               "stop_after_first": exactly_one}
+        call: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        fmt = call  # one call, then a newline before each further one, up to max_calls in all
+        if max_calls > 1:
+            more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, call]}
+            fmt = {"type": "sequence", "elements": [call, {"type": "repeat", "min": 0, "max": max_calls - 1,
+                                                             "content": more}]}
         return StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": fmt},
                                                            ensure_ascii=False, sort_keys=True), param="tool_choice")
 
@@ -256,10 +265,10 @@ class JsonToolParser(ToolParser):
         objs = [{"name": n, "arguments": a} for n, a in calls]
         return json.dumps(objs[0] if len(objs) == 1 else objs, ensure_ascii=False)
 
-    def constraint(self, tools: list[tuple[str, dict[str, Any]]], exactly_one: bool) -> StructuredOutputs:
+    def constraint(self, tools: list[tuple[str, dict[str, Any]]], max_calls: int) -> StructuredOutputs:
         calls = [call_schema(name, params) for name, params in tools]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = one if exactly_one else {"type": "array", "items": one, "minItems": 1}
+        schema = one if max_calls == 1 else {"type": "array", "items": one, "minItems": 1, "maxItems": max_calls}
         return StructuredOutputs(json=schema, param="tool_choice")
 
 

@@ -12,10 +12,12 @@ them) and `role: "tool"` results go to the template as they are when it renders 
 Otherwise the calls are appended to the assistant's content in the parser's format (hermes: `<tool_call>` blocks),
 and a tool result becomes a user message `<tool_response>\\n{content}\\n</tool_response>`.
 
-Enforcing. `required` (one or more calls; exactly one with `parallel_tool_calls: false`) and a named function
-(exactly one call of it) constrain the output with the structured-output machinery: the whole output is the
-parser's call markup around `{"name": <one of the tools>, "arguments": <that tool's parameters schema>}`, so the
-arguments always validate. `auto` is unconstrained: the parser decides what is a call.
+Enforcing. `required` (1 to MAX_PARALLEL_TOOL_CALLS calls; exactly one with `parallel_tool_calls: false`) and a
+named function (exactly one call of it) constrain the output with the structured-output machinery: the whole
+output is the parser's call markup around `{"name": <one of the tools>, "arguments": <that tool's parameters
+schema>}`, so the arguments always validate, and after the last call allowed the grammar admits only the stop
+token. Such an output is calls only: what the parser leaves over (a call cut off by max_tokens or a stop string)
+is dropped, never content. `auto` is unconstrained: the parser decides what is a call.
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ from typing import Any
 
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.sampling_params import StructuredOutputs
-from pdserve.server.tool_parsers import ToolParser
+from pdserve.server.tool_parsers import Event, ParsedOutput, ToolCall, ToolParser, ToolStream, parse_with
 
 MAX_TOOLS = 128
+# the most calls one reply may make under tool_choice "required" with parallel calls allowed: the grammar ends the
+# turn after this many (a small model would otherwise call until max_tokens)
+MAX_PARALLEL_TOOL_CALLS = 8
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule (letters, digits, _ and -; at most 64), plus "."
 
 DEFAULT_TOOLS_PROMPT = (
@@ -73,6 +78,37 @@ class ToolPlan:
     def active(self) -> bool:
         """Tools in the prompt and the output parsed for calls."""
         return bool(self.tools) and self.choice != "none"
+
+    @property
+    def constrained(self) -> bool:
+        """The grammar makes the whole output tool calls (required, or a named function)."""
+        return self.choice in ("required", "named")
+
+
+class FilteredStream(ToolStream):
+    """A parser's stream with its text dropped (an output the grammar makes all calls) and/or its calls past
+    `max_calls` dropped (the request allows no more)."""
+
+    def __init__(self, inner: ToolStream, keep_text: bool, max_calls: int | None) -> None:
+        self.inner, self.keep_text, self.max_calls = inner, keep_text, max_calls
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[Event]:
+        return self._filter(self.inner.feed(text))
+
+    def finish(self) -> list[Event]:
+        return self._filter(self.inner.finish())
+
+    def _filter(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for e in events:
+            if not isinstance(e, ToolCall):
+                if self.keep_text:
+                    out.append(e)
+            elif self.max_calls is None or self.num_calls < self.max_calls:
+                self.num_calls += 1
+                out.append(e)
+        return out
 
 
 def parse_tools(raw: list[Any] | None) -> list[FunctionTool]:
@@ -161,12 +197,26 @@ class ChatTools:
     def constraint(self, plan: ToolPlan) -> StructuredOutputs | None:
         """The grammar for required / a named function; None for auto and none."""
         if plan.choice == "named":
-            tools, one = [t for t in plan.tools if t.name == plan.named], True
+            tools, max_calls = [t for t in plan.tools if t.name == plan.named], 1
         elif plan.choice == "required":
-            tools, one = list(plan.tools), not plan.parallel
+            tools, max_calls = list(plan.tools), MAX_PARALLEL_TOOL_CALLS if plan.parallel else 1
         else:
             return None
-        return self.parser.constraint([(t.name, t.parameters) for t in tools], one)
+        return self.parser.constraint([(t.name, t.parameters) for t in tools], max_calls)
+
+    def stream(self, plan: ToolPlan) -> ToolStream:
+        """A choice's parse state. Under a constraint the output is calls only: text the parser leaves over (a
+        call cut off by max_tokens or a stop string) is never content. Without parallel calls, calls after the
+        first are dropped (`auto` cannot enforce it in the grammar; vLLM filters the same way)."""
+        s = self.parser.stream()
+        if plan.constrained or not plan.parallel:
+            return FilteredStream(s, keep_text=not plan.constrained, max_calls=None if plan.parallel else 1)
+        return s
+
+    def parse(self, text: str, plan: ToolPlan) -> ParsedOutput:
+        """A whole reply's calls and content, as `stream` gives them."""
+        parsed = parse_with(self.stream(plan), text)
+        return ParsedOutput(None, parsed.tool_calls) if plan.constrained else parsed
 
     def prepare(self, messages: list[dict[str, Any]],
                 plan: ToolPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:

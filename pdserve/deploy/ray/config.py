@@ -96,6 +96,9 @@ class RayServeConfig:
         for k in ("kv_role", "kv_host", "kv_port", "num_threads", "host", "port"):
             if k in self.engine:
                 raise RayConfigError(f"engine.{k} is set per replica by the deployment; remove it")
+        if self.engine.get("api_key") and not self.engine.get("metrics_public"):  # the ingress and autoscaling read it
+            raise RayConfigError("engine.api_key keeps each replica's /metrics behind the key, which the ingress and "
+                                 "the autoscaling policy read without it: add engine.metrics_public: true")
         from pdserve.router.serving import RouterConfig
 
         router_fields = {f.name for f in dataclasses.fields(RouterConfig)} - {"prefill", "decode"}
