@@ -139,13 +139,14 @@ def test_a_salt_or_tenant_never_routes_by_anothers_blocks() -> None:
 
 def test_registry_polls_the_summary_conditionally() -> None:
     """The poll asks /kv/prefix_hashes with the last ETag: a 304 keeps the set, a new body replaces it, a 404
-    (an instance without the route) forgets it; none of it touches health."""
+    (an instance without the route) forgets it; none of it touches health. The instances' API key goes along."""
     hashes = sorted(cached_hashes(PROMPT))
     state: dict[str, Any] = {"status": 200, "etag": '"e-1"', "asked": []}
 
     def handler(req: httpx.Request) -> httpx.Response:
         if req.url.path == "/metrics":
             return httpx.Response(200, text="pdserve:num_requests_running 1.0\n")
+        assert req.headers["authorization"] == "Bearer k"  # the instances' key (--instance-api-key)
         state["asked"].append(req.headers.get("if-none-match"))
         if state["status"] != 200:
             return httpx.Response(state["status"])
@@ -154,7 +155,7 @@ def test_registry_polls_the_summary_conditionally() -> None:
         body = {"block_size": BS, "isolation": "none", "hashes": pack_hashes(hashes)}
         return httpx.Response(200, json=body, headers={"etag": state["etag"]})
 
-    reg = InstanceRegistry([], ["http://a"], RouterMetrics(), 0.5, PrefixRoutingConfig())
+    reg = InstanceRegistry([], ["http://a"], RouterMetrics(), 0.5, api_key="k", prefix=PrefixRoutingConfig())
 
     async def poll() -> None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
