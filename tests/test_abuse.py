@@ -212,8 +212,9 @@ def test_auth(server: ServerProc) -> None:
 
 def test_metrics_and_version_follow_the_api_key(server: ServerProc) -> None:
     """/metrics shows tenant names and load, /version the commit and library versions: behind --api-key unless
-    --metrics-public (tests/test_dashboard.py's server runs with it). The admin key opens them too."""
-    for path in ["/metrics", "/version"]:
+    --metrics-public (tests/test_dashboard.py's server runs with it); /kv/prefix_hashes (which prefixes are cached)
+    too. The admin key opens them too."""
+    for path in ["/metrics", "/version", "/kv/prefix_hashes"]:
         assert_error(httpx.get(server.base_url + path), 401, code="invalid_api_key")
         assert_error(httpx.get(server.base_url + path, headers={"Authorization": "Bearer wrong"}), 401)
         assert httpx.get(server.base_url + path, headers=AUTH).status_code == 200

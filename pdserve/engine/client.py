@@ -19,6 +19,7 @@ import contextlib
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -44,8 +45,8 @@ logger = logging.getLogger("pdserve.engine_client")
 EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
 
 __all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVSnapshot", "LLMEngine",
-           "ModelInfo", "ProfilerState", "PromptType", "QueueFull", "RequestStream", "SchedulerStats",
-           "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
+           "ModelInfo", "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream",
+           "SchedulerStats", "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
 
 
 class QueueFull(RuntimeError):
@@ -107,6 +108,26 @@ class KVSnapshot:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PrefixSummary:
+    """The prefix-cache block hashes this engine holds (used or cached-free), for prefix-aware routers. Rebuilt on
+    the engine thread only when the set changed (BlockManager.cache_version): at most num_blocks hashes, 8 bytes
+    each when packed. `epoch` is new for every engine, so a router never mistakes a restarted one's version."""
+
+    epoch: str
+    version: int
+    block_size: int
+    hashes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, engine: LLMEngine, prev: PrefixSummary | None = None) -> PrefixSummary:
+        bm = engine.block_manager
+        if prev is not None and prev.version == bm.cache_version:
+            return prev
+        return cls(prev.epoch if prev is not None else uuid.uuid4().hex[:12], bm.cache_version, bm.block_size,
+                   tuple(bm.cached))
+
+
 class StatLogger(Protocol):
     """Where the engine thread reports steps and outputs (the server's metrics)."""
 
@@ -159,6 +180,7 @@ class EngineClient:
         self.draining = False  # set at SIGTERM: /health answers 503 (requests are still served during the grace)
         self.closed = False  # set when the grace ran out: new requests are refused
         self._kv_snapshot = KVSnapshot.of(engine)  # replaced whole (one reference store) by the engine thread
+        self._prefix_summary = PrefixSummary.of(engine)  # the same
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
         # per-request explanations (GET /debug/requests/{id}, the log line's `explain`), made as requests finish
@@ -203,6 +225,11 @@ class EngineClient:
     def kv_snapshot(self) -> KVSnapshot:
         """The latest published KV state; safe to read from any thread."""
         return self._kv_snapshot
+
+    @property
+    def prefix_summary(self) -> PrefixSummary:
+        """The prefix-cache hashes last published; safe to read from any thread."""
+        return self._prefix_summary
 
     def check_json_schema(self, schema: dict[str, Any]) -> str | None:
         """Why `schema` cannot constrain output (structured output), or None."""
@@ -340,6 +367,10 @@ class EngineClient:
         self._wake.set()
 
     # ---- engine thread -------------------------------------------------------------------------------------
+    def _publish(self, eng: LLMEngine) -> None:
+        self._kv_snapshot = KVSnapshot.of(eng)
+        self._prefix_summary = PrefixSummary.of(eng, self._prefix_summary)
+
     def _loop(self) -> None:
         eng = self._engine
         try:
@@ -351,14 +382,14 @@ class EngineClient:
                     if eng.kv_transfer is not None:
                         eng.kv_transfer.poll_pins()  # free released / expired KV pins while idle
                     self._observe(StepStats(StepKind.IDLE, 0, 0, 0, 0.0))
-                    self._kv_snapshot = KVSnapshot.of(eng)
+                    self._publish(eng)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 result = self._step(eng)
                 self._observe(result.stats)
                 # published before the outputs: a client that saw its request finish reads a state this new
-                self._kv_snapshot = KVSnapshot.of(eng)
+                self._publish(eng)
                 for out in result.outputs:
                     self._dispatch(out)
             self._abort_open()

@@ -17,6 +17,7 @@ from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
 from pdserve.api.protocol_responses import ResponsesRequest
 from pdserve.api.request_id import request_id
 from pdserve.errors import RequestRejected
+from pdserve.prefix_hash import pack_hashes
 from pdserve.server.allocator import trim_heap
 from pdserve.server.model_registry import ModelRegistry, ServedModel
 from pdserve.server.response_store import owner_key
@@ -139,6 +140,24 @@ async def debug_kv(raw: Request, model: str | None = None) -> dict[str, Any]:
     client = registry.get(model).client
     assert client is not None
     return {**client.kv_snapshot.as_dict(), "open_requests": client.num_unfinished}
+
+
+@router.get("/kv/prefix_hashes")
+async def prefix_hashes(raw: Request, model: str | None = None) -> Response:
+    """The prefix-cache block hashes a model (default: the default model) holds, for prefix-aware routers:
+    `hashes` packed 8 bytes each (prefix_hash.pack_hashes). The ETag is epoch-version: a router that sends it back
+    in If-None-Match gets a 304 while the set has not changed."""
+    served = raw.app.state.registry.get(model)
+    assert served.client is not None  # get() returns loaded models only
+    summary = served.client.prefix_summary
+    etag = f'"{summary.epoch}-{summary.version}"'
+    if raw.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"etag": etag})
+    isolation = served.serving_completion.options.prefix_cache_isolation
+    return JSONResponse({"object": "prefix_hashes", "model": served.name, "epoch": summary.epoch,
+                         "version": summary.version, "block_size": summary.block_size, "isolation": isolation,
+                         "num_hashes": len(summary.hashes), "hashes": pack_hashes(summary.hashes)},
+                        headers={"etag": etag})
 
 
 # ---- the Responses API: stored responses belong to the API key and the X-Tenant header (response_store.py) -------

@@ -41,6 +41,7 @@ from pdserve.engine.client import (
 )
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import RequestOutput
+from pdserve.prefix_hash import effective_salt
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.chat_template import render_chat
 from pdserve.server.metrics import Metrics
@@ -201,10 +202,9 @@ class OpenAIServing:
             raise APIError(400, str(e)) from e
 
     def cache_salt(self, body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> str | None:
-        """The body's cache_salt; with tenant isolation, combined with the tenant (unambiguously, as JSON)."""
-        if self.options.prefix_cache_isolation == "tenant" and ctx.tenant is not None:
-            return json.dumps([ctx.tenant, body.cache_salt], ensure_ascii=False)
-        return body.cache_salt
+        """The body's cache_salt; with tenant isolation, combined with the tenant (pdserve/prefix_hash.py: the
+        router computes the same salt to route by prefix)."""
+        return effective_salt(body.cache_salt, ctx.tenant, self.options.prefix_cache_isolation)
 
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run tokenizer work (encode, chat templates, large decodes) off the event loop: the HF fast tokenizer
