@@ -81,9 +81,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelArchConfig, kernels: KernelSelection, max_positions: int | None = None) -> None:
         super().__init__(cfg, kernels)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling, kernels)
-        self.build([LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers)])
+        self.build(llama_layers(cfg, kernels, max_positions))
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: StateDict) -> None:
@@ -100,6 +98,14 @@ class LlamaForCausalLM(CausalLM):
             load.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             load.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         load.finish()
+
+
+def llama_layers(cfg: ModelArchConfig, kernels: KernelSelection,
+                 max_positions: int | None) -> list[nn.Module]:
+    """The decoder layers of `cfg`, sharing one rotary embedding (also Phi-3's: model/phi3.py)."""
+    rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                             cfg.rope_scaling, kernels, cfg.rotary_dim)
+    return [LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers)]
 
 
 def load_embeddings(model: CausalLM, load: WeightLoader) -> None:
