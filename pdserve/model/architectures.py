@@ -18,16 +18,16 @@ from pdserve.model.gemma import Gemma3ForCausalLM
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.native_ops import KernelSelection
 from pdserve.model.packed_weights import StateDict, pack_float_weights
-from pdserve.model.phi3 import Phi3ForCausalLM
 from pdserve.model.quant import quantize_model
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM] | type[Phi3ForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v bias: ModelArchConfig.attention_bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norm per head: ModelArchConfig.qk_norm
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only; local/global layers: ModelArchConfig.layer_types
-    "Phi3ForCausalLM": Phi3ForCausalLM,  # Phi-3/3.5/4-mini: fused checkpoint matrices, LongRoPE, partial rotary
+    # Phi-3/3.5/4-mini: fused qkv/gate_up as stored; LongRoPE, partial rotary, sliding window: ModelArchConfig
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -22,9 +22,11 @@ ROPE_FACTOR_TENSORS = {"long_factor": "rope_factors_long.weight", "short_factor"
 
 
 def phi3_layer_names() -> list[str]:
-    """The per-layer Hugging Face weights of a Phi-3 layer (for the loader's completeness check)."""
-    return ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
-            "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+    """The per-layer Hugging Face weights of a Phi-3 layer (for the loader's completeness check). q/k/v and gate/up
+    are left out: a file may store them fused (`attn_qkv`, as the converter writes) or split (`attn_q`, ...), and the
+    model's weight loader names whichever is missing."""
+    return ["self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+            "post_attention_layernorm.weight"]
 
 
 def phi3_hf_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
