@@ -148,16 +148,19 @@ def test_logits_close(name: str, kernels_choice: str) -> None:
 @pytest.mark.parametrize("kernels_choice", ["native", "torch"])
 def test_greedy_matches_hf_batched_and_chunked(tokenizer: Any, make_llm: Any, name: str, kernels_choice: str) -> None:
     """A prompt below the original length whose generation crosses it, and one longer than it, prefilled in
-    16-token chunks beside each other's decodes."""
+    16-token chunks beside each other's decodes, then again from the prefix cache (per-position LongRoPE makes a
+    cached block's K valid for any later request)."""
     if kernels_choice == "native" and not kernels.available():
         pytest.skip("native kernels are not built")
     hf = make_phi3(name)
     ps = prompts()
     ref = [hf_reference(hf, p, NEW)[1] for p in ps]
     llm = make_llm(hf_model=hf, kernels=kernels_choice, attention_backend="sdpa" if kernels_choice == "torch"
-                   else "auto", max_num_batched_tokens=16, max_model_len=4 * ORIG)
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+                   else "auto", max_num_batched_tokens=16, max_model_len=4 * ORIG, enable_prefix_caching=True)
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[1].num_cached_tokens >= ORIG
     assert llm.engine.block_manager.is_at_baseline()
 
 
