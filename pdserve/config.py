@@ -214,7 +214,8 @@ def _phi3_fields(cfg: dict[str, Any], arch: str, rope_params: Any,
     if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
         orig = rope_scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
         factor = rope_scaling.get("factor") or cfg.get("max_position_embeddings", orig) / orig
-        out["rope_scaling"] = {**rope_scaling, "rope_type": "longrope", "original_max_position_embeddings": orig,
+        kept = {k: v for k, v in rope_scaling.items() if k != "type"}  # "su": LongRoPE's old name
+        out["rope_scaling"] = {**kept, "rope_type": "longrope", "original_max_position_embeddings": orig,
                                "factor": factor}
     return out
 

@@ -109,6 +109,8 @@ def test_config_json_of_the_released_models() -> None:
         "type": "longrope", "short_factor": new["rope_parameters"]["short_factor"],
         "long_factor": new["rope_parameters"]["long_factor"]})
     a, b = ModelArchConfig.from_hf_config(new), ModelArchConfig.from_hf_config(old)
+    su = ModelArchConfig.from_hf_config({**old, "rope_scaling": {**old["rope_scaling"], "type": "su"}})  # its old name
+    assert su == b
     assert a.architecture == b.architecture == "Phi3ForCausalLM"
     assert a.rotary_dim == b.rotary_dim == 12 and a.layer_types is None
     for arch in (a, b):
@@ -211,6 +213,18 @@ def test_gguf_config_and_weights_are_transformers(name: str, tmp_path: Path) -> 
     assert lm.arch == dataclasses.replace(want, bos_token_id=BOS, eos_token_id=EOS)
     ids = [BOS, *range(3, 3 + 2 * ORIG)]  # past the original length: transformers uses the long factors
     torch.testing.assert_close(logits(hf_model_from(lm), ids), logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_with_half_the_rope_factors_is_refused(tmp_path: Path) -> None:
+    model = make_phi3("longrope", vocab_size=VOCAB_SIZE)
+
+    def extra(w: gguf.GGUFWriter) -> None:
+        w.add_rope_scaling_orig_ctx_len(ORIG)
+        w.add_tensor("rope_factors_long.weight", np.ones(HEAD_DIM // 2, dtype=np.float32))
+
+    write_gguf(tmp_path / "half.gguf", model, "phi3", extra=extra)
+    with pytest.raises(ValueError, match="rope_factors_short"):
+        load_gguf(str(tmp_path / "half.gguf"))
 
 
 @pytest.mark.skipif(not kernels.available(), reason="native kernels are not built")
