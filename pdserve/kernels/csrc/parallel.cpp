@@ -39,7 +39,12 @@
 namespace pdserve {
 namespace {
 
-constexpr int64_t kChunksPerThread = 4;  // finer than one per thread: a late worker still finds work to take
+// Chunks per thread: more than one, so that a late worker still finds work to take; few, because every claim moves
+// the job's cache line between cores.
+const int64_t kChunksPerThread = [] {
+  const char* v = std::getenv("PDSERVE_POOL_CHUNKS_PER_THREAD");
+  return v != nullptr && std::atoll(v) > 0 ? static_cast<int64_t>(std::atoll(v)) : int64_t{4};
+}();
 
 // Microseconds from the environment variable `name` (tuning; read once), else `fallback`.
 std::chrono::microseconds env_us(const char* name, int64_t fallback) {
@@ -48,9 +53,10 @@ std::chrono::microseconds env_us(const char* name, int64_t fallback) {
 }
 // A worker spins this long after a job before it sleeps: the next op of a step follows within microseconds, the next
 // step after the engine's Python work (about a millisecond).
-const std::chrono::microseconds kWorkerSpin = env_us("PDSERVE_POOL_WORKER_SPIN_US", 2000);
-// The caller waiting for claimed chunks spins this long, then yields (the claiming thread may need its core).
-const std::chrono::microseconds kCallerSpin = env_us("PDSERVE_POOL_CALLER_SPIN_US", 2000);
+const std::chrono::microseconds kWorkerSpin = env_us("PDSERVE_POOL_WORKER_SPIN_US", 500);
+// The caller waiting for claimed chunks spins at least this long (more for long chunks), then sleeps until they
+// are done.
+const std::chrono::microseconds kCallerSpin = env_us("PDSERVE_POOL_CALLER_SPIN_US", 50);
 
 thread_local bool t_in_pool = false;
 std::atomic<bool> g_workers_paused{false};  // tests: workers claim nothing, the caller runs every chunk
@@ -92,19 +98,27 @@ class Pool {
       futex_wake_all(&wake_seq_);
     }
     t_in_pool = true;
-    work(epoch);
+    const auto start = std::chrono::steady_clock::now();
+    const int64_t ran = work(epoch);
+    const auto mine = std::chrono::steady_clock::now() - start;
     t_in_pool = false;
-    wait_done(nchunks);
+    // a worker running on another core finishes its last chunk about a chunk's time after the caller: spin that
+    // long (twice the caller's own mean chunk, at least kCallerSpin, at most 1 ms), then sleep
+    const auto budget = std::clamp<std::chrono::steady_clock::duration>(
+        ran > 0 ? 2 * mine / ran : std::chrono::steady_clock::duration(kCallerSpin), kCallerSpin,
+        std::chrono::milliseconds(1));
+    wait_done(nchunks, budget);
     if (error_) std::rethrow_exception(error_);
   }
 
  private:
-  // Claim and run chunks of job `epoch` until none is left (or the job is no longer current).
-  void work(uint64_t epoch) {
+  // Claim and run chunks of job `epoch` until none is left (or the job is no longer current); how many it ran.
+  int64_t work(uint64_t epoch) {
+    int64_t ran = 0;
     uint64_t v = state_.load();
     while ((v >> 32) == epoch) {
       const int64_t n = nchunks_.load(), i = static_cast<int64_t>(v & 0xffffffffu);
-      if (i >= n) return;
+      if (i >= n) return ran;
       const ChunkFn fn = fn_.load();
       const void* ctx = ctx_.load();
       const int64_t b = begin_.load() + i * chunk_.load(), e = std::min(end_.load(), b + chunk_.load());
@@ -115,16 +129,32 @@ class Pool {
         std::lock_guard<std::mutex> g(error_mu_);
         if (!error_) error_ = std::current_exception();
       }
-      done_.fetch_add(1);
+      finish_chunk();
+      ++ran;
       v = state_.load();
     }
+    return ran;
   }
 
-  void wait_done(int64_t nchunks) {
+  // The thread that finishes a job's last chunk bumps done_seq_ and wakes a caller asleep on it.
+  void finish_chunk() {
+    if (done_.fetch_add(1) + 1 != nchunks_.load()) return;
+    done_seq_.fetch_add(1);
+    if (caller_asleep_.load()) futex_wake_all(&done_seq_);
+  }
+
+  // Spin a little, then sleep until the last claimed chunk is done: a worker that shares the caller's core (the
+  // scheduler may put it there) gets the core instead of waiting behind a spinning caller.
+  void wait_done(int64_t nchunks, std::chrono::steady_clock::duration spin) {
+    const uint32_t seq = done_seq_.load();
+    if (done_.load() >= nchunks) return;
     const auto start = std::chrono::steady_clock::now();
     for (int spins = 0; done_.load() < nchunks; ++spins) {
       PDSERVE_PAUSE();
-      if ((spins & 63) == 63 && std::chrono::steady_clock::now() - start > kCallerSpin) sched_yield();
+      if ((spins & 63) != 63 || std::chrono::steady_clock::now() - start < spin) continue;
+      caller_asleep_.store(true);
+      if (done_.load() < nchunks) futex_wait(&done_seq_, seq);  // returns at once if the last chunk ended
+      caller_asleep_.store(false);
     }
   }
 
@@ -167,7 +197,8 @@ class Pool {
   std::atomic<int64_t> done_{0}, begin_{0}, chunk_{1}, end_{0}, nchunks_{0}, max_workers_{0};
   std::atomic<ChunkFn> fn_{nullptr};
   std::atomic<const void*> ctx_{nullptr};
-  std::atomic<uint32_t> wake_seq_{0};
+  std::atomic<uint32_t> wake_seq_{0}, done_seq_{0};
+  std::atomic<bool> caller_asleep_{false};
   std::atomic<int> sleepers_{0};
   std::exception_ptr error_;
 };
