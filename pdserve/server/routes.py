@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 
+from pdserve.api.auth_and_body_limit import QUOTA_SCOPE_KEY
 from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
@@ -33,7 +34,8 @@ VERSION_HEADER = "x-pdserve-model-version"  # NAME@VERSION of the model that ser
 
 def _context(raw: Request, user: str | None) -> RequestContext:
     return RequestContext(tenant=raw.headers.get("x-tenant") or user, is_disconnected=raw.is_disconnected,
-                          trace_headers=trace_headers(raw.headers), request_id=request_id(raw))
+                          trace_headers=trace_headers(raw.headers), request_id=request_id(raw),
+                          quota=raw.scope.get(QUOTA_SCOPE_KEY))
 
 
 def _respond(result: ServingResult, served: ServedModel | None = None) -> Response:
