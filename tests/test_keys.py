@@ -6,6 +6,7 @@ certificate made here) with a key file of three keys, comparing counts of answer
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import ssl
@@ -21,12 +22,20 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from test_serving import MODEL, aengine, wait_kv_baseline  # noqa: F401  (aengine: a fixture)
 
 from pdserve.api.api_keys import KeyLimits, KeyRing, default_name, parse_key_file
+from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.errors import APIError
-from pdserve.api.key_limiter import KeyLimiter
+from pdserve.api.key_limiter import KeyLimiter, TokenQuota
+from pdserve.api.protocol import CompletionRequest
 from pdserve.cli import _list_arg
+from pdserve.engine.client import EngineClient
 from pdserve.launch import ServerProc, free_port, start_pdserve
+from pdserve.server.serving import RequestContext
+from pdserve.server.serving_completion import OpenAIServingCompletion
+
+from conftest import hf_greedy
 
 
 class FakeClock:
@@ -129,13 +138,74 @@ def test_tokens_per_minute_reserve_then_settle() -> None:
     assert lim.reserve_tokens("nobody", 10**9) == 0
 
 
+def test_serving_reserves_then_settles_with_the_tokens_used(aengine: EngineClient, tiny_hf_model: Any,  # noqa: F811
+                                                          tokenizer: Any) -> None:
+    """Through the serving layer (no HTTP): a request reserves prompt + max_tokens, ends early on a stop token, and
+    its key's bucket is then down by exactly the tokens it used; a request the bucket cannot cover is refused
+    before it reaches the engine."""
+    clock = FakeClock()  # never moves: no refill blurs the count
+    lim = KeyLimiter(parse_key_file("carol:kc tpm=400"), clock)
+    ctx = RequestContext(tenant="carol", quota=TokenQuota(lim, "carol"))
+    prompt = "你好, world"
+    greedy = hf_greedy(tiny_hf_model, tokenizer.encode(prompt), 3)
+    serving = OpenAIServingCompletion(aengine, MODEL)
+    body = CompletionRequest(prompt=prompt, max_tokens=200, temperature=0, stop_token_ids=[greedy[2]])
+    resp = asyncio.run(serving.create_completion(body, ctx))
+    assert isinstance(resp, dict) and resp["usage"]["completion_tokens"] <= 3
+    bucket = lim._state["carol"].tokens
+    assert bucket is not None and bucket.level == 400 - resp["usage"]["total_tokens"]
+    body = CompletionRequest(prompt=prompt, max_tokens=400, ignore_eos=True)
+    with pytest.raises(APIError) as info:  # prompt + max_tokens > what is left
+        asyncio.run(serving.create_completion(body, ctx))
+    assert info.value.status == 429 and info.value.headers is not None
+    assert bucket.level == 400 - resp["usage"]["total_tokens"]  # a refusal costs nothing
+    assert wait_kv_baseline(aengine).num_used_blocks == 0 and aengine.num_unfinished == 0
+
+
+def test_middleware_holds_a_concurrency_slot_until_the_response_ends() -> None:
+    """The key check and its limits in front of an app that answers only when told: dave's second request is
+    refused while his first is open, alice (no limits) runs, the X-Tenant the app sees is the key's name."""
+    release, seen = asyncio.Event(), []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(dict(scope["headers"]).get(b"x-tenant"))
+        if scope["path"] == "/v1/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    ring = KeyRing(parse_key_file("alice:ka\ndave:kd concurrent=1"), pins_tenant=True)
+    guarded = AuthAndBodyLimitMiddleware(app, None, 1024, _NoMetrics(), keys=ring, limiter=KeyLimiter(ring.keys))
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(guarded), base_url="http://t") as c:
+            held = asyncio.create_task(c.get("/v1/slow", headers=_auth("kd", "alice")))
+            while not seen:
+                await asyncio.sleep(0)
+            refused = await c.get("/v1/fast", headers=_auth("kd"))
+            assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
+            other = await c.get("/v1/fast", headers=_auth("ka"))
+            release.set()
+            first = await held
+            again = await c.get("/v1/fast", headers=_auth("kd"))
+            return [first.status_code, refused.status_code, other.status_code, again.status_code]
+
+    assert asyncio.run(run()) == [200, 429, 200, 200]
+    assert seen == [b"dave", b"alice", b"dave"]  # dave's own X-Tenant: alice was replaced
+
+
+class _NoMetrics:
+    def error(self, kind: str) -> None:
+        pass
+
+
 def test_list_args_as_vllm_or_commas() -> None:
     assert _list_arg('["*"]') == ["*"]
     assert _list_arg("http://a.example, https://b.example") == ["http://a.example", "https://b.example"]
 
 
 # ---- one HTTPS server, three keys -----------------------------------------------------------------------------------
-KEYS = "alice:sk-alice\nbob:sk-bob rpm=1\ncarol:sk-carol tpm=60\ndave:sk-dave concurrent=1\n"
+KEYS = "alice:sk-alice\nbob:sk-bob rpm=1\ncarol:sk-carol tpm=60\n"
 ADMIN = "sk-admin"
 ORIGIN = "https://app.example"
 
@@ -199,10 +269,10 @@ def http(server: ServerProc, verify: ssl.SSLContext) -> Iterator[httpx.Client]:
 @pytest.fixture(autouse=True)
 def kv_back_at_baseline(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each server test: no KV block used and no request open (refused requests leak nothing)."""
+    http: httpx.Client | None = request.getfixturevalue("http") if "server" in request.fixturenames else None
     yield
-    if "server" not in request.fixturenames:
+    if http is None:
         return
-    http: httpx.Client = request.getfixturevalue("http")
     deadline = time.monotonic() + 10
     while (kv := http.get("/debug/kv", headers=_auth(ADMIN)).json())["num_used_blocks"] or kv["open_requests"]:
         assert time.monotonic() < deadline, kv
@@ -211,11 +281,6 @@ def kv_back_at_baseline(request: pytest.FixtureRequest) -> Iterator[None]:
 
 def _auth(key: str, tenant: str | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", **({"X-Tenant": tenant} if tenant else {})}
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return str(http.get("/v1/models", headers=_auth("sk-alice")).json()["data"][0]["id"])
 
 
 def _complete(http: httpx.Client, key: str, max_tokens: int = 2, tenant: str | None = None) -> httpx.Response:
@@ -253,23 +318,6 @@ def test_tokens_per_minute_and_concurrency(http: httpx.Client) -> None:
     assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_exceeded"
     assert "tokens per minute" in second.json()["error"]["message"] and int(second.headers["retry-after"]) >= 1
     assert first.json()["usage"]["total_tokens"] + 30 > 60  # so the second could not fit
-
-
-def test_concurrent_requests(http: httpx.Client, model: str) -> None:
-    body = {"model": model, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with http.stream("POST", "/v1/completions", headers=_auth("sk-dave"), json=body) as held:
-        assert held.status_code == 200
-        next(held.iter_lines())  # open: dave's one request
-        refused = _complete(http, "sk-dave")
-        assert refused.status_code == 429 and refused.json()["error"]["code"] == "concurrency_limit_exceeded"
-        assert refused.headers["retry-after"] == "1"
-        assert _complete(http, "sk-alice").status_code == 200
-    # the stream closed early (its request aborted, its blocks freed: the autouse check): dave may run again
-    deadline = time.monotonic() + 10
-    while (r := _complete(http, "sk-dave")).status_code == 429:
-        assert time.monotonic() < deadline, r.text  # the server notices the disconnect within its poll
-        time.sleep(0.05)
-    assert r.status_code == 200
 
 
 def test_x_tenant_cannot_impersonate_another_key(http: httpx.Client) -> None:

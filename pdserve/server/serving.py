@@ -272,8 +272,11 @@ class OpenAIServing:
         most = {r.request_id: len(r.prompt_token_ids) + (r.sampling_params.max_tokens or
                                                           self.model_info.max_model_len - len(r.prompt_token_ids))
                 for r in reqs}
-        total = quota.reserve(sum(most.values()))  # may be less: capped at the bucket's size (key_limiter.py)
-        return {rid: n * total // max(sum(most.values()), 1) for rid, n in most.items()}
+        want = sum(most.values())
+        total = quota.reserve(want)  # may be less: capped at the bucket's size (key_limiter.py)
+        shares = {rid: n * total // max(want, 1) for rid, n in most.items()}
+        shares[reqs[0].request_id] += total - sum(shares.values())  # the rounding: settled exactly
+        return shares
 
     def make_children(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                       kv_params: dict[str, Any] | None = None, cache_salt: str | None = None,
