@@ -40,8 +40,17 @@ namespace pdserve {
 namespace {
 
 constexpr int64_t kChunksPerThread = 4;  // finer than one per thread: a late worker still finds work to take
-constexpr auto kWorkerSpin = std::chrono::microseconds(100);  // then sleep (the gap between a step's ops is ~us)
-constexpr auto kCallerSpin = std::chrono::microseconds(50);   // then yield (a claimed chunk's thread may need it)
+
+// Microseconds from the environment variable `name` (tuning; read once), else `fallback`.
+std::chrono::microseconds env_us(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return std::chrono::microseconds(v != nullptr ? std::atoll(v) : fallback);
+}
+// A worker spins this long after a job before it sleeps: the next op of a step follows within microseconds, the next
+// step after the engine's Python work (about a millisecond).
+const std::chrono::microseconds kWorkerSpin = env_us("PDSERVE_POOL_WORKER_SPIN_US", 2000);
+// The caller waiting for claimed chunks spins this long, then yields (the claiming thread may need its core).
+const std::chrono::microseconds kCallerSpin = env_us("PDSERVE_POOL_CALLER_SPIN_US", 2000);
 
 thread_local bool t_in_pool = false;
 std::atomic<bool> g_workers_paused{false};  // tests: workers claim nothing, the caller runs every chunk
