@@ -76,7 +76,7 @@ def test_key_file_errors_name_the_line(text: str, says: str) -> None:
         parse_key_file(text, "keys.txt")
 
 
-def test_key_ring_names_and_tenant_rule(tmp_path: Path) -> None:
+def test_key_ring_names_and_tenant_rule(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     assert KeyRing.from_options([], None) is None
     one = KeyRing.from_options(["sk-1"], None)
     assert one is not None and not one.pins_tenant  # one client: it picks tenants (X-Tenant) as before
@@ -86,8 +86,12 @@ def test_key_ring_names_and_tenant_rule(tmp_path: Path) -> None:
     assert two.match(b"sk-2") is two.keys[1] and two.match(b"sk-3") is None and two.match(b"") is None
     path = tmp_path / "keys.txt"
     path.write_text("solo:sk-solo\n")
+    path.chmod(0o600)
     filed = KeyRing.from_options([], str(path))
-    assert filed is not None and filed.pins_tenant
+    assert filed is not None and filed.pins_tenant and "readable by other users" not in caplog.text
+    path.chmod(0o644)
+    KeyRing.from_options([], str(path))
+    assert "readable by other users" in caplog.text
     with pytest.raises(ValueError, match="twice"):
         KeyRing.from_options(["sk-1", "sk-1"], None)
     path.write_text("a:k1\na:k2\n")
@@ -242,6 +246,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, tls: tuple[
            verify: ssl.SSLContext) -> Iterator[ServerProc]:
     tmp = tmp_path_factory.mktemp("keys")
     (tmp / "keys.txt").write_text(KEYS)
+    (tmp / "keys.txt").chmod(0o600)
     port = free_port()
     base = f"https://127.0.0.1:{port}"
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+logger = logging.getLogger("pdserve.api")
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _LIMIT_WORDS = {"rpm": "requests_per_minute", "tpm": "tokens_per_minute", "concurrent": "max_concurrent"}
 
@@ -117,7 +119,10 @@ class KeyRing:
         """`--api-key` (each) and `--api-key-file`; None when neither is given (the API is open)."""
         keys = [ApiKey(default_name(k), k.encode()) for k in flag_keys]
         if key_file:
-            keys += parse_key_file(Path(key_file).read_text(encoding="utf-8"), key_file)
+            path = Path(key_file)
+            keys += parse_key_file(path.read_text(encoding="utf-8"), key_file)
+            if path.stat().st_mode & 0o077:
+                logger.warning("the API key file %s is readable by other users (chmod 600 it)", key_file)
         if not keys:
             return None
         return cls(keys, pins_tenant=len(keys) > 1 or key_file is not None)
