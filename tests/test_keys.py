@@ -314,6 +314,8 @@ def test_key_over_its_requests_per_minute_gets_429_while_the_other_runs(http: ht
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
         assert r.json()["error"]["type"] == "rate_limit_error"
     assert http.post("/v1/completions", headers=_auth("sk-nobody"), json={}).status_code == 401
+    metrics = http.get("/metrics", headers=_auth("sk-alice")).text  # the refusals count for bob's tenant
+    assert 'pdserve:tenant_requests_total{model="unknown",status="429",tenant="bob"} 3.0' in metrics
 
 
 def test_tokens_per_minute_and_concurrency(http: httpx.Client) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,11 +36,12 @@ class AuthAndBodyLimitMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, metrics: ErrorCounter,
                  body_read_timeout: float = 30.0, admin_api_key: str | None = None,
                  public_metrics: bool = False, keys: KeyRing | None = None,
-                 limiter: KeyLimiter | None = None) -> None:
+                 limiter: KeyLimiter | None = None, on_key_refused: Callable[[str, int], None] | None = None) -> None:
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
         # `keys` (api_keys.py), else the one `api_key`; None: the API is open
         self.keys = keys or (KeyRing([ApiKey(default_name(api_key), api_key.encode())], False) if api_key else None)
         self.limiter = limiter
+        self.on_key_refused = on_key_refused  # (key name, status): a key over its limits, counted for its tenant
         self.admin_api_key = admin_api_key.encode() if admin_api_key else None  # opens the API too
         self.body_read_timeout = body_read_timeout
         self.keyed_paths = _KEYED_PATHS + (() if public_metrics else _METRICS_PATHS)
@@ -58,7 +60,7 @@ class AuthAndBodyLimitMiddleware:
                 raise _too_large(self.max_body_bytes)
             body, more = await self._read_body(receive) if scope["method"] in ("POST", "PUT", "PATCH") else (b"", [])
             if key is not None and self.limiter is not None:
-                self.limiter.enter(key.name)  # last: a request refused above spends none of the key's limits
+                self._enter(key.name)  # last: a request refused above spends none of the key's limits
         except ValueError:  # a Content-Length that is not a number
             await self._refuse(APIError(400, "invalid Content-Length header"), scope, receive, send)
             return
@@ -77,6 +79,15 @@ class AuthAndBodyLimitMiddleware:
         finally:
             if key is not None and self.limiter is not None:
                 self.limiter.leave(key.name)  # a stream counts as open until its last byte is sent
+
+    def _enter(self, name: str) -> None:
+        assert self.limiter is not None
+        try:
+            self.limiter.enter(name)
+        except APIError as e:
+            if self.on_key_refused is not None:
+                self.on_key_refused(name, e.status)
+            raise
 
     def _as_key(self, scope: Scope, key: ApiKey) -> Scope:
         """The request as the app sees it: when keys pin tenants, X-Tenant is the key's name (a client's own

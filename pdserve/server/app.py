@@ -132,7 +132,9 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
     app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes,
                        metrics=metrics, body_read_timeout=cfg.body_read_timeout, admin_api_key=cfg.admin_api_key,
                        public_metrics=cfg.metrics_public, keys=keys,
-                       limiter=KeyLimiter(keys.keys) if keys is not None else None)
+                       limiter=KeyLimiter(keys.keys) if keys is not None else None,
+                       on_key_refused=lambda name, status: registry.tenant_metrics.observe_refused(
+                           "unknown", name if keys and keys.pins_tenant else None, status))  # before routing
     if cfg.allowed_origins:  # outside the key check: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
                            allow_headers=cfg.allowed_headers, allow_credentials=False)
