@@ -8,7 +8,8 @@ Starts `pdserve serve` (default model) on loopback and runs three kinds of clien
 - abusive: the inputs a hostile or careless client sends (huge `n`, out-of-range sampling values, oversized and
   malformed bodies, lone surrogates, unsupported fields, thousands of stop strings, forged KV hand-off params);
   each must be refused with a 4xx and an OpenAI error body;
-- disconnecting: streams dropped after a few chunks.
+- disconnecting: streams dropped after a few chunks;
+- slowloris: connections sending their headers a byte a second (each must be answered 408 and closed).
 Every 10 s it samples the server's RSS and `/debug/kv`. At the end, after the clients stop, KV usage and open requests
 must be back at their baseline. Prints a report (errors by kind, good clients' latency percentiles, RSS over time).
 All traffic goes to 127.0.0.1; every loop is bounded by the deadline.
@@ -64,6 +65,15 @@ def abusive_requests() -> list[tuple[str, str, dict[str, str], bytes]]:
             "do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 1, "remote_block_ids": [1],
             "remote_engine_id": "x", "remote_request_id": "y"})),
         ("oversized_body", "/v1/completions", j, b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'),
+        # issue 31: logprob fields, what scoring a prompt may allocate, tool schemas, oversized request heads
+        ("prompt_logprobs_true", "/v1/completions", j, cmpl(prompt_logprobs=True)),
+        ("top_logprobs_21", "/v1/chat/completions", j, chat(logprobs=True, top_logprobs=21)),
+        ("prompt_logprobs_over_bound", "/v1/completions", j, cmpl(prompt="hello " * 7000, prompt_logprobs=20)),
+        ("tool_schema_too_large", "/v1/chat/completions", j, chat(tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {
+                f"p{i}": {"type": "string", "description": "x" * 64} for i in range(1000)}}}}])),
+        ("10000_headers", "/v1/completions", {**j, **{f"x-h{i}": "v" for i in range(10_000)}}, cmpl()),
+        ("1mb_header", "/v1/completions", {**j, "x-big": "a" * 2**20}, cmpl()),
     ]
 
 
@@ -123,6 +133,28 @@ class Soak:
                 self.outcomes[f"abusive:{kind}:{type(e).__name__}"] += 1
             await asyncio.sleep(0.2)
 
+    async def slowloris(self, host: str, port: int) -> None:
+        """Headers trickled a byte a second: the server must answer 408 and close (--header-read-timeout)."""
+        while time.monotonic() < self.deadline:
+            t0 = time.monotonic()
+            reader, writer = await asyncio.open_connection(host, port)
+            reply = b""
+            try:
+                for b in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 120:
+                    writer.write(bytes([b]))
+                    await writer.drain()
+                    try:
+                        reply = await asyncio.wait_for(reader.read(200), 1.0)
+                        break
+                    except TimeoutError:
+                        continue
+            except OSError:
+                pass
+            finally:
+                writer.close()
+            kind = reply[9:12].decode() if reply.startswith(b"HTTP/1.1 ") else "closed"
+            self.outcomes[f"slowloris:{kind}:{'bounded' if time.monotonic() - t0 < 60 else 'held_over_60s'}"] += 1
+
     async def disconnecting(self, http: httpx.AsyncClient, seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < self.deadline:
@@ -165,6 +197,8 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> tuple[Soak, list[
         tasks = [soak.good(http, i) for i in range(args.good)]
         tasks += [soak.abusive(http, 100 + i) for i in range(args.abusive)]
         tasks += [soak.disconnecting(http, 200 + i) for i in range(args.disconnecting)]
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        tasks += [soak.slowloris(host, int(port)) for _ in range(args.slowloris)]
         await asyncio.gather(sample(url, pid, soak.deadline, samples, t_start), *tasks)
     return soak, samples
 
@@ -196,6 +230,7 @@ def main() -> int:
     ap.add_argument("--good", type=int, default=8)
     ap.add_argument("--abusive", type=int, default=2)
     ap.add_argument("--disconnecting", type=int, default=2)
+    ap.add_argument("--slowloris", type=int, default=4, help="connections trickling their headers")
     ap.add_argument("--server-args", default="", help="extra `pdserve serve` flags")
     args = ap.parse_args()
     info = machine_info()

@@ -120,6 +120,8 @@ def _serve_models(args: argparse.Namespace) -> tuple[list[Any], dict[str, str]]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.api.http_protocol import HeadLimits
+    from pdserve.profiler.traces import ProfilerLimits
     from pdserve.server.allocator import tune_allocator
     from pdserve.server.app import ServerConfig, create_registry_app, new_registry, run_server
 
@@ -131,14 +133,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               allowed_headers=args.allowed_headers,
                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                               body_read_timeout=args.body_read_timeout, max_n=args.max_n,
+                              head_limits=HeadLimits(args.header_read_timeout, args.max_header_bytes),
                               max_sequences_per_request=args.max_sequences_per_request,
                               max_prompt_chars=args.max_prompt_chars,
+                              max_prompt_logprob_entries=args.max_prompt_logprob_entries,
                               prefix_cache_isolation=args.prefix_cache_isolation,
                               tool_call_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser,
                               explain_itl_threshold=args.explain_itl_threshold,
                               debug_requests_history=args.debug_requests_history,
-                              profiler_dir=args.profiler_dir, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                              profiler_dir=args.profiler_dir, profiler_limits=ProfilerLimits(
+                                  args.profiler_max_duration, args.profiler_max_traces,
+                                  args.profiler_max_trace_bytes), otlp_traces_endpoint=args.otlp_traces_endpoint,
                               admin_api_key=args.admin_api_key, audit_log=args.audit_log,
                               tenant_label_limit=args.tenant_label_limit, metrics_public=args.metrics_public,
                               responses_store_max_entries=args.responses_store_max_entries,
@@ -158,8 +164,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = create_registry_app(registry, server_cfg)
     # SIGTERM/SIGINT: /health turns 503 "draining", open requests finish for up to the grace period, then the
     # streams still open end with an error event and the app's shutdown aborts what is left and frees its blocks.
-    run_server(app, args.host, args.port, args.log_level, args.shutdown_grace, args.ssl_keyfile, args.ssl_certfile)
+    run_server(app, args.host, args.port, args.log_level, args.shutdown_grace, server_cfg.head_limits,
+               args.ssl_keyfile, args.ssl_certfile)
     return 0
+
+
+def _add_serve_bounds(srv: Any) -> None:
+    """`serve` options that bound what one client may hold: request heads, prompt logprobs."""
+    srv.add_argument("--header-read-timeout", type=float, default=10.0,
+                     help="seconds a client has to send a request's line and headers, from connecting or from "
+                     "the previous response (408 and closed after: slow-header clients cannot hold connections)")
+    srv.add_argument("--max-header-bytes", type=int, default=32 * 1024,
+                     help="largest request line + headers in bytes; over it, or over 100 header fields: 431")
+    srv.add_argument("--max-prompt-logprob-entries", type=int, default=2**17,
+                     help="largest prompt tokens x (prompt_logprobs + 1) of one request, its sequences together "
+                     "(400 above): bounds the reply's size and what building it allocates")
 
 
 def _add_tool_parsers(sub: Any) -> None:
@@ -242,6 +261,12 @@ def _add_introspection_args(srv: argparse.ArgumentParser) -> None:
                      help="finished requests whose explanations GET /debug/requests/{id} keeps (0: none)")
     srv.add_argument("--profiler-dir", default=None,
                      help="where /start_profile writes traces (default: a new temporary directory)")
+    srv.add_argument("--profiler-max-duration", type=float, default=300.0,
+                     help="seconds a profile may run; then it stops by itself (/stop_profile returns its report)")
+    srv.add_argument("--profiler-max-traces", type=int, default=10,
+                     help="trace files kept in the profiler directory; older ones are deleted")
+    srv.add_argument("--profiler-max-trace-bytes", type=int, default=512 * 2**20,
+                     help="total bytes of the kept trace files; older ones are deleted (a larger new one is not kept)")
     srv.add_argument("--otlp-traces-endpoint", default=None,
                      help="OpenTelemetry collector URL (OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces): one trace "
                      "per request; needs pip install pdserve[otel]")
@@ -305,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "before the rest end with an error")
     _add_introspection_args(srv)
     srv.add_argument("--log-level", default="info")
+    _add_serve_bounds(srv)
     srv.set_defaults(func=_cmd_serve)
 
     _add_tool_parsers(sub)

@@ -86,7 +86,7 @@ def parse_size(value: str | int) -> int:
 class ModelArchConfig:
     """Shape of a Llama-family decoder, in Hugging Face config.json terms."""
 
-    architecture: str = "LlamaForCausalLM"  # or Mistral-, Qwen2-, Qwen3-, Gemma3ForCausalLM
+    architecture: str = "LlamaForCausalLM"  # or Mistral-, Qwen2-, Qwen3-, Gemma3-, Phi3ForCausalLM
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -109,6 +109,11 @@ class ModelArchConfig:
     sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
     rope_local_theta: float | None = None  # rope base of the sliding layers (unscaled); None: rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim ** -0.5
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: rope rotates the first head_dim * this dims of each head
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -128,7 +133,7 @@ class ModelArchConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
         archs = cfg.get("architectures") or [by_type.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")]
         arch = archs[0]
         n_heads = cfg["num_attention_heads"]
@@ -145,6 +150,7 @@ class ModelArchConfig:
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        phi3 = _phi3_fields(cfg, arch, rope_params, rope_scaling)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -156,7 +162,7 @@ class ModelArchConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling,
+            rope_scaling=phi3.pop("rope_scaling", rope_scaling),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),  # Qwen2: always
@@ -165,6 +171,7 @@ class ModelArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             **gemma,
+            **phi3,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -190,6 +197,27 @@ def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     return {"layer_types": tuple(types), "sliding_window": cfg.get("sliding_window"),
             "rope_local_theta": float(local), "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar")
                                                                               or head_dim)}
+
+
+def _phi3_fields(cfg: dict[str, Any], arch: str, rope_params: Any,
+                 rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Phi-3/3.5/4-mini's fields: partial rotary, one sliding window on every layer, and LongRoPE's scaling dict
+    completed with what config.json keeps at its top level (original_max_position_embeddings; `factor` as
+    transformers derives it: max_position_embeddings / original_max_position_embeddings)."""
+    if arch != "Phi3ForCausalLM":
+        return {}
+    params = rope_params if isinstance(rope_params, dict) else {}
+    out: dict[str, Any] = {"partial_rotary_factor": float(params.get("partial_rotary_factor")
+                                                          or cfg.get("partial_rotary_factor") or 1.0)}
+    if cfg.get("sliding_window"):
+        out.update(sliding_window=cfg["sliding_window"], layer_types=("sliding_attention",) * cfg["num_hidden_layers"])
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+        orig = rope_scaling.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+        factor = rope_scaling.get("factor") or cfg.get("max_position_embeddings", orig) / orig
+        kept = {k: v for k, v in rope_scaling.items() if k != "type"}  # "su": LongRoPE's old name
+        out["rope_scaling"] = {**kept, "rope_type": "longrope", "original_max_position_embeddings": orig,
+                               "factor": factor}
+    return out
 
 
 DEVICES = ("cpu", "cuda")

@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_LOGPROBS = 20  # logprobs, top_logprobs and prompt_logprobs: alternatives per position, as OpenAI and vLLM
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
 MAX_TOP_K = 2**31 - 1  # larger than any vocabulary; the sampler clamps top_k to the vocabulary
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator seeds, as vLLM (int64)
@@ -157,9 +158,10 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must be <= max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "logprobs must be in [0, 20]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             "prompt_logprobs must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
             # sample j of n is seeded with seed + j (InputProcessor.make_requests): all of them must be valid seeds
             (self.seed is None or SEED_MIN <= self.seed and self.seed + self.n - 1 <= SEED_MAX, "seed",
              f"seed must be in [{SEED_MIN}, {SEED_MAX}] (seed + n - 1 too)"),

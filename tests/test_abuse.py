@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from pdserve.launch import ServerProc, start_server
@@ -28,15 +31,25 @@ MAX_PROMPT_CHARS = 3_000_000
 TINY = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1",
         "--device-peaks", "off"]  # no roofline here; a busy start would measure the peaks anew
 GOOD = {"prompt": "你好，世界！The quick brown fox", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+MAX_PLP = 20_000  # --max-prompt-logprob-entries: prompt tokens x (k + 1)
+MAX_TRACES, PROFILE_MAX_S, HEADER_S = 2, 3, 2
+BOUNDS = ["--header-read-timeout", str(HEADER_S), "--max-prompt-logprob-entries", str(MAX_PLP), "--profiler-max-traces",
+          str(MAX_TRACES), "--profiler-max-duration", str(PROFILE_MAX_S)]  # short: the tests stay fast
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[ServerProc]:
+def profiler_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path, profiler_dir: Path) -> Iterator[ServerProc]:
     d = tmp_path_factory.mktemp("abuse")
     srv = start_server(d, "--model", str(tiny_dir), *TINY, "--api-key", KEY, "--served-model-name", MODEL,
                        "--max-num-seqs", "4", "--max-waiting-requests", "16", "--body-read-timeout", "1",
                        "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--prefix-cache-isolation", "tenant",
-                       "--admin-api-key", ADMIN_KEY, "--audit-log", str(d / "audit.jsonl"))
+                       "--admin-api-key", ADMIN_KEY, "--audit-log", str(d / "audit.jsonl"),
+                       *BOUNDS, "--profiler-dir", str(profiler_dir))
     yield srv
     assert srv.stop() in (0, -15)
     log = server_output(srv)
@@ -142,6 +155,18 @@ CASES: list[tuple[str, str, dict[str, Any], int, str | None, str | None]] = [
      "context_length_exceeded"),
     ("bad logit_bias key", CMPL, {"json": {"prompt": "Hi", "logit_bias": {"abc": 1}}}, 400, None, None),
     ("chunked over limit", CMPL, {"content": "chunked"}, 413, None, "payload_too_large"),
+    # logprob fields (README: integers in [0, 20]) and what scoring a prompt may allocate (--max-prompt-logprob-entries)
+    ("prompt_logprobs true", CMPL, {"json": {"prompt": "Hi", "prompt_logprobs": True}}, 400, "prompt_logprobs", None),
+    ("top_logprobs 21", CHAT, {"json": {"messages": MSG, "logprobs": True, "top_logprobs": 21}}, 400, "top_logprobs",
+     "invalid_parameter"),
+    ("prompt_logprobs over bound", CMPL, {"json": {"prompt": "hello " * 1000, "max_tokens": 1, "prompt_logprobs": 20}},
+     400, "prompt_logprobs", "invalid_parameter"),
+    ("echo logprobs over bound", CMPL, {"json": {"prompt": "hello " * 1000, "max_tokens": 1, "echo": True,
+                                                 "logprobs": 20}}, 400, "logprobs", "invalid_parameter"),
+    ("tool schema too large", CHAT, {"json": {"messages": MSG, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "description": "x" * 64} for i in range(1000)}}}}]}}, 400,
+     "tools[0].function.parameters", "invalid_tool"),
 ]
 
 
@@ -187,8 +212,9 @@ def test_auth(server: ServerProc) -> None:
 
 def test_metrics_and_version_follow_the_api_key(server: ServerProc) -> None:
     """/metrics shows tenant names and load, /version the commit and library versions: behind --api-key unless
-    --metrics-public (tests/test_dashboard.py's server runs with it). The admin key opens them too."""
-    for path in ["/metrics", "/version"]:
+    --metrics-public (tests/test_dashboard.py's server runs with it); /kv/prefix_hashes (which prefixes are cached)
+    too. The admin key opens them too."""
+    for path in ["/metrics", "/version", "/kv/prefix_hashes"]:
         assert_error(httpx.get(server.base_url + path), 401, code="invalid_api_key")
         assert_error(httpx.get(server.base_url + path, headers={"Authorization": "Bearer wrong"}), 401)
         assert httpx.get(server.base_url + path, headers=AUTH).status_code == 200
@@ -345,6 +371,192 @@ def test_shutdown_drains(tmp_path: Path, tiny_dir: Path) -> None:
         assert cut["finish_reason"] == "abort" and cut["output_tokens"] > 0
     finally:
         srv.stop()
+
+
+# ---- bounds on what one client may hold (issue 31): request heads, profiles, large replies ----------------------
+def _connect(srv: ServerProc) -> socket.socket:
+    host, port = srv.base_url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _reply(s: socket.socket) -> bytes:
+    """What the server sends until it closes (b"" when it resets the connection instead)."""
+    out = b""
+    try:
+        while part := s.recv(65536):
+            out += part
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def test_slow_headers_are_cut_off(server: ServerProc) -> None:
+    """Slowloris: 20 connections trickling their headers a byte every 0.2 s, and a kept-alive connection that
+    trickles its second request, are answered 408 and closed after --header-read-timeout (2 s here)."""
+    socks = [_connect(server) for _ in range(20)]
+    kept = _connect(server)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = b""
+    while not first.endswith(b'{"status":"ok"}'):  # the whole first response (headers and body may come apart)
+        first += kept.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200")
+    socks.append(kept)
+    t0 = time.monotonic()
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+    replies: dict[int, tuple[bytes, float]] = {}
+    for b in head:
+        for i, s in enumerate(socks):
+            if i not in replies:
+                try:
+                    s.sendall(bytes([b]))
+                except OSError:
+                    replies[i] = (b"", time.monotonic() - t0)
+        for s in select.select([s for i, s in enumerate(socks) if i not in replies], [], [], 0.2)[0]:
+            replies[socks.index(s)] = (_reply(s), time.monotonic() - t0)
+        if len(replies) == len(socks) or time.monotonic() - t0 > 15:
+            break
+    for s in socks:
+        s.close()
+    assert len(replies) == len(socks), f"{len(socks) - len(replies)} slow connections still open after 15 s"
+    assert all(r.startswith(b"HTTP/1.1 408") and b"request_timeout" in r for r, _ in replies.values()), replies
+    assert all(HEADER_S - 0.5 <= t < HEADER_S + 5 for _, t in replies.values()), sorted(t for _, t in replies.values())
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("name,head", [
+    ("1 MB header", b"X-Big: " + b"a" * 2**20 + b"\r\n"),
+    ("10000 headers", b"".join(b"X-H%d: v\r\n" % i for i in range(10_000))),
+    ("150 headers", b"".join(b"X-H%d: v\r\n" % i for i in range(150))),
+], ids=["1MB", "10000", "150"])
+def test_oversized_headers_are_refused(server: ServerProc, name: str, head: bytes) -> None:
+    """Over --max-header-bytes (32 KiB) or 100 header fields: 431 (or, when the server closes while the client is
+    still sending, a reset connection), never a 200; 60 headers are served."""
+    with _connect(server) as s:
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        except OSError:  # closed while sending: refused
+            return
+        reply = _reply(s)
+    assert reply.startswith(b"HTTP/1.1 431") and b"request_header_fields_too_large" in reply or \
+        reply == b"" and len(head) > 65536, reply[:200]
+    if name == "150 headers":  # fits in one send: the 431 itself comes back
+        assert reply.startswith(b"HTTP/1.1 431")
+    ok = httpx.get(server.base_url + "/health", headers={f"X-H{i}": "v" for i in range(60)})
+    assert ok.status_code == 200
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens(server: ServerProc) -> None:
+    """echo + logprobs (OpenAI, vLLM): the prompt's tokens lead logprobs.tokens, the first with logprob and
+    top_logprobs None, the rest scored as prompt_logprobs scores them; streamed, they come in the first chunk."""
+    prompt, k, n = GOOD["prompt"], 2, 4
+    ids = httpx.post(server.base_url + "/tokenize", headers=AUTH, json={"prompt": prompt}).json()["tokens"]
+    base = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+
+    def post(**kw: Any) -> dict[str, Any]:
+        r = httpx.post(server.base_url + CMPL, headers=AUTH, timeout=60, json={**base, **kw})
+        assert r.status_code == 200, r.text
+        return dict(r.json()["choices"][0])
+
+    echoed, plain, scored = post(echo=True, logprobs=k), post(logprobs=k), post(prompt_logprobs=k)
+    lp, p = echoed["logprobs"], len(ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == p + n
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["tokens"][p:] == plain["logprobs"]["tokens"]
+    assert lp["token_logprobs"][p:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-4)
+    for i in range(1, p):
+        assert lp["token_logprobs"][i] == pytest.approx(scored["prompt_logprobs"][i][str(ids[i])]["logprob"], abs=1e-4)
+        assert 1 <= len(lp["top_logprobs"][i]) <= k
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(p + n)]  # as vLLM
+    assert echoed["text"] == prompt + plain["text"]
+    with httpx.stream("POST", server.base_url + CMPL, headers=AUTH, timeout=60,
+                      json={**base, "echo": True, "logprobs": k, "stream": True}) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    streamed = [t for c in chunks for ch in c["choices"] if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"] and len(chunks[0]["choices"][0]["logprobs"]["tokens"]) >= p + 1
+    baseline(server)
+
+
+def _heap_mib(srv: ServerProc) -> float:
+    [line] = [x for x in httpx.get(srv.base_url + "/metrics", headers=AUTH).text.splitlines()
+              if x.startswith("pdserve:process_heap_in_use_bytes ")]
+    return float(line.split()[-1]) / 2**20
+
+
+def _rss_mib(srv: ServerProc) -> float:
+    return float(psutil.Process(srv.proc.pid).memory_info().rss) / 2**20
+
+
+def test_large_prompt_logprobs_leave_nothing_behind(server: ServerProc) -> None:
+    """Replies just under the prompt-logprob bound, repeated: the heap in use (what is allocated, not what the
+    allocator keeps) and RSS come back after each, within a tolerance, once the first has warmed the caches."""
+    def score(i: int) -> None:
+        body = {"prompt": f"{i} " + "hello world " * 440, "max_tokens": 1, "prompt_logprobs": 20}
+        r = httpx.post(server.base_url + CMPL, headers=AUTH, timeout=120, json=body)
+        assert r.status_code == 200 and len(r.content) > 2**20, r.text[:300]
+
+    score(0)
+    heap0, rss0 = _heap_mib(server), _rss_mib(server)
+    for i in range(1, 4):
+        score(i)
+    heap1, rss1 = _heap_mib(server), _rss_mib(server)
+    print(f"heap in use {heap0:.2f} -> {heap1:.2f} MiB, RSS {rss0:.1f} -> {rss1:.1f} MiB over 3 replies")
+    assert heap1 - heap0 < 2.0 and rss1 - rss0 < 16.0
+    baseline(server)
+
+
+def test_profiler_returns_its_memory_rotates_traces_and_stops_by_itself(server: ServerProc,
+                                                                        profiler_dir: Path) -> None:
+    """Profiles with --profiler-max-traces 2: only the newest two traces stay; the heap in use and RSS come back
+    after each stop; a profile nobody stops ends after --profiler-max-duration (3 s here) with its trace kept."""
+    def profile() -> dict[str, Any]:
+        assert httpx.post(server.base_url + "/start_profile", headers=AUTH, json={"num_steps": 3}).status_code == 200
+        assert httpx.post(server.base_url + CMPL, headers=AUTH, json=GOOD, timeout=60).status_code == 200
+        r = httpx.post(server.base_url + "/stop_profile", headers=AUTH, json={"wait_s": 30}, timeout=120)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    first = profile()  # the first loads the profiler's libraries (kineto): a one-time cost
+    heap0, rss0 = _heap_mib(server), _rss_mib(server)
+    results = [first] + [profile() for _ in range(3)]
+    heap1, rss1 = _heap_mib(server), _rss_mib(server)
+    print(f"after profiles: heap in use {heap0:.2f} -> {heap1:.2f} MiB, RSS {rss0:.1f} -> {rss1:.1f} MiB")
+    assert heap1 - heap0 < 1.0 and rss1 - rss0 < 32.0  # main: +4.1 MiB heap (torch.profiler cycles, no gc)
+    assert all(r["stop_reason"] == "num_steps" for r in results)
+    kept = sorted(str(p) for p in profiler_dir.glob("pdserve-trace-*.json"))
+    assert kept == sorted(r["trace_path"] for r in results[-MAX_TRACES:])
+
+    assert httpx.post(server.base_url + "/start_profile", headers=AUTH).status_code == 200
+    t0 = time.monotonic()
+    while (new := {str(p) for p in profiler_dir.glob("pdserve-trace-*.json")} - set(kept)) == set():
+        assert time.monotonic() - t0 < PROFILE_MAX_S + 30, "the profile did not stop by itself"
+        time.sleep(0.1)
+    assert time.monotonic() - t0 >= PROFILE_MAX_S - 0.5
+    r = httpx.post(server.base_url + "/stop_profile", headers=AUTH, timeout=60).json()
+    assert r["stop_reason"] == "max_duration" and {r["trace_path"]} == new
+    assert len(list(profiler_dir.glob("pdserve-trace-*.json"))) == MAX_TRACES
+    baseline(server)
+
+
+def test_trace_rotation_caps_count_and_bytes(tmp_path: Path) -> None:
+    """rotate_traces: oldest first, until at most max_traces files of at most max_bytes in all; a new trace over
+    the byte cap by itself is removed too; files that are not traces are never touched."""
+    from pdserve.profiler.traces import ProfilerLimits, rotate_traces
+
+    other = tmp_path / "notes.json"
+    other.write_bytes(b"x" * 1000)
+    paths = []
+    for i, size in enumerate([100, 100, 100, 100]):
+        paths.append(p := tmp_path / f"pdserve-trace-{i}.json")
+        p.write_bytes(b"x" * size)
+        os.utime(p, ns=(i * 10**9, i * 10**9))
+    assert rotate_traces(str(tmp_path), str(paths[-1]), ProfilerLimits(max_traces=3, max_bytes=250))
+    assert sorted(tmp_path.glob("pdserve-trace-*")) == paths[2:] and other.exists()  # 200 bytes, 2 files
+    assert rotate_traces(str(tmp_path), str(paths[-1]), ProfilerLimits(max_traces=1, max_bytes=10**6))
+    assert list(tmp_path.glob("pdserve-trace-*")) == [paths[3]]
+    big = tmp_path / "pdserve-trace-9.json"
+    big.write_bytes(b"x" * 300)
+    assert not rotate_traces(str(tmp_path), str(big), ProfilerLimits(max_traces=5, max_bytes=250))
+    assert list(tmp_path.glob("pdserve-trace-*")) == [paths[3]] and other.exists()
 
 
 def request_log(srv: ServerProc) -> list[dict[str, Any]]:

@@ -43,8 +43,9 @@ TIMEOUT = 300.0
 
 def start_router(tmp: Path, prefill: list[str], decode: list[str], *args: str, timeout: float = 60.0) -> ServerProc:
     port = free_port()
-    return start_pdserve(tmp, f"router-{port}", ["router", "--port", str(port), "--prefill", *prefill, "--decode",
-                                                 *decode, "--poll-interval", "0.2", *args],
+    pools = ["--prefill", *prefill] if prefill else []  # none: colocated instances (the decode pool)
+    return start_pdserve(tmp, f"router-{port}", ["router", "--port", str(port), *pools, "--decode", *decode,
+                                                 "--poll-interval", "0.2", *args],
                          f"http://127.0.0.1:{port}", timeout)
 
 
@@ -254,7 +255,8 @@ def two_decoders_once(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) 
     m = ["--model", str(tiny_dir), *TINY]
     pre, *decs = start_all(lambda: start_server(tmp, *m, "--role", "prefill"),
                            *[lambda: start_server(tmp, *m, "--role", "decode")] * 2)
-    router = start_router(tmp, [pre.base_url], [d.base_url for d in decs], "--decode-timeout", str(TIMEOUT))
+    router = start_router(tmp, [pre.base_url], [d.base_url for d in decs], "--decode-timeout", str(TIMEOUT),
+                          "--tokenizer", str(tiny_dir))
     c = Cluster(None, pre, decs, router)
     yield c
     c.stop()
@@ -274,6 +276,71 @@ def two_decoders(two_decoders_once: Cluster) -> Cluster:
         assert time.monotonic() < deadline, "the router did not see the restarted decode instance"
         time.sleep(0.1)
     return c
+
+
+# ---- prefix-aware routing over the two decode instances (before any of them is killed) -----------------------------
+SYSTEMS = ["You are the support assistant of a shipping company; answer in two sentences. " * 4,
+           "你是一家航运公司的客服助手，请用两句话回答问题。" * 4]
+
+
+def _route_lines(router: ServerProc) -> list[dict[str, Any]]:
+    return [json.loads(ln.split("pdserve.requests: ", 1)[1]) for ln in router.log().splitlines()
+            if "pdserve.requests: " in ln]
+
+
+def _turn(c: Cluster, router: ServerProc, messages: list[dict[str, str]],
+          **kw: Any) -> tuple[str, dict[str, Any], dict[str, float]]:
+    """One chat turn through `router`: (answer, the router's log line, each decode instance's prefix-hit tokens
+    gained, by URL)."""
+    before = {d.base_url: metric(d, "pdserve:prefix_cache_hits_total") for d in c.decode}
+    n = len(_route_lines(router))
+    r = httpx.post(router.base_url + "/v1/chat/completions", timeout=TIMEOUT, json={
+        "messages": messages, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, **kw})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while len(lines := _route_lines(router)) == n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gained = {d.base_url: metric(d, "pdserve:prefix_cache_hits_total") - before[d.base_url] for d in c.decode}
+    return r.json()["choices"][0]["message"]["content"], lines[-1], gained
+
+
+def _conversation(c: Cluster, router: ServerProc, system: str, **kw: Any) -> list[dict[str, str]]:
+    """Turn 1 (nothing cached: least-loaded), then turn 2 lands where turn 1's blocks are, and hits them there."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Where is my parcel?"}]
+    answer, first, _ = _turn(c, router, messages, **kw)
+    assert first["route"] == "no_match" and first["prefix_hit_tokens"] == 0
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And when will it come?"}]
+    _, second, gained = _turn(c, router, messages, **kw)
+    assert second["route"] == "prefix" and second["decode_url"] == first["decode_url"], (first, second)
+    assert second["prefix_hit_tokens"] >= 48  # the system prompt's blocks at least
+    assert gained[first["decode_url"]] >= second["prefix_hit_tokens"]
+    return messages
+
+
+def test_prefix_routing_follows_conversations(two_decoders_once: Cluster, tiny_dir: Path, tmp_path: Path) -> None:
+    """Colocated (a router over the two instances, no prefill pool) and PD (the module's 1P2D router): a
+    conversation's next turn goes to the instance holding its blocks and hits them there (the instances' own
+    metric); a salted request is never routed by another salt's blocks and hits nothing there."""
+    c = two_decoders_once
+    colo = start_router(tmp_path, [], [d.base_url for d in c.decode], "--tokenizer", str(tiny_dir),
+                        "--prefix-load-cost", "4")
+    try:
+        msgs = _conversation(c, colo, SYSTEMS[0])
+        _conversation(c, colo, SYSTEMS[1])
+        for salt in ("tenant-b", "tenant-c"):  # the same text under another salt: b's blocks are no use to c
+            _, salted, gained = _turn(c, colo, msgs, cache_salt=salt)
+            assert salted["route"] == "no_match" and set(gained.values()) == {0.0}
+        _conversation(c, colo, "Acme's own assistant. " * 12, cache_salt="tenant-d")  # a salt follows its own
+        _, again, _ = _turn(c, colo, msgs)
+        assert again["route"] == "prefix"
+    finally:
+        colo.stop()
+    _conversation(c, c.router, "Another company's assistant. " * 10)  # PD: the decode pool routes by prefix
+    # what the instances publish: 304 while unchanged
+    r = httpx.get(c.decode[0].base_url + "/kv/prefix_hashes")
+    assert r.status_code == 200 and r.json()["block_size"] == 16 and r.json()["num_hashes"] > 0
+    assert httpx.get(c.decode[0].base_url + "/kv/prefix_hashes",
+                     headers={"if-none-match": r.headers["etag"]}).status_code == 304
 
 
 def _busy_decoder(c: Cluster, timeout: float = 20.0) -> ServerProc:

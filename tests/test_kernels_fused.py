@@ -113,6 +113,32 @@ def test_rotary_embedding(isa: Any, t: int, d: int, hq: int, hkv: int, seed: int
 
 
 @SETTINGS
+@given(t=st.integers(1, 12), d=st.sampled_from([16, 64, 128]), frac=st.sampled_from([0.25, 0.5, 0.75]),
+       hq=st.integers(1, 6), hkv=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_rotary_embedding_partial(isa: Any, t: int, d: int, frac: float, hq: int, hkv: int,  # noqa: F811
+                                  seed: int) -> None:
+    """Partial rotary (Phi-4-mini): the first rot = 2 * cos.size(1) dims of each head turn, the rest stay as they
+    were, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    rot = int(d * frac)
+    q, k = torch.randn(t, hq * d, generator=g), torch.randn(t, hkv * d, generator=g)
+    cos, sin = rope_tables(512, rot)
+    pos = torch.randint(0, 512, (t,), generator=g)
+
+    def want(x: torch.Tensor) -> torch.Tensor:
+        heads = x.reshape(t, -1, d)
+        turned = ref_rope(heads[..., :rot].reshape(t, -1), cos[pos], sin[pos], rot).reshape(t, -1, rot)
+        return torch.cat([turned, heads[..., rot:]], -1).reshape(t, -1)
+
+    want_q, want_k = want(q), want(k)
+    isa.rotary_embedding(pos, q, k, cos, sin, d)
+    torch.testing.assert_close(q, want_q, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(k, want_k, rtol=RTOL, atol=ATOL)
+    for x, w in ((q, want_q), (k, want_k)):
+        assert torch.equal(x.reshape(t, -1, d)[..., rot:], w.reshape(t, -1, d)[..., rot:])
+
+
+@SETTINGS
 @given(t=st.integers(1, 30), i=st.sampled_from([1, 5, 16, 37, 1536]), pad=st.sampled_from([0, 8]),
        seed=st.integers(0, 2**16))
 def test_silu_and_mul(isa: Any, t: int, i: int, pad: int, seed: int) -> None:  # noqa: F811

@@ -88,10 +88,11 @@ _HF_TO_GGUF = {
 _GEMMA3_TO_GGUF = {  # llama.cpp's gemma3 names of the sandwich norms
     "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm"}
+_PHI3_TO_GGUF = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # the checkpoint's fused matrices
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:
-    names = {**_HF_TO_GGUF, **_GEMMA3_TO_GGUF} if arch == "gemma3" else _HF_TO_GGUF
+    names = {**_HF_TO_GGUF, **{"gemma3": _GEMMA3_TO_GGUF, "phi3": _PHI3_TO_GGUF}.get(arch, {})}
     base, suffix = hf.rsplit(".", 1)
     if base in names:
         return f"{names[base]}.{suffix}"

@@ -143,3 +143,16 @@ def test_priority_field_through_the_serving_layer(tiny_hf_model: Any, tokenizer:
         assert engine.block_manager.is_at_baseline()
     finally:
         ae.shutdown()
+
+
+def test_priority_takes_the_whole_int32_range(make_llm: Any) -> None:
+    """-2**31 and 2**31 - 1 are valid (README: an int32) and order first and last; one beyond either is a 400."""
+    eng = make_llm(scheduling_policy="priority", priority_aging_s=0, max_num_seqs=1).engine
+    t0 = time.perf_counter()
+    reqs = [add(eng, "lo", 2**31 - 1, t0), add(eng, "hi", -(2**31), t0 + 1), add(eng, "mid", 0, t0 + 2)]
+    for bad in (-(2**31) - 1, 2**31):
+        with pytest.raises(RequestRejected) as e:
+            add(eng, "x", bad, t0 + 3)
+        assert e.value.param == "priority" and e.value.code == ErrorCode.INVALID_PARAMETER
+    drain(eng)
+    assert first_scheduled_order(reqs) == ["hi", "mid", "lo"]

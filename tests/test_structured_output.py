@@ -225,3 +225,28 @@ def test_openai_client_structured_outputs(server: ServerProc) -> None:
     assert e.value.status_code == 400 and isinstance(e.value.body, dict)
     assert e.value.body["code"] == "invalid_structured_output" and e.value.body["param"] == "guided_json"
     wait_idle(server)
+
+
+def test_grammar_cache_is_bounded_in_bytes_and_a_huge_grammar_is_refused(tokenizer: Any) -> None:
+    """Compiled grammars (tool sets: ~20 KB to MBs each) are cached within a byte bound, not only a count; one
+    grammar over the per-constraint bound is a 400 invalid_structured_output naming the field, and is not cached."""
+    from pdserve.engine.structured import StructuredOutputManager
+    from pdserve.errors import ErrorCode, RequestRejected
+    from pdserve.sampling_params import StructuredOutputs
+
+    m = StructuredOutputManager(tokenizer, 49152, [2])
+
+    def schema(i: int, props: int = 4) -> StructuredOutputs:
+        return StructuredOutputs(json={"type": "object", "properties": {f"k{i}_{j}": {"type": "string"}
+                                                                        for j in range(props)}}, param="tools")
+    sizes = [m.compile(schema(i)).memory_size_bytes for i in range(3)]
+    m.cache_bytes = 2 * max(sizes)  # room for two
+    for i in range(3, 10):
+        m.compile(schema(i))
+        assert 1 <= len(m._cache) <= 2 and m._cache_bytes <= m.cache_bytes
+        assert m._cache_bytes == sum(g.memory_size_bytes for g in m._cache.values())
+    m.max_grammar_bytes = min(sizes) - 1
+    with pytest.raises(RequestRejected) as e:
+        m.compile(schema(99))
+    assert e.value.code == ErrorCode.INVALID_STRUCTURED_OUTPUT and e.value.param == "tools"
+    assert ("json", schema(99).spec) not in m._cache

@@ -15,10 +15,11 @@ from pdserve.api.errors import APIError, ErrorCounter, error_response
 from pdserve.api.key_limiter import KeyLimiter, TokenQuota
 
 # Paths that need the API key (when one is set); /health stays open for probes. /metrics (tenant names, load) and
-# /version (commit, library versions) need it too unless `public_metrics` (`--metrics-public`).
+# /version (commit, library versions) and /kv/prefix_hashes (which cached prefixes) need it too unless
+# `public_metrics` (`--metrics-public`).
 _KEYED_PREFIXES = ("/v1", "/debug", "/docs", "/redoc")
 _KEYED_PATHS = ("/tokenize", "/detokenize", "/openapi.json", "/start_profile", "/stop_profile")
-_METRICS_PATHS = ("/metrics", "/version")
+_METRICS_PATHS = ("/metrics", "/version", "/kv/prefix_hashes")
 QUOTA_SCOPE_KEY = "pdserve.token_quota"  # the request's key_limiter.TokenQuota, when its key limits tokens/min
 
 

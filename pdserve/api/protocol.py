@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pdserve.api.request_fields import (
     CHAT_REFUSED,
@@ -17,7 +17,7 @@ from pdserve.api.request_fields import (
     refused_field,
 )
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.sampling_params import SamplingParams, StructuredOutputs
+from pdserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -59,7 +59,8 @@ class _Sampling(BaseModel):
     # structured output: one of response_format (OpenAI), structured_outputs (vLLM) or a guided_* field (older vLLM)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    prompt_logprobs: int | None = None  # vLLM: score the prompt (top-k per position); not with stream
+    # vLLM: score the prompt (top-k per position); not with stream. Strict: `true` is refused, not taken as 1
+    prompt_logprobs: StrictInt | None = None
     # chat honours tools and tool_choice (pdserve/server/tools.py); completions refuse them. Parsed only to be
     # refused when set: functions / function_call (OpenAI's older spelling)
     tools: list[Any] | None = None
@@ -195,6 +196,9 @@ class ChatCompletionRequest(_Sampling):
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise RequestRejected(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs",
+                                  ErrorCode.INVALID_PARAMETER)
         n_top = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, n_top)
 

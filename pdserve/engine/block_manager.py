@@ -16,18 +16,22 @@ Prefix hashes are chained over *full* blocks: hash_i = hash((hash_{i-1}, tokens 
 hash_{-1} = root_hash(the request's cache_salt). A lookup is confirmed by comparing the stored parent hash and
 tokens, so a hash collision can never return wrong K/V, and requests with different salts never share a block
 (one tenant cannot learn from `cached_tokens` what another sent). Every hash is an int computed from ints only, so
-it is the same in every process (no PYTHONHASHSEED; `hash(None)` is not stable before Python 3.12).
+it is the same in every process (no PYTHONHASHSEED; `hash(None)` is not stable before Python 3.12); the hashing
+lives in pdserve/prefix_hash.py, shared with the router, which computes the same chains to route by prefix.
+`cache_version` counts changes to the set of cached hashes, so a published copy is rebuilt only when it moved.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.engine.request import Request
+from pdserve.prefix_hash import hash_block, root_hash
+
+__all__ = ["BlockManager", "KVCacheBlock", "KVSequence", "PrefixCacheStats", "hash_block", "root_hash"]
 
 
 class KVSequence(Protocol):
@@ -49,21 +53,6 @@ class KVCacheBlock:
         self.block_hash, self.parent_hash, self.token_ids = None, None, ()
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    # ints and tuples of ints hash identically in every Python process (no PYTHONHASHSEED), which keeps
-    # hashes comparable across instances for KV hand-off.
-    return hash((parent_hash, tuple(token_ids)))
-
-
-def root_hash(cache_salt: str | None) -> int:
-    """The parent hash of a request's first block: 0 without a salt, else a stable digest of the salt (str
-    hashes are randomized per process, so not hash(salt))."""
-    if cache_salt is None:
-        return 0
-    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") | 1  # never 0, the unsalted root
-
-
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -80,6 +69,7 @@ class BlockManager:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}  # block_hash -> block holding that prefix
+        self.cache_version = 0  # bumped whenever a hash enters or leaves `cached`
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}  # request_id -> its block table
         self.req_num_hashed: dict[str, int] = {}  # request_id -> number of its leading blocks hashed
         self.stats = PrefixCacheStats()
@@ -144,7 +134,9 @@ class BlockManager:
             h = hash_block(parent, chunk)
             if blk.block_hash is None:
                 blk.block_hash, blk.parent_hash, blk.token_ids = h, parent, chunk
-                self.cached.setdefault(h, blk)  # keep the first copy if two requests computed the same prefix
+                if h not in self.cached:  # keep the first copy if two requests computed the same prefix
+                    self.cached[h] = blk
+                    self.cache_version += 1
             parent = blk.block_hash
         self.req_num_hashed[rid] = max(done, n_full)
 
@@ -217,6 +209,7 @@ class BlockManager:
         assert blk.block_hash is not None
         if self.cached.get(blk.block_hash) is blk:
             del self.cached[blk.block_hash]
+            self.cache_version += 1
         blk.reset_hash()
 
     def check_integrity(self) -> None:

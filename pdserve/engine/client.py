@@ -19,6 +19,7 @@ import contextlib
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ from pdserve.kv_transfer.base import FinishedLoad
 from pdserve.model.inputs import StepKind
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
+from pdserve.profiler.traces import ProfilerLimits
 from pdserve.roofline import DeviceSpec
 from pdserve.sampling_params import SamplingParams
 
@@ -43,8 +45,8 @@ logger = logging.getLogger("pdserve.engine_client")
 EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
 
 __all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVSnapshot", "LLMEngine",
-           "ModelInfo", "ProfilerState", "PromptType", "QueueFull", "RequestStream", "SchedulerStats",
-           "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
+           "ModelInfo", "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream",
+           "SchedulerStats", "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
 
 
 class QueueFull(RuntimeError):
@@ -106,6 +108,26 @@ class KVSnapshot:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PrefixSummary:
+    """The prefix-cache block hashes this engine holds (used or cached-free), for prefix-aware routers. Rebuilt on
+    the engine thread only when the set changed (BlockManager.cache_version): at most num_blocks hashes, 8 bytes
+    each when packed. `epoch` is new for every engine, so a router never mistakes a restarted one's version."""
+
+    epoch: str
+    version: int
+    block_size: int
+    hashes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, engine: LLMEngine, prev: PrefixSummary | None = None) -> PrefixSummary:
+        bm = engine.block_manager
+        if prev is not None and prev.version == bm.cache_version:
+            return prev
+        return cls(prev.epoch if prev is not None else uuid.uuid4().hex[:12], bm.cache_version, bm.block_size,
+                   tuple(bm.cached))
+
+
 class StatLogger(Protocol):
     """Where the engine thread reports steps and outputs (the server's metrics)."""
 
@@ -158,6 +180,7 @@ class EngineClient:
         self.draining = False  # set at SIGTERM: /health answers 503 (requests are still served during the grace)
         self.closed = False  # set when the grace ran out: new requests are refused
         self._kv_snapshot = KVSnapshot.of(engine)  # replaced whole (one reference store) by the engine thread
+        self._prefix_summary = PrefixSummary.of(engine)  # the same
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
         # per-request explanations (GET /debug/requests/{id}, the log line's `explain`), made as requests finish
@@ -165,6 +188,8 @@ class EngineClient:
         self._explanations = ExplanationHistory()
         # profiler by phase (/start_profile, /stop_profile): the profiler lives on the engine thread
         self._profiler_dir: str | None = None
+        self._profiler_limits = ProfilerLimits()
+        self.after_profile: Callable[[], None] | None = None  # the server's: hand the events' memory back to the OS
         self._profiler: PhaseProfiler | None = None
         self._profile_done: Future[ProfileResult] | None = None  # set while a profile is open
         roof, kv = engine.roofline, engine.kv_transfer
@@ -201,6 +226,11 @@ class EngineClient:
         """The latest published KV state; safe to read from any thread."""
         return self._kv_snapshot
 
+    @property
+    def prefix_summary(self) -> PrefixSummary:
+        """The prefix-cache hashes last published; safe to read from any thread."""
+        return self._prefix_summary
+
     def check_json_schema(self, schema: dict[str, Any]) -> str | None:
         """Why `schema` cannot constrain output (structured output), or None."""
         return self._engine.structured.json_schema_error(schema)
@@ -216,11 +246,15 @@ class EngineClient:
         return self._explanations.size
 
     def configure_introspection(self, explain_itl_threshold: str = "2x", history: int = 1000,
-                                profiler_dir: str | None = None) -> None:
-        """Explanations' stall threshold (explain.StallThreshold.parse) and history size; profile traces' dir."""
+                                profiler_dir: str | None = None, profiler_limits: ProfilerLimits | None = None,
+                                after_profile: Callable[[], None] | None = None) -> None:
+        """Explanations' stall threshold (explain.StallThreshold.parse) and history size; profile traces' dir,
+        the profiler's bounds, and what to run on the engine thread after a profile stops."""
         self._explainer.threshold = StallThreshold.parse(explain_itl_threshold)
         self._explanations.size = history
         self._profiler_dir = profiler_dir
+        self._profiler_limits = profiler_limits or ProfilerLimits()
+        self.after_profile = after_profile
 
     def observe_kv_transfer(self, on_load: Callable[[FinishedLoad], None], on_pin_timeout: Callable[[], None]) -> bool:
         """PD roles: call `on_load` for every KV pull that ends and `on_pin_timeout` for every pin freed unclaimed
@@ -333,25 +367,29 @@ class EngineClient:
         self._wake.set()
 
     # ---- engine thread -------------------------------------------------------------------------------------
+    def _publish(self, eng: LLMEngine) -> None:
+        self._kv_snapshot = KVSnapshot.of(eng)
+        self._prefix_summary = PrefixSummary.of(eng, self._prefix_summary)
+
     def _loop(self) -> None:
         eng = self._engine
         try:
             while not self._stop.is_set():
                 self._drain_commands()
+                if self._profiler is not None and self._profiler.done:  # its steps, or its time, are over
+                    self._finish_profile()
                 if not eng.has_unfinished_requests():
                     if eng.kv_transfer is not None:
                         eng.kv_transfer.poll_pins()  # free released / expired KV pins while idle
                     self._observe(StepStats(StepKind.IDLE, 0, 0, 0, 0.0))
-                    self._kv_snapshot = KVSnapshot.of(eng)
+                    self._publish(eng)
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 result = self._step(eng)
-                if self._profiler is not None and self._profiler.done:
-                    self._finish_profile()
                 self._observe(result.stats)
                 # published before the outputs: a client that saw its request finish reads a state this new
-                self._kv_snapshot = KVSnapshot.of(eng)
+                self._publish(eng)
                 for out in result.outputs:
                     self._dispatch(out)
             self._abort_open()
@@ -476,7 +514,7 @@ class EngineClient:
         assert self._profile_done is not None
         try:
             self._profiler = PhaseProfiler(num_steps, self._profiler_dir, self._engine.roofline.device,
-                                           self._engine.config.torch_dtype)
+                                           self._engine.config.torch_dtype, self._profiler_limits)
         except Exception as exc:  # e.g. a bad step count: the waiting /stop_profile gets it
             self._profile_done.set_exception(exc)
 
@@ -486,7 +524,12 @@ class EngineClient:
         if prof is None or done is None or done.done():
             return
         try:
-            done.set_result(prof.stop())
+            result = prof.stop()
         except Exception as exc:
             logger.exception("profiler stop failed")
             done.set_exception(exc)
+            return
+        del prof  # its events' memory is free now: handed back before /stop_profile answers
+        if self.after_profile is not None:
+            self.after_profile()
+        done.set_result(result)

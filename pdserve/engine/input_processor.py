@@ -21,7 +21,7 @@ from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...], "prompt": text}
-MAX_PRIORITY = 2**31 - 1  # request priorities, as an int32
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1  # request priorities: the int32 range
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,8 @@ class InputProcessor:
             raise RequestRejected(f"priority is {priority} but priority scheduling is off; start the server with "
                                   "--scheduling-policy priority, or send priority 0", "priority",
                                   ErrorCode.INVALID_PARAMETER)
-        if abs(priority) > MAX_PRIORITY:
-            raise RequestRejected(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority",
+        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise RequestRejected(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}] (int32)", "priority",
                                   ErrorCode.INVALID_PARAMETER)
 
     def _validate_sampling(self, params: SamplingParams) -> None:

@@ -22,6 +22,10 @@ from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.sampling_params import StructuredOutputs
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept (LRU); xgrammar's own cache is off so this bound holds
+# and their bytes (xgrammar's memory_size_bytes: token-mask caches; 128 small tools compile to ~2.5 MB, so the
+# count alone would let the cache keep ~640 MB)
+GRAMMAR_CACHE_BYTES = 64 * 2**20
+MAX_GRAMMAR_BYTES = 16 * 2**20  # one compiled constraint larger than this is refused (400), never cached
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -40,7 +44,9 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._compiler: Any = None  # xgrammar.GrammarCompiler, built on first use (tokenizer scan: ~0.2 s)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_bytes = 0  # memory_size_bytes of the cached grammars
         self.num_compiled = 0  # cache misses, for tests and metrics
+        self.max_grammar_bytes, self.cache_bytes = MAX_GRAMMAR_BYTES, GRAMMAR_CACHE_BYTES
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -67,11 +73,19 @@ class StructuredOutputManager:
         except Exception as e:  # xgrammar raises RuntimeError (and sometimes others) with a parser message
             raise RequestRejected(f"the {so.kind} constraint does not compile: {_short(e)}", so.param or so.kind,
                                   ErrorCode.INVALID_STRUCTURED_OUTPUT) from e
+        size = int(getattr(compiled, "memory_size_bytes", 0))
+        if size > self.max_grammar_bytes:
+            raise RequestRejected(f"the {so.kind} constraint compiles to {size} bytes; at most "
+                                  f"{self.max_grammar_bytes} are accepted (fewer or simpler tools or schemas)",
+                                  so.param or so.kind, ErrorCode.INVALID_STRUCTURED_OUTPUT)
         with self._lock:
             self.num_compiled += 1
-            self._cache[key] = compiled
-            while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self._cache_bytes += size
+            while len(self._cache) > GRAMMAR_CACHE_SIZE or self._cache_bytes > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= int(getattr(old, "memory_size_bytes", 0))
         return compiled
 
     @staticmethod

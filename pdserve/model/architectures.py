@@ -26,6 +26,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v bias: ModelArchConfig.attention_bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norm per head: ModelArchConfig.qk_norm
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only; local/global layers: ModelArchConfig.layer_types
+    # Phi-3/3.5/4-mini: fused qkv/gate_up as stored; LongRoPE, partial rotary, sliding window: ModelArchConfig
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3): the one definition of its layers.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3): the one definition of its layers.
 
 Qwen2 adds a bias to q/k/v, Qwen3 an RMSNorm per head on q and k (config flags, ModelArchConfig). Weights are loaded
-from Hugging Face parameter names; q/k/v and gate/up are fused into single matrices. Gemma 3 (model/gemma.py) reuses
+from Hugging Face parameter names; q/k/v and gate/up are fused into single matrices (Phi-3's checkpoints store them
+fused already: `qkv_proj`, `gate_up_proj` with the gate rows first; its LongRoPE, partial rotary and sliding window
+come from the config). Gemma 3 (model/gemma.py) reuses
 the attention (its scale, sliding window and rope from the config) and the MLP (GeGLU by `hidden_act`).
 """
 
@@ -82,7 +84,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelArchConfig, kernels: KernelSelection, max_positions: int | None = None) -> None:
         super().__init__(cfg, kernels)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling, kernels)
+                                 cfg.rope_scaling, kernels, cfg.rotary_dim)
         self.build([LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_hidden_layers)])
 
     @torch.no_grad()
@@ -115,9 +117,11 @@ def load_embeddings(model: CausalLM, load: WeightLoader) -> None:
 
 
 def load_attention(load: WeightLoader, att: LlamaAttention, prefix: str, bias: bool, norm_offset: float = 0.0) -> None:
-    """q/k/v fused, o, and the q/k norms (`norm_offset` added: Gemma stores w for its (1 + w) scale)."""
-    load.matrix(att.qkv_proj, [prefix + f"{n}_proj.weight" for n in "qkv"],
-                [prefix + f"{n}_proj.bias" for n in "qkv"] if bias else None)
+    """q/k/v fused (or as stored fused), o, and the q/k norms (`norm_offset` added: Gemma stores w for its (1 + w)
+    scale)."""
+    parts = ["qkv"] if prefix + "qkv_proj.weight" in load.sd else list("qkv")  # Phi-3 stores them fused
+    load.matrix(att.qkv_proj, [prefix + f"{n}_proj.weight" for n in parts],
+                [prefix + f"{n}_proj.bias" for n in parts] if bias else None)
     load.matrix(att.o_proj, [prefix + "o_proj.weight"])
     if att.q_norm is not None and att.k_norm is not None:
         load.copy(att.q_norm.weight, prefix + "q_norm.weight", norm_offset)
@@ -125,6 +129,7 @@ def load_attention(load: WeightLoader, att: LlamaAttention, prefix: str, bias: b
 
 
 def load_mlp(load: WeightLoader, mlp: LlamaMLP, prefix: str) -> None:
-    load.matrix(mlp.gate_up_proj, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+    parts = ["gate_up"] if prefix + "gate_up_proj.weight" in load.sd else ["gate", "up"]  # Phi-3: fused
+    load.matrix(mlp.gate_up_proj, [prefix + f"{n}_proj.weight" for n in parts])
     load.matrix(mlp.down_proj, [prefix + "down_proj.weight"])
 

@@ -30,7 +30,7 @@ import torch
 
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
-from pdserve.model import gemma_gguf
+from pdserve.model import gemma_gguf, phi3_gguf
 from pdserve.model.gguf_reader import read_gguf
 from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
 from pdserve.model.load_progress import LoadProgress, ProgressFn
@@ -158,6 +158,7 @@ GGUF_ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     **gemma_gguf.GEMMA_GGUF_ARCHS,
+    **phi3_gguf.PHI3_GGUF_ARCHS,
 }
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -165,6 +166,7 @@ _MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
 _PERMUTED_QK_ARCHS = {"llama", "mistral"}  # llama.cpp's converter permutes q/k rows only for these
 
@@ -186,19 +188,21 @@ _BLOCK_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_IGNORED_TENSORS = {"rope_freqs.weight"}  # consumed into rope_scaling (llama3), not a parameter
+# consumed into rope_scaling (llama3; phi3's LongRoPE factors), not parameters
+_IGNORED_TENSORS = {"rope_freqs.weight", *phi3_gguf.ROPE_FACTOR_TENSORS.values()}
+_ARCH_BLOCK_TENSORS = {**gemma_gguf.GGUF_BLOCK_TENSORS, **phi3_gguf.GGUF_BLOCK_TENSORS}  # names that differ
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for names this loader doesn't know.
-    `arch` (general.architecture) picks its own names where they differ (Gemma's norms: gemma_gguf.py)."""
+    `arch` (general.architecture) picks its own names where they differ (gemma_gguf.py, phi3_gguf.py)."""
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     parts = base.split(".")
-    block = {**_BLOCK_TENSORS, **gemma_gguf.GGUF_BLOCK_TENSORS.get(arch, {})}
+    block = {**_BLOCK_TENSORS, **_ARCH_BLOCK_TENSORS.get(arch, {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
         return f"model.layers.{int(parts[1])}.{block[parts[2]]}.{suffix}"
     return None
@@ -340,6 +344,8 @@ def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, A
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
     if arch in gemma_gguf.GEMMA_GGUF_ARCHS:
         cfg = gemma_gguf.gemma_hf_config(meta, cfg)
+    if arch in phi3_gguf.PHI3_GGUF_ARCHS:
+        cfg = phi3_gguf.phi3_hf_config(meta, cfg)
     return cfg
 
 
@@ -371,10 +377,10 @@ def _packable_types() -> frozenset[int]:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
               progress: ProgressFn | None = None) -> LoadedModel:
-    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma3), dequantizing every tensor to `dtype`, or with
-    `keep_quantized` keeping every matrix of a type the native kernels read as stored (pack_gguf: Q4_0 ... Q8_0,
-    K-quants, IQ4_NL/XS) as a `GGUFMatrix`, a view into the file (packed when the model takes it, no float copy);
-    other types and 1-D tensors (norms) still dequantize."""
+    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma3 / phi3), dequantizing every tensor to
+    `dtype`, or with `keep_quantized` keeping every matrix of a type the native kernels read as stored (pack_gguf:
+    Q4_0 ... Q8_0, K-quants, IQ4_NL/XS) as a `GGUFMatrix`, a view into the file (packed when the model takes it, no
+    float copy); other types and 1-D tensors (norms) still dequantize."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
@@ -442,6 +448,8 @@ def _expected_param_names(cfg: dict[str, Any]) -> set[str]:
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch in gemma_gguf.GEMMA_GGUF_ARCHS.values():
         per_layer = gemma_gguf.gemma_layer_names()
+    if arch in phi3_gguf.PHI3_GGUF_ARCHS.values():
+        per_layer = phi3_gguf.phi3_layer_names()
     if arch == "Qwen3ForCausalLM":
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     if cfg.get("attention_bias") or arch == "Qwen2ForCausalLM":

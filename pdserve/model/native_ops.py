@@ -87,9 +87,10 @@ class NativeOps:
         self.lib.rms_norm_heads(x, weight, eps)
 
     def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> None:
-        """In place: rotate-half RoPE of every head of q and k at rows `positions` of cos/sin [P, head_dim / 2]."""
-        self.lib.rotary_embedding(positions, q, k, cos, sin, 2 * cos.shape[1])
+               sin: torch.Tensor, head_dim: int) -> None:
+        """In place: rotate-half RoPE of every head of q and k at rows `positions` of cos/sin [P, rotary_dim / 2]
+        (the first rotary_dim = 2 * cos.shape[1] <= head_dim dims of each head turn)."""
+        self.lib.rotary_embedding(positions, q, k, cos, sin, head_dim)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.float32)

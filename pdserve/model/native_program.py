@@ -165,8 +165,8 @@ class ProgramRecorder(NativeOps):
         self._emit("head_rms_norm", [x], ints=[self._const(weight)], floats=[eps])
 
     def rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> None:
-        self._emit("rotary", [positions, q, k], ints=[self._const(cos), self._const(sin), 2 * cos.shape[1]])
+               sin: torch.Tensor, head_dim: int) -> None:
+        self._emit("rotary", [positions, q, k], ints=[self._const(cos), self._const(sin), head_dim])
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._result("silu_and_mul", [x], x.shape[1] // 2)

@@ -68,6 +68,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         with open(os.path.join(args.out, "profile.json"), "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1, ensure_ascii=False)
         trace = result["trace_path"]
-        if os.path.exists(trace) and os.path.dirname(os.path.abspath(trace)) != os.path.abspath(args.out):
+        if trace and os.path.exists(trace) and os.path.dirname(os.path.abspath(trace)) != os.path.abspath(args.out):
             shutil.copy(trace, args.out)  # a server on this machine: bring its trace along
     return 0

@@ -1,7 +1,7 @@
 """`pdserve router`: the PD disaggregation router's HTTP app. The routes are thin: they parse the client's request
 and hand it to `RouterServing` (serving.py: the prefill -> decode hand-off, retries, streaming relay); instances,
-health and the least-loaded choice live in pool.py. The router speaks HTTP to its instances only: it loads neither
-torch nor the engine (tests/test_architecture.py checks it).
+health and the choice of instance live in pool.py (least-loaded) and prefix.py (prefix-aware). The router speaks
+HTTP to its instances only: it loads neither torch nor the engine (tests/test_architecture.py checks it).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import WindowQuery, page_router
 from pdserve.api.errors import install_exception_handlers
+from pdserve.api.http_protocol import HeadLimits, uvicorn_options
 from pdserve.api.log_hygiene import install_log_hygiene
 from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.kv_transfer.trust import secret_from_env
@@ -108,6 +109,17 @@ def add_router_parser(sub: Any) -> None:
                    help="shared secret to sign kv_transfer_params with (the instances' --kv-transfer-secret; "
                    "default: env PDSERVE_KV_TRANSFER_SECRET); never logged")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="reject larger request bodies (413)")
+    p.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix",
+                   help="prefix: prefer the instance that holds the prompt's leading KV blocks, weighed against load "
+                   "(README: prefix-aware routing); least-loaded: load only")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the model's directory (tokenizer.json, tokenizer_config.json), to route text and chat "
+                   "prompts by prefix; without it only token-id prompts are")
+    p.add_argument("--prefix-load-cost", type=float, default=256.0, metavar="TOKENS",
+                   help="prompt tokens one request on an instance is worth against a prefix hit (0: always follow "
+                   "the prefix)")
+    p.add_argument("--prefix-pending-ttl", type=float, default=10.0, metavar="S",
+                   help="seconds a routed prompt's blocks count as on its instance before its summary shows them")
     p.add_argument("--instance-api-key", default=None, help="the instances' --api-key, sent with the router's "
                    "/metrics polls (default: env PDSERVE_INSTANCE_API_KEY); never logged")
     p.add_argument("--log-level", default="info")
@@ -122,8 +134,11 @@ def _cmd_router(args: argparse.Namespace) -> int:
                        decode_timeout=args.decode_timeout, max_decode_attempts=args.max_decode_attempts,
                        on_prefill_failure=args.on_prefill_failure,
                        kv_transfer_secret=secret_from_env(args.kv_transfer_secret), max_body_bytes=args.max_body_bytes,
+                       routing=args.routing, tokenizer=args.tokenizer, prefix_load_cost=args.prefix_load_cost,
+                       prefix_pending_ttl=args.prefix_pending_ttl,
                        instance_api_key=args.instance_api_key or os.environ.get("PDSERVE_INSTANCE_API_KEY"))
-    config = uvicorn.Config(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
+                            **uvicorn_options(HeadLimits()))  # request heads bounded as the server's
     install_log_hygiene()  # after uvicorn set its loggers up: no secret in the access log
     uvicorn.Server(config).run()
     return 0

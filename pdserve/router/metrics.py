@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.router.prefix import PrefixQuery
+
 request_log = logging.getLogger("pdserve.requests")
 
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
@@ -36,6 +38,13 @@ class RouterMetrics:
                               "(bad_request, payload_too_large, ...).", ["kind"], registry=r)
         self.load = Gauge("pdserve:router_instance_load", "Instance load: running + waiting requests.",
                           ["role", "url"], registry=r)
+        self.routing = Counter("pdserve:router_routing_decisions", "Instances chosen, by pool and reason: prefix "
+                               "(holds the prompt's leading blocks, router/prefix.py), no_match (none does: least "
+                               "loaded), no_prefix (prefix routing off or the prompt not tokenized: least loaded), "
+                               "retry.", ["pool", "reason"], registry=r)
+        self.prefix_hit_tokens = Counter("pdserve:router_expected_prefix_hit_tokens", "Prompt tokens the chosen "
+                                         "instances were expected to hold (published or routed there).", ["pool"],
+                                         registry=r)
         for o in ("ok", "error", "client_disconnect"):
             self.requests.labels(o)
         for s in ("prefill", "decode"):
@@ -64,6 +73,15 @@ class RouteTrace:
     outcome: str = "ok"  # ok | error | client_disconnect
     error: str | None = None
     headers: dict[str, str] = field(default_factory=dict)  # forwarded upstream (API key, tenant)
+    prefix: PrefixQuery | None = None  # the prompt's tokens for prefix routing (None: routed by load)
+    route: str | None = None  # why the last instance was chosen (Pool.choose's reason)
+    prefix_hit_tokens: int = 0  # the prompt tokens it was expected to hold
+
+    def routed(self, pool: str, reason: str, hit_tokens: int, metrics: RouterMetrics) -> None:
+        """Count an instance choice in `pool` (pool.Pool.choose's reason, expected hit) and note it for the log."""
+        self.route, self.prefix_hit_tokens = reason, hit_tokens
+        metrics.routing.labels(pool, reason).inc()
+        metrics.prefix_hit_tokens.labels(pool).inc(hit_tokens)
 
     def finish(self, metrics: RouterMetrics) -> None:
         """Count the request and write its log line; called once, when the request ends in any way."""
@@ -75,6 +93,7 @@ class RouteTrace:
         rec = {"request_id": self.request_id, "router": True, "path": self.path, "stream": self.stream,
                "prefill_url": self.prefill_url, "prefill_engine_id": self.prefill_engine_id,
                "prefill_s": self.prefill_s, "decode_url": self.decode_url, "decode_attempts": self.decode_attempts,
-               "recomputed": self.recomputed, "ttft_s": self.ttft_s, "e2e_s": e2e,
+               "recomputed": self.recomputed, "route": self.route, "prefix_hit_tokens": self.prefix_hit_tokens,
+               "ttft_s": self.ttft_s, "e2e_s": e2e,
                "outcome": self.outcome, "error": self.error}
         request_log.info(json.dumps(rec, ensure_ascii=False))

@@ -1,11 +1,13 @@
-"""The router's instances: the prefill and decode pools, their health, the least-loaded choice, and `Tries`, the one
-loop that tries a request on the instances of a pool until one serves it.
+"""The router's instances: the prefill and decode pools, their health, the least-loaded and prefix-aware choices
+(prefix.py), and `Tries`, the one loop that tries a request on the instances of a pool until one serves it.
 
 Load is `pdserve:num_requests_running + num_requests_waiting` (or vLLM's names) from each instance's /metrics,
 polled every `poll_interval`, plus the router's own requests in flight there; ties go round-robin. An instance that
 fails a poll (no answer within max(poll_interval, 1s): down, or frozen) or a connection gets no new work until a
 poll finds it healthy again. Only a decode pool falls back on unhealthy instances when no healthy one is left
-(nothing else could serve the request); a prefill pool has the decode instance compute the prompt instead.
+(nothing else could serve the request); a prefill pool has the decode instance compute the prompt instead. With
+prefix routing on, each poll also refreshes the instance's published prefix-cache hashes (GET /kv/prefix_hashes,
+conditional; an instance without that route is routed by load only).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.prefix import InstancePrefixes, PrefixQuery, PrefixRoutingConfig, choose
 
 logger = logging.getLogger("pdserve.router")
 
@@ -36,6 +39,7 @@ class Instance:
     healthy: bool = True
     load: float = 0.0  # running + waiting, from its /metrics
     inflight: int = 0  # this router's requests on it now
+    prefixes: InstancePrefixes = field(default_factory=InstancePrefixes)  # its prefix-cache blocks, as published
 
 
 @dataclass
@@ -43,16 +47,35 @@ class Pool:
     role: str
     instances: list[Instance]
     last_resort: bool = True  # pick an unhealthy instance when no healthy one is left
+    prefix: PrefixRoutingConfig | None = None  # None: least-loaded only
     _rr: itertools.count = field(default_factory=itertools.count)
 
     def pick(self, exclude: set[Instance] | None = None) -> Instance | None:
-        """Least loaded healthy instance not in `exclude` (unhealthy ones only as the `last_resort`)."""
+        return self.choose(exclude)[0]
+
+    def choose(self, exclude: set[Instance] | None = None,
+               query: PrefixQuery | None = None) -> tuple[Instance | None, str, int]:
+        """(instance, reason, expected prefix-hit tokens): with a `query` and prefix routing on, the instance of
+        lowest cost (prefix.py; reason `prefix`), else (reason `no_match`, or `no_prefix` without a query) the least
+        loaded; healthy instances not in `exclude` (unhealthy ones only as the `last_resort`)."""
         exclude = exclude or set()
         cands = [i for i in self.instances if i not in exclude]
         healthy = [i for i in cands if i.healthy]
         cands = healthy or (cands if self.last_resort else [])
         if not cands:
-            return None
+            return None, "none", 0
+        if query is None or self.prefix is None:
+            return self._least_loaded(cands), "no_prefix", 0
+        best = choose(cands, query, self.prefix)
+        if best:
+            got = best[next(self._rr) % len(best)]
+            inst, reason, hit = got.inst, "prefix", got.hit_tokens
+        else:
+            inst, reason, hit = self._least_loaded(cands), "no_match", 0
+        inst.prefixes.expect(query, self.prefix.clock() + self.prefix.pending_ttl)
+        return inst, reason, hit
+
+    def _least_loaded(self, cands: list[Instance]) -> Instance:
         best = min(i.load + i.inflight for i in cands)
         ties = [i for i in cands if i.load + i.inflight == best]
         return ties[next(self._rr) % len(ties)]
@@ -62,9 +85,10 @@ class InstanceRegistry:
     """The prefill and decode pools; `poll_once` refreshes every instance's health and load from its /metrics."""
 
     def __init__(self, prefill: list[str], decode: list[str], metrics: RouterMetrics, poll_interval: float,
-                 api_key: str | None = None) -> None:
-        self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill], last_resort=False)
-        self.decode = Pool("decode", [Instance(u, "decode") for u in decode])
+                 api_key: str | None = None, prefix: PrefixRoutingConfig | None = None) -> None:
+        self.prefill = Pool("prefill", [Instance(u, "prefill") for u in prefill], last_resort=False, prefix=prefix)
+        self.decode = Pool("decode", [Instance(u, "decode") for u in decode], prefix=prefix)
+        self.prefix = prefix
         self.metrics, self.poll_interval = metrics, poll_interval
         # the instances' --api-key: their /metrics is behind it (unless they run with --metrics-public)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -103,8 +127,27 @@ class InstanceRegistry:
             inst.load, inst.healthy = load, True
         except (httpx.HTTPError, ValueError):
             inst.healthy = False
+        if inst.healthy and self.prefix is not None:
+            await self._poll_prefixes(client, inst)
         self.metrics.up.labels(inst.role, inst.url).set(1 if inst.healthy else 0)
         self.metrics.load.labels(inst.role, inst.url).set(inst.load)
+
+    async def _poll_prefixes(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        """Refresh the instance's published prefix hashes (unchanged: 304). A failure keeps what it had, and an
+        instance without the route (404: vLLM, an older pdserve) is routed by load only; neither is a health issue."""
+        p = inst.prefixes
+        try:
+            headers = {**(self.headers or {}), **({"if-none-match": p.etag} if p.etag else {})}
+            r = await client.get(inst.url + "/kv/prefix_hashes", timeout=max(self.poll_interval, 1.0),
+                                 headers=headers)
+            if r.status_code == 304:
+                return
+            if r.status_code != 200:
+                p.forget()
+                return
+            p.publish(r.json(), r.headers.get("etag"))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("prefix hashes of %s: %s", inst.url, exc)
 
     async def poll_forever(self, client: httpx.AsyncClient) -> None:
         while True:
@@ -134,8 +177,9 @@ class Attempt:
     `inst`. A failure another instance may not share (httpx.HTTPError, which also marks the instance unhealthy, or
     InstanceFailed) ends the block quietly and is recorded in `failure`; any other exception propagates."""
 
-    def __init__(self, inst: Instance, tries: Tries) -> None:
+    def __init__(self, inst: Instance, tries: Tries, reason: str = "retry", hit_tokens: int = 0) -> None:
         self.inst, self._tries = inst, tries
+        self.reason, self.hit_tokens = reason, hit_tokens  # why this instance (Pool.choose), its expected hit
         self.failure: str | None = None
 
     def __enter__(self) -> Instance:
@@ -155,7 +199,8 @@ class Attempt:
 
 
 class Tries:
-    """The instances of `pool` to try for one request: least loaded first, each at most once, at most `limit`.
+    """The instances of `pool` to try for one request: the pool's choice first (prefix-aware with a `query`, else
+    least loaded), each at most once, at most `limit`.
 
         tries = Tries(pool, limit, on_retry, log_prefix)
         for attempt in tries:
@@ -165,21 +210,22 @@ class Tries:
     """
 
     def __init__(self, pool: Pool, limit: int | None = None, on_retry: Callable[[], None] | None = None,
-                 log_prefix: str = "") -> None:
+                 log_prefix: str = "", query: PrefixQuery | None = None) -> None:
         self.pool, self.limit, self.on_retry, self.log_prefix = pool, limit, on_retry, log_prefix
+        self.query = query
         self.last = f"no {pool.role} instance"
         self.last_code: str | None = None  # the error code of the last failure, when the instance sent one
 
     def __iter__(self) -> Iterator[Attempt]:
         tried: set[Instance] = set()
         while self.limit is None or len(tried) < self.limit:
-            inst = self.pool.pick(tried)
+            inst, reason, hit = self.pool.choose(tried, self.query)
             if inst is None:
                 return
             if tried and self.on_retry is not None:
                 self.on_retry()
             tried.add(inst)
-            yield Attempt(inst, self)
+            yield Attempt(inst, self, reason, hit)
 
     def failed(self, attempt: Attempt, reason: str, code: str | None) -> None:
         attempt.failure = self.last = f"{self.pool.role} {attempt.inst.url}: {reason}"

@@ -54,6 +54,7 @@ from pdserve.errors import ErrorCode
 from pdserve.kv_transfer.trust import sign_kv_transfer_params
 from pdserve.router.metrics import RouterMetrics, RouteTrace
 from pdserve.router.pool import Attempt, Instance, InstanceFailed, InstanceRegistry, Tries
+from pdserve.router.prompt_tokens import PrefixRouting
 
 logger = logging.getLogger("pdserve.router")
 
@@ -77,9 +78,17 @@ class RouterConfig:
     on_prefill_failure: str = "recompute"  # recompute | fail
     kv_transfer_secret: str | None = field(default=None, repr=False)  # signs kv_transfer_params; never logged
     max_body_bytes: int = 8 * 2**20  # larger request bodies get a 413 before they are read
+    routing: str = "prefix"  # prefix | least-loaded (router/prefix.py)
+    tokenizer: str | None = None  # the model's tokenizer directory, to route text and chat prompts by prefix
+    prefix_load_cost: float = 256.0  # prompt tokens one request on an instance is worth (router/prefix.py)
+    prefix_pending_ttl: float = 10.0  # seconds routed blocks count as on their instance before it publishes them
     instance_api_key: str | None = field(default=None, repr=False)  # the instances' --api-key, for /metrics polls
 
     def __post_init__(self) -> None:
+        if self.routing not in ("prefix", "least-loaded"):
+            raise ValueError("routing must be prefix or least-loaded")
+        if self.prefix_load_cost < 0 or self.prefix_pending_ttl < 0:
+            raise ValueError("prefix_load_cost and prefix_pending_ttl must be >= 0")
         if not self.decode:
             raise ValueError("the router needs at least one decode instance (--decode URL)")
         if self.on_prefill_failure not in ("recompute", "fail"):
@@ -229,8 +238,9 @@ class RouterServing:
     def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
+        self.prefix = PrefixRouting.from_config(cfg)
         self.registry = InstanceRegistry(cfg.prefill, cfg.decode, self.metrics, cfg.poll_interval,
-                                         cfg.instance_api_key)
+                                         cfg.instance_api_key, self.prefix.config if self.prefix is not None else None)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
@@ -339,6 +349,8 @@ class RouterServing:
     # ---- stages --------------------------------------------------------------------------------------------
     async def _handoff(self, path: str, body: dict[str, Any], tr: RouteTrace) -> dict[str, Any] | None:
         """The kv_transfer_params for the decode instance, or None: it computes the prompt itself."""
+        if self.prefix is not None:  # the prompt's block hashes: both pools choose by them
+            tr.prefix = await self.prefix.query(path, body, tr.headers)
         # the pool, not the config: discovered instances (registry.discover) may join after start
         if not (self.registry.prefill.instances and is_disaggregatable(path, body)):
             return None  # sent to a decode instance as it is (colocated)
@@ -353,9 +365,10 @@ class RouterServing:
         pbody = prefill_body(body, self.cfg.kv_transfer_secret)
         timeout = httpx.Timeout(self.cfg.prefill_timeout, connect=self.cfg.connect_timeout)
         tries = Tries(self.registry.prefill, on_retry=self.metrics.retries.labels("prefill").inc,
-                      log_prefix=f"request {tr.request_id}: ")
+                      log_prefix=f"request {tr.request_id}: ", query=tr.prefix)
         t0 = time.perf_counter()
         for attempt in tries:
+            tr.routed(attempt.inst.role, attempt.reason, attempt.hit_tokens, self.metrics)
             with attempt as inst:
                 r = await watch_disconnect(self.client.post(inst.url + path, json=pbody, headers=tr.headers,
                                                             timeout=timeout), None, inst=inst)
@@ -376,8 +389,10 @@ class RouterServing:
                       params: dict[str, Any] | None) -> Iterator[tuple[Attempt, dict[str, Any] | None]]:
         """Decode attempts with the kv_transfer_params each should carry; raises APIError when none is left."""
         tries = Tries(self.registry.decode, self.cfg.max_decode_attempts,
-                      on_retry=self.metrics.retries.labels("decode").inc, log_prefix=f"request {tr.request_id}: ")
+                      on_retry=self.metrics.retries.labels("decode").inc, log_prefix=f"request {tr.request_id}: ",
+                      query=tr.prefix)
         for attempt in tries:
+            tr.routed(attempt.inst.role, attempt.reason, attempt.hit_tokens, self.metrics)
             if tries.last_code in KV_CODES:
                 params = None  # the prefilled KV cannot be pulled: the next instance computes the prompt
             tr.decode_url, tr.decode_attempts = attempt.inst.url, tr.decode_attempts + 1

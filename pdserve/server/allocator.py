@@ -36,6 +36,14 @@ def tune_allocator() -> None:
 def release_memory() -> None:
     """Collect garbage, then hand freed heap pages of every arena back to the OS (glibc keeps them otherwise)."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages of every arena back to the OS (glibc's malloc_trim; no garbage collection: after a
+    large response its objects are already freed by reference counting). A large response (prompt_logprobs of a
+    long prompt: ~10^5 small dicts and floats) leaves its pages free but kept by the allocator: measured, RSS
+    +78 MB after one 7,602-token prompt_logprobs=20 reply with the heap in use back within 1 MB."""
     if (libc := _libc()) is not None:
         libc.malloc_trim(0)
 

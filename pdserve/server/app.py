@@ -26,13 +26,16 @@ from pdserve.api.api_keys import KeyRing
 from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import page_router
 from pdserve.api.errors import install_exception_handlers
+from pdserve.api.http_protocol import HeadLimits, uvicorn_options
 from pdserve.api.key_limiter import KeyLimiter
 from pdserve.api.log_hygiene import install_log_hygiene
 from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.cache import cache_root
 from pdserve.config import EngineConfig
 from pdserve.engine.client import EngineClient, EngineThread, LLMEngine
+from pdserve.profiler.traces import ProfilerLimits
 from pdserve.server.admin import admin_router
+from pdserve.server.allocator import release_memory
 from pdserve.server.audit import AuditLog
 from pdserve.server.metrics import merged_registry
 from pdserve.server.model_registry import ModelRegistry
@@ -60,15 +63,18 @@ class ServerConfig:
     max_waiting_requests: int | None = 256
     max_body_bytes: int = 8 * 2**20
     body_read_timeout: float = 30.0  # seconds to receive a whole body (408 after)
+    head_limits: HeadLimits = dataclasses.field(default_factory=HeadLimits)  # request line + headers (408, 431)
     max_n: int = 128
     max_sequences_per_request: int | None = None  # None: max_waiting_requests (1024 when that is unbounded)
     max_prompt_chars: int | None = None  # None: serving.PROMPT_CHARS_PER_TOKEN x max_model_len
+    max_prompt_logprob_entries: int = 2**17  # prompt tokens x (prompt_logprobs + 1) of one request
     prefix_cache_isolation: Literal["none", "tenant"] = "none"
     tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS: <think> text -> reasoning_content
     explain_itl_threshold: str = "2x"  # a stall: an ITL gap above this (explain.StallThreshold.parse)
     debug_requests_history: int = 1000  # finished requests kept for GET /debug/requests/{id}
     profiler_dir: str | None = None  # /start_profile traces go here (None: a new temporary directory)
+    profiler_limits: ProfilerLimits = dataclasses.field(default_factory=ProfilerLimits)  # duration, kept traces
     otlp_traces_endpoint: str | None = None  # OpenTelemetry: export one trace per request (pdserve[otel])
     admin_api_key: str | None = None  # None: no admin API (/admin answers 404)
     audit_log: str | None = None  # JSONL path; None: <cache dir>/audit.jsonl with the admin API, else memory; "off"
@@ -90,7 +96,8 @@ class ServerConfig:
     def serving_options(self) -> ServingOptions:
         seqs = self.max_sequences_per_request or self.max_waiting_requests or 1024
         return ServingOptions(self.max_n, seqs, self.max_prompt_chars, self.prefix_cache_isolation,
-                              self.tool_call_parser, self.reasoning_parser)
+                              self.tool_call_parser, self.reasoning_parser,
+                              max_prompt_logprob_entries=self.max_prompt_logprob_entries)
 
 
 def new_registry(base: EngineConfig, cfg: ServerConfig) -> ModelRegistry:
@@ -153,7 +160,8 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
 def configure_introspection(client: EngineClient, cfg: ServerConfig, model_name: str) -> RequestTracer | None:
     """Explanations and profiler options onto a model's EngineClient; its request tracer (OpenTelemetry), if
     --otlp-traces-endpoint is set."""
-    client.configure_introspection(cfg.explain_itl_threshold, cfg.debug_requests_history, cfg.profiler_dir)
+    client.configure_introspection(cfg.explain_itl_threshold, cfg.debug_requests_history, cfg.profiler_dir,
+                                   cfg.profiler_limits, release_memory)  # a stopped profile's memory to the OS
     if cfg.otlp_traces_endpoint:
         return RequestTracer(cfg.otlp_traces_endpoint, model_name)
     return None
@@ -187,12 +195,15 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def run_server(app: FastAPI, host: str, port: int, log_level: str, grace: float, ssl_keyfile: str | None = None,
+def run_server(app: FastAPI, host: str, port: int, log_level: str, grace: float,
+               head_limits: HeadLimits | None = None, ssl_keyfile: str | None = None,
                ssl_certfile: str | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (DrainingServer); HTTPS when given a key and certificate."""
+    """Serve until SIGTERM/SIGINT, then drain (DrainingServer). Request heads are bounded (http_protocol.py);
+    HTTPS when given a key and certificate."""
     if bool(ssl_keyfile) != bool(ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
-                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                            **uvicorn_options(head_limits or HeadLimits()))
     install_log_hygiene()  # after uvicorn set its loggers up: no secret, no client-made line break in a log line
     DrainingServer(config, app.state.registry, grace).run()

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.background import BackgroundTask
 
 from pdserve.api.auth_and_body_limit import QUOTA_SCOPE_KEY
 from pdserve.api.errors import APIError, from_rejected
@@ -17,6 +18,8 @@ from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
 from pdserve.api.protocol_responses import ResponsesRequest
 from pdserve.api.request_id import request_id
 from pdserve.errors import RequestRejected
+from pdserve.prefix_hash import pack_hashes
+from pdserve.server.allocator import trim_heap
 from pdserve.server.model_registry import ModelRegistry, ServedModel
 from pdserve.server.response_store import owner_key
 from pdserve.server.serving import RequestContext, ServingResult
@@ -30,6 +33,7 @@ from pdserve.server.tracing import trace_headers
 
 router = APIRouter()
 VERSION_HEADER = "x-pdserve-model-version"  # NAME@VERSION of the model that served a request
+TRIM_AFTER_BYTES = 2**20  # a JSON reply this large was built from many small objects: trim the heap after it
 
 
 def _context(raw: Request, user: str | None) -> RequestContext:
@@ -42,7 +46,10 @@ def _respond(result: ServingResult, served: ServedModel | None = None) -> Respon
     # served-by evidence: which model and version answered (an alias or canary may have picked it)
     headers = {VERSION_HEADER: served.version_tag} if served is not None else None
     if isinstance(result, dict):
-        return JSONResponse(result, headers=headers)
+        resp = JSONResponse(result, headers=headers)
+        if len(resp.body) >= TRIM_AFTER_BYTES:  # its objects' pages back to the OS once sent (allocator.py)
+            resp.background = BackgroundTask(trim_heap)
+        return resp
     return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
 
@@ -135,6 +142,24 @@ async def debug_kv(raw: Request, model: str | None = None) -> dict[str, Any]:
     client = registry.get(model).client
     assert client is not None
     return {**client.kv_snapshot.as_dict(), "open_requests": client.num_unfinished}
+
+
+@router.get("/kv/prefix_hashes")
+async def prefix_hashes(raw: Request, model: str | None = None) -> Response:
+    """The prefix-cache block hashes a model (default: the default model) holds, for prefix-aware routers:
+    `hashes` packed 8 bytes each (prefix_hash.pack_hashes). The ETag is epoch-version: a router that sends it back
+    in If-None-Match gets a 304 while the set has not changed."""
+    served = raw.app.state.registry.get(model)
+    assert served.client is not None  # get() returns loaded models only
+    summary = served.client.prefix_summary
+    etag = f'"{summary.epoch}-{summary.version}"'
+    if raw.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"etag": etag})
+    isolation = served.serving_completion.options.prefix_cache_isolation
+    return JSONResponse({"object": "prefix_hashes", "model": served.name, "epoch": summary.epoch,
+                         "version": summary.version, "block_size": summary.block_size, "isolation": isolation,
+                         "num_hashes": len(summary.hashes), "hashes": pack_hashes(summary.hashes)},
+                        headers={"etag": etag})
 
 
 # ---- the Responses API: stored responses belong to the API key and the X-Tenant header (response_store.py) -------

@@ -42,6 +42,7 @@ from pdserve.engine.client import (
 )
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.outputs import RequestOutput
+from pdserve.prefix_hash import effective_salt
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.chat_template import render_chat
 from pdserve.server.metrics import Metrics
@@ -74,6 +75,9 @@ class ServingOptions:
     prefix_cache_isolation: Literal["none", "tenant"] = "none"  # tenant: no prefix-cache sharing across tenants
     tool_call_parser: str = "hermes"  # how chat output becomes tool calls (tool_parsers.py)
     reasoning_parser: str | None = None  # how chat output's <think> text becomes reasoning_content (reasoning.py)
+    # prompt tokens x (prompt_logprobs + 1) over the request's sequences: each entry is ~70 bytes of JSON and ~700
+    # of Python objects while the reply is built (2**17: a 6,241-token prompt at k = 20, ~10 MB of JSON)
+    max_prompt_logprob_entries: int = 2**17
 
 
 @dataclass
@@ -200,10 +204,9 @@ class OpenAIServing:
             raise APIError(400, str(e)) from e
 
     def cache_salt(self, body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> str | None:
-        """The body's cache_salt; with tenant isolation, combined with the tenant (unambiguously, as JSON)."""
-        if self.options.prefix_cache_isolation == "tenant" and ctx.tenant is not None:
-            return json.dumps([ctx.tenant, body.cache_salt], ensure_ascii=False)
-        return body.cache_salt
+        """The body's cache_salt; with tenant isolation, combined with the tenant (pdserve/prefix_hash.py: the
+        router computes the same salt to route by prefix)."""
+        return effective_salt(body.cache_salt, ctx.tenant, self.options.prefix_cache_isolation)
 
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run tokenizer work (encode, chat templates, large decodes) off the event loop: the HF fast tokenizer
@@ -241,7 +244,19 @@ class OpenAIServing:
         """Tokenize and validate the children (in a worker thread), then admit them all or none."""
         reqs = await self.in_thread(self.make_children, prompts, params, base_id, body.kv_transfer_params,
                                     self.cache_salt(body, ctx), body.priority)
+        self.check_prompt_logprobs(reqs, params, "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs")
         return self.admit(reqs, ctx)
+
+    def check_prompt_logprobs(self, reqs: list[EngineRequest], params: SamplingParams, param: str) -> None:
+        """Bound what scoring the prompts may allocate (RequestRejected, invalid_parameter, naming `param`)."""
+        if (k := params.prompt_logprobs) is None:
+            return
+        tokens = sum(len(r.prompt_token_ids) for r in reqs)
+        if (entries := tokens * (k + 1)) > (bound := self.options.max_prompt_logprob_entries):
+            raise RequestRejected(
+                f"{param}: {tokens} prompt tokens x {k + 1} logprobs each is "
+                f"{entries} entries; this server returns at most {bound} (--max-prompt-logprob-entries); ask for "
+                "fewer, or score a shorter prompt", param, ErrorCode.INVALID_PARAMETER)
 
     def admit(self, reqs: list[EngineRequest], ctx: RequestContext) -> Children:
         """Hand made children to the engine, all or none (429 when the waiting queue cannot take them, or when

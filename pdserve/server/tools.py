@@ -30,13 +30,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.sampling_params import StructuredOutputs
+from pdserve.sampling_params import MAX_STRUCTURED_SPEC_CHARS, StructuredOutputs
 from pdserve.server.tool_parsers import Event, ParsedOutput, ToolCall, ToolParser, ToolStream, parse_with
 
 MAX_TOOLS = 128
 # the most calls one reply may make under tool_choice "required" with parallel calls allowed: the grammar ends the
 # turn after this many (a small model would otherwise call until max_tokens)
 MAX_PARALLEL_TOOL_CALLS = 8
+# a tool's parameters schema, as JSON text: bounds each schema check and the memory of the check cache below (its
+# keys are the schemas' texts: SCHEMA_CHECK_CACHE x this at most); all tools together are bounded as prompt text
+MAX_TOOL_SCHEMA_CHARS = MAX_STRUCTURED_SPEC_CHARS
+SCHEMA_CHECK_CACHE = 256
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule (letters, digits, _ and -; at most 64), plus "."
 
 DEFAULT_TOOLS_PROMPT = (
@@ -139,6 +143,9 @@ def parse_tools(raw: list[Any] | None) -> list[FunctionTool]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise _bad_tool(f"{p}.function.parameters must be a JSON schema of type object",
                             f"{p}.function.parameters")
+        if (size := len(json.dumps(params, ensure_ascii=False))) > MAX_TOOL_SCHEMA_CHARS:
+            raise _bad_tool(f"{p}.function.parameters is {size} characters of JSON; at most "
+                            f"{MAX_TOOL_SCHEMA_CHARS} are accepted", f"{p}.function.parameters")
         out.append(FunctionTool(name, desc, params))
     return out
 
@@ -189,7 +196,7 @@ class ChatTools:
                  schema_error: Callable[[dict[str, Any]], str | None]) -> None:
         self.tokenizer, self.parser = tokenizer, parser
         # a tool's parameters are checked on every request that offers it: cached by the schema's text
-        checked = functools.lru_cache(maxsize=1024)(lambda text: schema_error(json.loads(text)))
+        checked = functools.lru_cache(maxsize=SCHEMA_CHECK_CACHE)(lambda text: schema_error(json.loads(text)))
         self.schema_error: Callable[[dict[str, Any]], str | None] = \
             lambda schema: checked(json.dumps(schema, sort_keys=True, ensure_ascii=False))
         self._caps: dict[str, bool] | None = None

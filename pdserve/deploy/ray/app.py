@@ -62,7 +62,7 @@ def build_app(cfg: RayServeConfig) -> Any:
     # the engines are bound as arguments so that Serve deploys them with the application; the ingress finds
     # their replicas in the ReplicaDirectory (it routes by HTTP, not through the handles)
     roles = ["decode"] if cfg.topology == "colocated" else ["prefill", "decode"]  # the router's pool names
-    return ingress.bind(cfg.name, cfg.router, roles, engines=engines)
+    return ingress.bind(cfg.name, cfg.router, roles, model=cfg.engine.get("model"), engines=engines)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

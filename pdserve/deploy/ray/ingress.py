@@ -1,8 +1,10 @@
 """OpenAIIngress: the application's HTTP entry, a Ray Serve ingress deployment whose ASGI app is `pdserve router`'s
-(create_router_app): the same least-loaded choice, PD hand-off (vLLM kv_transfer_params), retries of requests that
-have not streamed a token, clear errors for streams that had, and aborts on client disconnect. Its instances are the
-engine replicas advertised in the ReplicaDirectory, re-read before every load poll, so replicas that Ray adds,
-restarts or removes join and leave the pools on their own.
+(create_router_app): the same choice of instance (prefix-aware, router/prefix.py, else least-loaded), PD hand-off (vLLM
+kv_transfer_params), retries of requests that have not streamed a token, clear errors for streams that had, and aborts
+on client disconnect. Its instances are the engine replicas advertised in the ReplicaDirectory, re-read before every
+load poll, so replicas that Ray adds, restarts or removes join and leave the pools on their own. Prefix routing
+tokenizes with `router.tokenizer`, by default the engine's `model` when that is a directory with a tokenizer.json on the
+ingress's node.
 
 Extra routes: GET /v1/replicas (each replica's role, URL, node and replica id) and GET /metrics/replicas (every
 replica's Prometheus metrics with replica, role and node labels).
@@ -11,6 +13,7 @@ replica's Prometheus metrics with replica, role and node labels).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -28,7 +31,9 @@ from pdserve.router.serving import RouterConfig
 
 class OpenAIIngress:
     def __init__(self, app_name: str, router: dict[str, Any], roles: list[str], startup_timeout_s: float = 600.0,
-                 **deployments: Any) -> None:
+                 model: str | None = None, **deployments: Any) -> None:
+        if "tokenizer" not in router and model and os.path.isfile(os.path.join(model, "tokenizer.json")):
+            router = {**router, "tokenizer": model}
         self.directory = get_directory(app_name)
         deadline = time.monotonic() + startup_timeout_s
         urls = pools(ray.get(self.directory.list.remote()))

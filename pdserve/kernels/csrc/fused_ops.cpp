@@ -2,6 +2,8 @@
 // silu_and_mul, gelu_tanh_and_mul): argument checks, ISA choice, row split across ATen's threads. The kernels are in fused_ops_{generic,avx2,avx512}.cpp.
 #include <torch/extension.h>
 
+#include <algorithm>
+
 #include "parallel.h"
 #include "dispatch.h"
 #include "fused_kernels.h"
@@ -82,6 +84,8 @@ void rms_norm_heads(at::Tensor& x, const at::Tensor& weight, double eps) {
   });
 }
 
+// The first rotary_dim = 2 * cos.size(1) <= head_dim dims of each head turn (a partial rotary, Phi-4-mini: the ISA
+// kernel is then called per head, with that head's dims as its "head").
 void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
                       const at::Tensor& sin, int64_t head_dim) {
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even, got ", head_dim);
@@ -91,7 +95,8 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   TORCH_CHECK(q.size(1) % head_dim == 0 && k.size(1) % head_dim == 0, "q and k widths must be multiples of head_dim");
   check_rows(q, "q", t, q.size(1));
   check_rows(k, "k", t, k.size(1));
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim / 2, "cos must be [P, head_dim / 2], got ", cos.sizes());
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) > 0 && 2 * cos.size(1) <= head_dim,
+              "cos must be [P, rotary_dim / 2] with rotary_dim <= head_dim, got ", cos.sizes());
   TORCH_CHECK(sin.sizes() == cos.sizes(), "sin must have the shape of cos");
   for (const at::Tensor* c : {&cos, &sin})
     TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous(), "cos and sin must be contiguous float32");
@@ -105,8 +110,15 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0), nq = q.size(1) / head_dim, nk = k.size(1) / head_dim;
+  const int64_t rot = 2 * cos.size(1);
   parallel_for(0, t, grain(q.size(1) + k.size(1)), [&](int64_t r0, int64_t r1) {
-    fn(pos, qp, qs, nq, kp, ks, nk, cp, sp, head_dim, r0, r1);
+    if (rot == head_dim) {
+      fn(pos, qp, qs, nq, kp, ks, nk, cp, sp, head_dim, r0, r1);
+      return;
+    }
+    for (int64_t h = 0; h < std::max(nq, nk); ++h)
+      fn(pos, qp + std::min(h, nq - 1) * head_dim, qs, h < nq ? 1 : 0, kp + std::min(h, nk - 1) * head_dim, ks,
+         h < nk ? 1 : 0, cp, sp, rot, r0, r1);
   });
 }
 

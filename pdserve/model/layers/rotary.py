@@ -2,7 +2,15 @@
 
 One instance per distinct (head_dim, base, scaling): the layers that share it hold the same module (Gemma 3's local
 and global layers would hold two, each with its own base). q and k are [T, heads * head_dim], possibly column slices
-of the fused qkv output: the native kernel rotates them in place there, the reference returns new tensors.
+of the fused qkv output: the native kernel rotates them in place there, the reference returns new tensors. With a
+partial rotary (Phi-4-mini) only the first `rotary_dim` dims of each head turn; the rest pass through.
+
+LongRoPE (Phi-3/3.5/4-mini) keeps two factor sets. transformers picks one per forward call (long when the call's
+highest position reaches original_max_position_embeddings), so what a token gets depends on how its sequence was
+split into calls. Here the choice is per position (short below the original length, long from it on): the same for
+any chunking, batching or prefix-cache hit, and transformers' result whenever its calls cut at that length (as when
+a conversation grows past it token by token). Both sets' tables carry the attention factor
+sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original unless given.
 """
 
 from __future__ import annotations
@@ -35,18 +43,46 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) ->
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, longrope)")
+
+
+def _longrope_inv_freq(dim: int, base: float, factors: list[float]) -> torch.Tensor:
+    if len(factors) != dim // 2:
+        raise ValueError(f"longrope factors have {len(factors)} entries for a rotary dim of {dim} (need {dim // 2})")
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponent)
+
+
+def rope_tables(dim: int, max_positions: int, base: float,
+                scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, dim / 2] of rotary dim `dim` (see the module docstring for LongRoPE)."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind not in ("longrope", "su"):
+        freqs = torch.outer(positions, rope_inv_freq(dim, base, scaling))
+        return freqs.cos(), freqs.sin()
+    assert scaling is not None
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or 1.0)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0
+    short = torch.outer(positions, _longrope_inv_freq(dim, base, scaling["short_factor"]))
+    long = torch.outer(positions, _longrope_inv_freq(dim, base, scaling["long_factor"]))
+    freqs = torch.where((positions < orig).unsqueeze(1), short, long)
+    return freqs.cos() * attention_factor, freqs.sin() * attention_factor
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None,
-                 kernels: KernelSelection) -> None:
+                 kernels: KernelSelection, rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, base, scaling))
+        self.rotary_dim = rotary_dim or head_dim
+        if self.rotary_dim % 2 or self.rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {head_dim}")
         # plain attributes, not buffers: they stay float32 when the model is cast to bf16 (to_device moves them)
-        self.cos = freqs.cos()  # [P, D/2]
-        self.sin = freqs.sin()
+        self.cos, self.sin = rope_tables(self.rotary_dim, max_positions, base, scaling)  # [P, rotary_dim / 2]
         self.kernels = kernels
         self._impl = self._native if kernels.native is not None else self._reference
 
@@ -64,12 +100,13 @@ class RotaryEmbedding(nn.Module):
 
     def _native(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kernels.ops.rotary(positions, q, k, self.cos, self.sin)
+        self.kernels.ops.rotary(positions, q, k, self.cos, self.sin, self.head_dim)
         return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
     dtype = x.dtype
     xf = x.unflatten(-1, (-1, head_dim)).float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype).flatten(-2)
+    rot = 2 * cos.shape[-1]
+    x1, x2 = xf[..., :rot].chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rot:]), dim=-1).to(dtype).flatten(-2)
