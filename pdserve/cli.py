@@ -128,7 +128,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     tune_allocator()  # before the first load: freed models go back to the OS (allocator.py)
     specs, aliases = _serve_models(args)
     base = dataclasses.replace(engine_config_from_args(args), model=None)
-    server_cfg = ServerConfig(served_model_name=specs[0].name, api_key=args.api_key,
+    server_cfg = ServerConfig(served_model_name=specs[0].name, api_key=args.api_key, api_key_file=args.api_key_file,
+                              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                              allowed_headers=args.allowed_headers,
                               max_waiting_requests=args.max_waiting_requests, max_body_bytes=args.max_body_bytes,
                               body_read_timeout=args.body_read_timeout, max_n=args.max_n,
                               head_limits=HeadLimits(args.header_read_timeout, args.max_header_bytes),
@@ -148,6 +150,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               responses_store_max_entries=args.responses_store_max_entries,
                               responses_store_max_bytes=args.responses_store_max_bytes,
                               responses_store_ttl=args.responses_store_ttl)
+    server_cfg.key_ring()  # a bad --api-key-file fails before any model loads
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     registry = new_registry(base, server_cfg)
     for spec in specs:  # each on its own engine thread; peaks resolved there (`auto` may measure)
         served, old = registry.begin_load(spec)
@@ -159,7 +164,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = create_registry_app(registry, server_cfg)
     # SIGTERM/SIGINT: /health turns 503 "draining", open requests finish for up to the grace period, then the
     # streams still open end with an error event and the app's shutdown aborts what is left and frees its blocks.
-    run_server(app, args.host, args.port, args.log_level, args.shutdown_grace, server_cfg.head_limits)
+    run_server(app, args.host, args.port, args.log_level, args.shutdown_grace, server_cfg.head_limits,
+               args.ssl_keyfile, args.ssl_certfile)
     return 0
 
 
@@ -202,14 +208,37 @@ def serve_option_names() -> set[str]:
 
 def _add_access_args(srv: argparse.ArgumentParser) -> None:
     """`serve`'s keys and the audit log."""
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, "
-                     "/detokenize, /debug, the API docs, /metrics and /version (/health stays open)")
+    srv.add_argument("--api-key", action="append", default=None, help="require 'Authorization: Bearer KEY' on "
+                     "/v1, /tokenize, /detokenize, /debug, the API docs, /metrics and /version (/health stays open); "
+                     "repeat for several keys, each named key-<8 hex of its SHA-256>")
+    srv.add_argument("--api-key-file", default=None, help="named keys with optional limits, one `NAME:KEY [rpm=N] "
+                     "[tpm=N] [concurrent=N]` a line, or JSON (README: keys and quotas); the name is the tenant")
     srv.add_argument("--metrics-public", action="store_true", help="serve /metrics and /version without the API "
                      "key (a Prometheus that cannot send it); they show tenant names, load and versions")
     srv.add_argument("--admin-api-key", default=None, help="enable the admin API (/admin: load, unload, sleep, "
                      "wake, aliases, audit) behind 'Authorization: Bearer KEY' (off when unset: /admin is 404)")
     srv.add_argument("--audit-log", default=None, help="append-only JSONL of model lifecycle changes (default: "
                      "<cache dir>/audit.jsonl with --admin-api-key, else kept in memory; `off`: no file)")
+
+
+def _list_arg(text: str) -> list[str]:
+    """A list option: a JSON list (vLLM's form, '["*"]') or comma-separated words."""
+    if text.lstrip().startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def _add_web_args(srv: argparse.ArgumentParser) -> None:
+    """CORS and TLS, with vLLM's flag names."""
+    srv.add_argument("--allowed-origins", type=_list_arg, default=None, help="CORS: origins browsers may call "
+                     "from ('[\"*\"]' or a,b; default: no CORS headers)")
+    srv.add_argument("--allowed-methods", type=_list_arg, default=["*"], help="CORS: allowed methods")
+    srv.add_argument("--allowed-headers", type=_list_arg, default=["*"], help="CORS: allowed request headers")
+    srv.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    srv.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
 
 
 def _add_responses_args(srv: argparse.ArgumentParser) -> None:
@@ -271,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "path, version, options: {engine options}}]` and `aliases: {alias: name}` (with --model: "
                      "those are added after these)")
     _add_access_args(srv)
+    _add_web_args(srv)
     srv.add_argument("--tenant-label-limit", type=int, default=16, help="distinct tenants (X-Tenant header, else "
                      "the body's user) labelled in the per-tenant metrics; later ones are counted as `other`")
     srv.add_argument("--max-waiting-requests", type=int, default=256,

@@ -36,6 +36,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type_
         self.param, self.code, self.kind = param, code, kind
+        self.headers: dict[str, str] | None = None  # extra response headers (a 429's Retry-After)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.type, self.param, self.code)
@@ -95,7 +96,7 @@ def error_body(status: int, message: str, type_: str, param: str | None = None, 
 def error_response(e: APIError, path: str = "") -> JSONResponse:
     """The error as the route's API writes it: Anthropic's body under ANTHROPIC_PREFIX, else OpenAI's."""
     body = e.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else e.body()
-    return JSONResponse(body, status_code=e.status)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 def validation_message(e: RequestValidationError) -> APIError:

@@ -20,11 +20,14 @@ from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
+from pdserve.api.api_keys import KeyRing
 from pdserve.api.auth_and_body_limit import AuthAndBodyLimitMiddleware
 from pdserve.api.dashboard_page import page_router
 from pdserve.api.errors import install_exception_handlers
 from pdserve.api.http_protocol import HeadLimits, uvicorn_options
+from pdserve.api.key_limiter import KeyLimiter
 from pdserve.api.log_hygiene import install_log_hygiene
 from pdserve.api.request_id import RequestIdMiddleware
 from pdserve.cache import cache_root
@@ -52,7 +55,11 @@ logger = logging.getLogger("pdserve.server")
 @dataclasses.dataclass
 class ServerConfig:
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # --api-key, each (api_keys.py: names, tenants)
+    api_key_file: str | None = None  # --api-key-file: named keys with optional limits (api_keys.py)
+    allowed_origins: list[str] | None = None  # CORS (None: no CORS headers)
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     max_waiting_requests: int | None = 256
     max_body_bytes: int = 8 * 2**20
     body_read_timeout: float = 30.0  # seconds to receive a whole body (408 after)
@@ -76,6 +83,10 @@ class ServerConfig:
     responses_store_max_entries: int = 1024  # stored /v1/responses responses (0: none stored)
     responses_store_max_bytes: int = 64 * 2**20  # their JSON, in all
     responses_store_ttl: float = 3600.0  # seconds a stored response lives
+
+    def key_ring(self) -> KeyRing | None:
+        flag = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        return KeyRing.from_options(flag, self.api_key_file)
 
     def audit_log_path(self) -> Path | None:
         if self.audit_log == "off" or self.audit_log is None and not self.admin_api_key:
@@ -124,9 +135,16 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
     app.state.admin_api_key = cfg.admin_api_key
     app.state.response_store = ResponseStore(cfg.responses_store_max_entries, cfg.responses_store_max_bytes,
                                              cfg.responses_store_ttl)
-    app.add_middleware(AuthAndBodyLimitMiddleware, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+    keys = cfg.key_ring()
+    app.add_middleware(AuthAndBodyLimitMiddleware, api_key=None, max_body_bytes=cfg.max_body_bytes,
                        metrics=metrics, body_read_timeout=cfg.body_read_timeout, admin_api_key=cfg.admin_api_key,
-                       public_metrics=cfg.metrics_public)
+                       public_metrics=cfg.metrics_public, keys=keys,
+                       limiter=KeyLimiter(keys.keys) if keys is not None else None,
+                       on_key_refused=lambda name, status: registry.tenant_metrics.observe_refused(
+                           "unknown", name if keys and keys.pins_tenant else None, status))  # before routing
+    if cfg.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
+                           allow_headers=cfg.allowed_headers, allow_credentials=False)
     app.add_middleware(RequestIdMiddleware)  # added last: outermost, so the guards' refusals carry the id too
     install_exception_handlers(app, metrics)
     app.include_router(router)
@@ -178,9 +196,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(app: FastAPI, host: str, port: int, log_level: str, grace: float,
-               head_limits: HeadLimits | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (DrainingServer). Request heads are bounded (http_protocol.py)."""
+               head_limits: HeadLimits | None = None, ssl_keyfile: str | None = None,
+               ssl_certfile: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (DrainingServer). Request heads are bounded (http_protocol.py);
+    HTTPS when given a key and certificate."""
+    if bool(ssl_keyfile) != bool(ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                             **uvicorn_options(head_limits or HeadLimits()))
     install_log_hygiene()  # after uvicorn set its loggers up: no secret, no client-made line break in a log line
     DrainingServer(config, app.state.registry, grace).run()

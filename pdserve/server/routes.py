@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import generate_latest
 from starlette.background import BackgroundTask
 
+from pdserve.api.auth_and_body_limit import QUOTA_SCOPE_KEY
 from pdserve.api.errors import APIError, from_rejected
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
@@ -37,7 +38,8 @@ TRIM_AFTER_BYTES = 2**20  # a JSON reply this large was built from many small ob
 
 def _context(raw: Request, user: str | None) -> RequestContext:
     return RequestContext(tenant=raw.headers.get("x-tenant") or user, is_disconnected=raw.is_disconnected,
-                          trace_headers=trace_headers(raw.headers), request_id=request_id(raw))
+                          trace_headers=trace_headers(raw.headers), request_id=request_id(raw),
+                          quota=raw.scope.get(QUOTA_SCOPE_KEY))
 
 
 def _respond(result: ServingResult, served: ServedModel | None = None) -> Response:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdserve.api.errors import ERROR_STATUS, APIError
+from pdserve.api.key_limiter import TokenQuota
 from pdserve.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -100,6 +101,7 @@ class RequestContext:
     is_disconnected: Callable[[], Awaitable[bool]] | None = None  # polled while collecting a non-streamed reply
     trace_headers: dict[str, str] | None = None  # incoming W3C trace context (traceparent), for OpenTelemetry
     request_id: str | None = None  # the x-request-id header (the client's, sanitized, or generated): logged
+    quota: TokenQuota | None = None  # the API key's tokens/min (key_limiter.py), when it has one
 
 
 def shutting_down(e: Exception) -> APIError:
@@ -257,18 +259,39 @@ class OpenAIServing:
                 "fewer, or score a shorter prompt", param, ErrorCode.INVALID_PARAMETER)
 
     def admit(self, reqs: list[EngineRequest], ctx: RequestContext) -> Children:
-        """Hand made children to the engine, all or none (429 when the waiting queue cannot take them)."""
+        """Hand made children to the engine, all or none (429 when the waiting queue cannot take them, or when
+        the key's tokens/min cannot cover them: each reserves prompt + max_tokens, settled when it finishes)."""
+        reserved = self.reserve_tokens(reqs, ctx.quota)
         try:
-            streams = self.client.add_requests(reqs, on_finished=lambda out: self.on_finished(out, ctx),
+            streams = self.client.add_requests(reqs, on_finished=lambda out: self.on_finished(out, ctx, reserved),
                                                tenant=ctx.tenant)
-        except QueueFull as e:
-            raise APIError(429, str(e), "rate_limit_error", code="too_many_requests", kind="rate_limited") from e
-        except ShuttingDown as e:
-            self.log_refused(reqs, ctx.tenant, "server_shutting_down")
-            raise shutting_down(e) from e
-        except EngineDead as e:
-            raise APIError(500, str(e), "internal_error", kind="engine") from e
+        except (QueueFull, ShuttingDown, EngineDead) as e:
+            if ctx.quota is not None and reserved:
+                ctx.quota.settle(sum(reserved.values()), 0)  # none admitted: nothing used
+            raise self._refusal(e, reqs, ctx) from e
         return Children(reqs, streams)
+
+    def _refusal(self, e: Exception, reqs: list[EngineRequest], ctx: RequestContext) -> APIError:
+        if isinstance(e, QueueFull):
+            return APIError(429, str(e), "rate_limit_error", code="too_many_requests", kind="rate_limited")
+        if isinstance(e, ShuttingDown):
+            self.log_refused(reqs, ctx.tenant, "server_shutting_down")
+            return shutting_down(e)
+        return APIError(500, str(e), "internal_error", kind="engine")
+
+    def reserve_tokens(self, reqs: list[EngineRequest], quota: TokenQuota | None) -> dict[str, int]:
+        """The tokens/min each child reserves (its prompt + max_tokens, up to max_model_len), all at once or a
+        429."""
+        if quota is None:
+            return {}
+        most = {r.request_id: len(r.prompt_token_ids) + (r.sampling_params.max_tokens or
+                                                          self.model_info.max_model_len - len(r.prompt_token_ids))
+                for r in reqs}
+        want = sum(most.values())
+        total = quota.reserve(want)  # may be less: capped at the bucket's size (key_limiter.py)
+        shares = {rid: n * total // max(want, 1) for rid, n in most.items()}
+        shares[reqs[0].request_id] += total - sum(shares.values())  # the rounding: settled exactly
+        return shares
 
     def make_children(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                       kv_params: dict[str, Any] | None = None, cache_salt: str | None = None,
@@ -431,9 +454,11 @@ class OpenAIServing:
         return resp
 
     # ---- request log, tenant metrics and trace ------------------------------------------------------------
-    def on_finished(self, out: RequestOutput, ctx: RequestContext) -> None:
-        """A child finished (engine thread, its final output): its log line, its tenant's metrics, and its trace
-        when tracing is on."""
+    def on_finished(self, out: RequestOutput, ctx: RequestContext, reserved: dict[str, int] | None = None) -> None:
+        """A child finished (engine thread, its final output): its log line, its tenant's metrics, its trace
+        when tracing is on, and its key's tokens/min settled with what it used (`reserved`: by child id)."""
+        if ctx.quota is not None and reserved and out.request_id in reserved:
+            ctx.quota.settle(reserved[out.request_id], len(out.prompt_token_ids) + len(out.outputs[0].token_ids))
         self.log_finished(out, ctx.tenant, ctx.request_id)
         if self.tenant_metrics is not None:
             self.tenant_metrics.observe_finished(self.model_name, ctx.tenant, out)
