@@ -34,6 +34,7 @@ import httpx
 from pdserve.launch import start_server
 from pdserve.roofline import machine_info
 
+ADMIN_KEY = "soak-admin-key"  # the soak's server runs with --admin-api-key so that admin abuse reaches the checks
 GOOD_PROMPTS = ["Name three colours.", "用一句话介绍长城。", "What is 2+2? Answer briefly.", "Say hello in French."]
 
 
@@ -72,6 +73,14 @@ def abusive_requests() -> list[tuple[str, str, dict[str, str], bytes]]:
         ("tool_schema_too_large", "/v1/chat/completions", j, chat(tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "properties": {
                 f"p{i}": {"type": "string", "description": "x" * 64} for i in range(1000)}}}}])),
+        # issue 31, items 1, 6, 7: remote-decode params without the router's signature, admin calls with names
+        # outside the documented set (with the admin key) and without the key
+        ("unsigned_remote_decode", "/v1/completions", j, cmpl(kv_transfer_params={"do_remote_decode": True})),
+        ("admin_bad_name", "/admin/models", {**j, "authorization": f"Bearer {ADMIN_KEY}"},
+         json.dumps({"name": "../x\n{\"level\": \"ERROR\"}<img src=x>", "path": "/nonexistent"}).encode()),
+        ("admin_long_name", "/admin/models", {**j, "authorization": f"Bearer {ADMIN_KEY}"},
+         json.dumps({"name": "a" * 10_000, "path": "/nonexistent"}).encode()),
+        ("admin_without_key", "/admin/models", j, json.dumps({"name": "m", "path": "/nonexistent"}).encode()),
         ("10000_headers", "/v1/completions", {**j, **{f"x-h{i}": "v" for i in range(10_000)}}, cmpl()),
         ("1mb_header", "/v1/completions", {**j, "x-big": "a" * 2**20}, cmpl()),
     ]
@@ -237,7 +246,8 @@ def main() -> int:
     print(f"# soak: {args.minutes} min, {args.good} good / {args.abusive} abusive / {args.disconnecting} "
           f"disconnecting clients; {info.get('cpu')}, {info.get('date')}")
     with tempfile.TemporaryDirectory() as d:
-        srv = start_server(Path(d), "--log-level", "warning", *args.server_args.split())
+        srv = start_server(Path(d), "--log-level", "warning", "--admin-api-key", ADMIN_KEY,
+                           *args.server_args.split())
         try:
             base_kv = httpx.get(srv.base_url + "/debug/kv").json()
             soak, samples = asyncio.run(run(args, srv.base_url, srv.proc.pid))
