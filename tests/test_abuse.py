@@ -659,3 +659,14 @@ def test_every_admin_call_is_one_audit_line(server: ServerProc, tmp_path: Path) 
     assert len(lines()) == before
     assert httpx.post(server.base_url + CMPL, headers=AUTH, json={**GOOD, "model": "chat"}).status_code == 200
     baseline(server)
+
+
+@pytest.mark.parametrize("read_timeout", [2.0, 10.0, 30.0])
+def test_idle_connections_outlive_client_pools(read_timeout: float) -> None:
+    """An idle kept-alive connection is closed by the head timer, never by uvicorn's keep-alive timer firing first,
+    and not at the instant clients' pools expire it (httpx: 5 s) - a close at that moment raced a client reusing
+    the connection for a POST (one good client's ReadError in 8,202 during a 30-minute soak)."""
+    from pdserve.api.http_protocol import CLIENT_KEEPALIVE_EXPIRY, HeadLimits, uvicorn_options
+
+    opts = uvicorn_options(HeadLimits(read_timeout=read_timeout))
+    assert opts["timeout_keep_alive"] > max(read_timeout, CLIENT_KEEPALIVE_EXPIRY)

@@ -112,6 +112,15 @@ def guarded_protocol(limits: HeadLimits) -> type[GuardedH11Protocol]:
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
 
 
+# Clients pool idle connections for a while (httpx, and so the openai and anthropic clients: 5 s) and reuse them
+# without retrying a POST: a server that closes an idle connection at the same moment races them (ReadError).
+CLIENT_KEEPALIVE_EXPIRY = 5.0
+
+
 def uvicorn_options(limits: HeadLimits) -> dict[str, Any]:
-    """uvicorn.Config keyword arguments for guarded heads (h11's own bound on an incomplete head set to match)."""
-    return {"http": guarded_protocol(limits), "h11_max_incomplete_event_size": limits.max_bytes + 4}
+    """uvicorn.Config keyword arguments for guarded heads (h11's own bound on an incomplete head set to match).
+    An idle kept-alive connection is closed, silently, by the head timer (`read_timeout` after the last response);
+    uvicorn's own keep-alive timer is set past both it and clients' pool expiry so that it never fires first."""
+    keep_alive = max(limits.read_timeout, CLIENT_KEEPALIVE_EXPIRY) + 1
+    return {"http": guarded_protocol(limits), "h11_max_incomplete_event_size": limits.max_bytes + 4,
+            "timeout_keep_alive": int(keep_alive + 0.999)}

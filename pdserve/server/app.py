@@ -202,7 +202,7 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str, grace: float,
     HTTPS when given a key and certificate."""
     if bool(ssl_keyfile) != bool(ssl_certfile):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together")
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=5,
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                             **uvicorn_options(head_limits or HeadLimits()))
     install_log_hygiene()  # after uvicorn set its loggers up: no secret, no client-made line break in a log line
