@@ -6,13 +6,13 @@
 // fields it read after seeing epoch e belong to job e (they are rewritten only after every chunk of e was claimed
 // and finished, and the epoch moves on). `done_` counts finished chunks of the current job; the caller returns
 // when it reaches nchunks. Workers spin briefly after a job (the next op of a step follows within microseconds),
-// then sleep on a futex; the caller wakes sleepers but never waits for them.
+// then sleep on a futex; the caller wakes sleepers but never waits for a worker that claimed nothing. Waiting for
+// a claimed chunk, the caller spins briefly, then sleeps on `done_seq_`, which the last chunk's thread bumps.
 #include "parallel.h"
 
 #include <ATen/Parallel.h>
 #include <linux/futex.h>
 #include <torch/extension.h>
-#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
