@@ -205,8 +205,8 @@ def test_router_prompt_tokens_equal_the_servers(tok_dir: Path, tokenizer: Any, m
 
 
 def test_published_summary_is_rebuilt_only_when_the_cached_set_changes() -> None:
-    """The engine thread republishes after every step; the hash tuple is copied only when a hash entered or left
-    the block manager's cache (cache_version), and a new engine gets a new epoch."""
+    """The engine thread builds the summary when a reader asks; the hash tuple is copied only when a hash entered or
+    left the block manager's cache (cache_version), and a new engine gets a new epoch."""
     from types import SimpleNamespace
 
     from pdserve.engine.client import PrefixSummary
@@ -226,3 +226,36 @@ def test_published_summary_is_rebuilt_only_when_the_cached_set_changes() -> None
     assert bm.allocate_slots(Request("x", [1] * 32, SamplingParams(), eos_token_ids={2}, max_tokens=8), 32)
     assert PrefixSummary.of(engine, second).hashes == ()  # evicted for new blocks
     assert PrefixSummary.of(engine).epoch != first.epoch
+
+
+def test_engine_client_builds_the_summary_only_when_asked(tiny_hf_model: Any, tokenizer: Any) -> None:
+    """Steps never copy the hashes: after a request's blocks are cached the last build is unchanged until a reader
+    asks (current_prefix_summary), which then holds the request's full blocks; asking again returns the same build."""
+    from pdserve.config import EngineConfig
+    from pdserve.engine.client import EngineClient
+    from pdserve.engine.engine import LLMEngine
+
+    from conftest import loaded_from_hf
+
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=256, device_peaks="off"),
+                       model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
+    client = EngineClient(engine)
+    first = client.prefix_summary
+    client.start()
+    try:
+        async def run() -> tuple[Any, Any, Any]:
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            req = engine.make_request({"prompt_token_ids": list(range(100, 140))}, params, "r1")
+            async for _ in client.generate(req):
+                pass
+            stale = client.prefix_summary
+            built = await client.current_prefix_summary()
+            return stale, built, await client.current_prefix_summary()
+
+        stale, built, again = asyncio.run(run())
+    finally:
+        client.shutdown()
+    bs = engine.block_manager.block_size
+    assert stale is first and first.hashes == ()
+    assert built.epoch == first.epoch and built.version > first.version and len(built.hashes) == 40 // bs
+    assert again is built

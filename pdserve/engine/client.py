@@ -110,9 +110,10 @@ class KVSnapshot:
 
 @dataclass(frozen=True)
 class PrefixSummary:
-    """The prefix-cache block hashes this engine holds (used or cached-free), for prefix-aware routers. Rebuilt on
-    the engine thread only when the set changed (BlockManager.cache_version): at most num_blocks hashes, 8 bytes
-    each when packed. `epoch` is new for every engine, so a router never mistakes a restarted one's version."""
+    """The prefix-cache block hashes this engine holds (used or cached-free), for prefix-aware routers. Built on
+    the engine thread only when a reader asks and the set changed since the last build (BlockManager.cache_version),
+    so steps never copy hashes nobody reads: at most num_blocks hashes, 8 bytes each when packed. `epoch` is new for
+    every engine, so a router never mistakes a restarted one's version."""
 
     epoch: str
     version: int
@@ -180,7 +181,7 @@ class EngineClient:
         self.draining = False  # set at SIGTERM: /health answers 503 (requests are still served during the grace)
         self.closed = False  # set when the grace ran out: new requests are refused
         self._kv_snapshot = KVSnapshot.of(engine)  # replaced whole (one reference store) by the engine thread
-        self._prefix_summary = PrefixSummary.of(engine)  # the same
+        self._prefix_summary = PrefixSummary.of(engine)  # replaced whole on the engine thread, when asked
         if engine.kv_transfer is not None:  # PD roles: KV pulls landing and pins released wake the engine loop
             engine.kv_transfer.wakeup = self._wake.set
         # per-request explanations (GET /debug/requests/{id}, the log line's `explain`), made as requests finish
@@ -228,8 +229,24 @@ class EngineClient:
 
     @property
     def prefix_summary(self) -> PrefixSummary:
-        """The prefix-cache hashes last published; safe to read from any thread."""
+        """The prefix-cache hashes last built (possibly older than the cache); safe to read from any thread."""
         return self._prefix_summary
+
+    async def current_prefix_summary(self, timeout: float = 5.0) -> PrefixSummary:
+        """The prefix-cache hashes as of the engine thread's next turn (at most one step away). When the cached set
+        has not changed since the last build (an int read, atomic) that build is returned without a round trip; when
+        the loop is not running, or does not answer within `timeout`, the last build is."""
+        last = self._prefix_summary
+        running = self._loop_done is not None and not self._loop_done.done() or self._thread.is_alive()
+        if last.version == self._engine.block_manager.cache_version or not running or self.dead is not None:
+            return last
+        built: Future[PrefixSummary] = Future()
+        self._cmds.put(("prefix_summary", built))
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(built), timeout)
+        except TimeoutError:
+            return self._prefix_summary
 
     def check_json_schema(self, schema: dict[str, Any]) -> str | None:
         """Why `schema` cannot constrain output (structured output), or None."""
@@ -369,7 +386,6 @@ class EngineClient:
     # ---- engine thread -------------------------------------------------------------------------------------
     def _publish(self, eng: LLMEngine) -> None:
         self._kv_snapshot = KVSnapshot.of(eng)
-        self._prefix_summary = PrefixSummary.of(eng, self._prefix_summary)
 
     def _loop(self) -> None:
         eng = self._engine
@@ -430,6 +446,11 @@ class EngineClient:
                 self._begin_profile(arg)
             elif kind == "profile_stop":
                 self._finish_profile()
+            elif kind == "prefix_summary":  # a router asked (GET /kv/prefix_hashes): built only now
+                assert isinstance(arg, Future)
+                self._prefix_summary = PrefixSummary.of(eng, self._prefix_summary)
+                if not arg.done():
+                    arg.set_result(self._prefix_summary)
             else:
                 assert isinstance(arg, str)
                 for out in eng.abort_request(arg):

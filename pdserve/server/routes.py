@@ -151,7 +151,7 @@ async def prefix_hashes(raw: Request, model: str | None = None) -> Response:
     in If-None-Match gets a 304 while the set has not changed."""
     served = raw.app.state.registry.get(model)
     assert served.client is not None  # get() returns loaded models only
-    summary = served.client.prefix_summary
+    summary = await served.client.current_prefix_summary()
     etag = f'"{summary.epoch}-{summary.version}"'
     if raw.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"etag": etag})
