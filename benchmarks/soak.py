@@ -10,6 +10,11 @@ Starts `pdserve serve` (default model) on loopback and runs three kinds of clien
   each must be refused with a 4xx and an OpenAI error body;
 - disconnecting: streams dropped after a few chunks;
 - slowloris: connections sending their headers a byte a second (each must be answered 408 and closed).
+The server has two tenants' keys (--api-key-file: good and disconnecting clients use one, abusive clients the other)
+and an admin key; abusive clients also look up the good tenant's requests (/debug/requests), read /metrics, /version
+and /kv/prefix_hashes without a key, put their key in a query string, and send wrong or missing keys. Each abusive
+input has the outcomes it may get; any other fails the soak, and so does any key found in the server's logs (access
+and request-log lines at info level, audit log) at the end.
 Every 10 s it samples the server's RSS and `/debug/kv`. At the end, after the clients stop, KV usage and open requests
 must be back at their baseline. Prints a report (errors by kind, good clients' latency percentiles, RSS over time).
 All traffic goes to 127.0.0.1; every loop is bounded by the deadline.
@@ -26,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +41,33 @@ from pdserve.launch import start_server
 from pdserve.roofline import machine_info
 
 ADMIN_KEY = "soak-admin-key"  # the soak's server runs with --admin-api-key so that admin abuse reaches the checks
+GOOD_KEY, ABUSER_KEY = "soak-good-key-7f3a", "soak-abuser-key-91c2"  # two tenants (--api-key-file): good, abuser
+KEYS = {"good": GOOD_KEY, "abuser": ABUSER_KEY, "admin": ADMIN_KEY}  # no value may ever reach a log
 GOOD_PROMPTS = ["Name three colours.", "用一句话介绍长城。", "What is 2+2? Answer briefly.", "Say hello in French."]
+ANY_4XX = frozenset({"4xx"})
+HEAD_REFUSED = frozenset({"431", "RemoteProtocolError", "ReadError", "WriteError"})  # answered 431 or reset
 
 
-def abusive_requests() -> list[tuple[str, str, dict[str, str], bytes]]:
-    """(kind, path, headers, body) of each abusive input."""
-    j = {"content-type": "application/json"}
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One abusive input; `expect`: the outcomes that pass ("4xx": any 400-499; an exception's class name)."""
+
+    kind: str
+    path: str
+    headers: dict[str, str]
+    body: bytes | None = None  # None: a GET
+    expect: frozenset[str] = ANY_4XX
+
+
+def abusive_requests() -> list[Case]:
+    """Each abusive input, sent with the abuser's key unless the case says otherwise."""
+    j = {"content-type": "application/json", **bearer(ABUSER_KEY)}
+    admin = {**j, **bearer(ADMIN_KEY)}
+    ok_or_4xx = ANY_4XX | {"200"}  # not an error on a colocated server (see each case)
 
     def chat(**extra: Any) -> bytes:
         return json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}).encode()
@@ -49,41 +76,62 @@ def abusive_requests() -> list[tuple[str, str, dict[str, str], bytes]]:
         return json.dumps({"prompt": "Hi", "max_tokens": 1, **extra}).encode()
 
     return [
-        ("huge_n", "/v1/completions", j, cmpl(n=1_000_000_000)),
-        ("top_k_2^63", "/v1/completions", j, cmpl(top_k=2**63)),
-        ("stop_token_out_of_vocab", "/v1/completions", j, cmpl(min_tokens=1, max_tokens=2, stop_token_ids=[10**7])),
-        ("temperature_inf", "/v1/completions", j, b'{"prompt": "Hi", "max_tokens": 1, "temperature": 1e309}'),
-        ("seed_2^70", "/v1/completions", j, cmpl(seed=2**70)),
-        ("many_stop_strings", "/v1/completions", j, cmpl(stop=[f"s{i}" for i in range(100_000)])),
-        ("huge_prompt", "/v1/completions", j, json.dumps({"prompt": "a " * 2_000_000, "max_tokens": 1}).encode()),
-        ("lone_surrogate", "/v1/completions", j, b'{"prompt": "bad \\ud800 text", "max_tokens": 1}'),
-        ("bad_json", "/v1/chat/completions", j, b'{"messages": [{"role": "user", "content": "Hi"}'),
-        ("wrong_type_n", "/v1/completions", j, cmpl(n="abc")),
-        ("tools_unsupported", "/v1/chat/completions", j, chat(tools=[{"type": "function", "function": {"name": "f"}}])),
-        ("image_part", "/v1/chat/completions", j, json.dumps({"messages": [{"role": "user", "content": [
+        Case("huge_n", "/v1/completions", j, cmpl(n=1_000_000_000)),
+        Case("top_k_2^63", "/v1/completions", j, cmpl(top_k=2**63)),
+        Case("stop_token_out_of_vocab", "/v1/completions", j,
+             cmpl(min_tokens=1, max_tokens=2, stop_token_ids=[10**7])),
+        Case("temperature_inf", "/v1/completions", j, b'{"prompt": "Hi", "max_tokens": 1, "temperature": 1e309}'),
+        Case("seed_2^70", "/v1/completions", j, cmpl(seed=2**70)),
+        Case("many_stop_strings", "/v1/completions", j, cmpl(stop=[f"s{i}" for i in range(100_000)])),
+        Case("huge_prompt", "/v1/completions", j, json.dumps({"prompt": "a " * 2_000_000, "max_tokens": 1}).encode()),
+        Case("lone_surrogate", "/v1/completions", j, b'{"prompt": "bad \\ud800 text", "max_tokens": 1}'),
+        Case("bad_json", "/v1/chat/completions", j, b'{"messages": [{"role": "user", "content": "Hi"}'),
+        Case("wrong_type_n", "/v1/completions", j, cmpl(n="abc")),
+        # tools are supported: a function without parameters is a valid tool
+        Case("tools_unsupported", "/v1/chat/completions", j,
+             chat(tools=[{"type": "function", "function": {"name": "f"}}]), ok_or_4xx),
+        Case("image_part", "/v1/chat/completions", j, json.dumps({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode()),
-        ("forged_kv_params", "/v1/completions", j, cmpl(kv_transfer_params={
+        # KV params are ignored by a colocated server (nothing is pulled, nothing pinned)
+        Case("forged_kv_params", "/v1/completions", j, cmpl(kv_transfer_params={
             "do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 1, "remote_block_ids": [1],
-            "remote_engine_id": "x", "remote_request_id": "y"})),
-        ("oversized_body", "/v1/completions", j, b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'),
+            "remote_engine_id": "x", "remote_request_id": "y"}), ok_or_4xx),
+        Case("oversized_body", "/v1/completions", j, b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}'),
         # issue 31: logprob fields, what scoring a prompt may allocate, tool schemas, oversized request heads
-        ("prompt_logprobs_true", "/v1/completions", j, cmpl(prompt_logprobs=True)),
-        ("top_logprobs_21", "/v1/chat/completions", j, chat(logprobs=True, top_logprobs=21)),
-        ("prompt_logprobs_over_bound", "/v1/completions", j, cmpl(prompt="hello " * 7000, prompt_logprobs=20)),
-        ("tool_schema_too_large", "/v1/chat/completions", j, chat(tools=[{"type": "function", "function": {
+        Case("prompt_logprobs_true", "/v1/completions", j, cmpl(prompt_logprobs=True)),
+        Case("top_logprobs_21", "/v1/chat/completions", j, chat(logprobs=True, top_logprobs=21)),
+        Case("prompt_logprobs_over_bound", "/v1/completions", j, cmpl(prompt="hello " * 7000, prompt_logprobs=20)),
+        Case("tool_schema_too_large", "/v1/chat/completions", j, chat(tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "properties": {
                 f"p{i}": {"type": "string", "description": "x" * 64} for i in range(1000)}}}}])),
-        # issue 31, items 1, 6, 7: remote-decode params without the router's signature, admin calls with names
-        # outside the documented set (with the admin key) and without the key
-        ("unsigned_remote_decode", "/v1/completions", j, cmpl(kv_transfer_params={"do_remote_decode": True})),
-        ("admin_bad_name", "/admin/models", {**j, "authorization": f"Bearer {ADMIN_KEY}"},
-         json.dumps({"name": "../x\n{\"level\": \"ERROR\"}<img src=x>", "path": "/nonexistent"}).encode()),
-        ("admin_long_name", "/admin/models", {**j, "authorization": f"Bearer {ADMIN_KEY}"},
-         json.dumps({"name": "a" * 10_000, "path": "/nonexistent"}).encode()),
-        ("admin_without_key", "/admin/models", j, json.dumps({"name": "m", "path": "/nonexistent"}).encode()),
-        ("10000_headers", "/v1/completions", {**j, **{f"x-h{i}": "v" for i in range(10_000)}}, cmpl()),
-        ("1mb_header", "/v1/completions", {**j, "x-big": "a" * 2**20}, cmpl()),
+        # issue 31, items 1, 6, 7: remote-decode params without the router's signature (ignored when colocated),
+        # admin calls with names outside the documented set (with the admin key) and without the key
+        Case("unsigned_remote_decode", "/v1/completions", j, cmpl(kv_transfer_params={"do_remote_decode": True}),
+             ok_or_4xx),
+        Case("admin_bad_name", "/admin/models", admin,
+             json.dumps({"name": "../x\n{\"level\": \"ERROR\"}<img src=x>", "path": "/nonexistent"}).encode()),
+        Case("admin_long_name", "/admin/models", admin, json.dumps({"name": "a" * 10_000, "path": "/x"}).encode()),
+        Case("admin_with_tenant_key", "/admin/models", j, json.dumps({"name": "m", "path": "/nonexistent"}).encode()),
+        Case("10000_headers", "/v1/completions", {**j, **{f"x-h{i}": "v" for i in range(10_000)}}, cmpl(),
+             HEAD_REFUSED),
+        Case("1mb_header", "/v1/completions", {**j, "x-big": "a" * 2**20}, cmpl(), HEAD_REFUSED),
+        # issue 31, items 3, 5, 12: a key in a query string must not reach any log (checked at the end); another
+        # tenant's requests are not visible by id prefix nor by full id, even naming that tenant; /metrics,
+        # /version and /kv/prefix_hashes follow the API key; a wrong key is refused
+        Case("dashboard_key_in_query", f"/dashboard?key={ABUSER_KEY}", {}, None, frozenset({"200"})),
+        Case("debug_requests_by_prefix", "/debug/requests/chatcmpl-", j),
+        Case("debug_requests_other_tenant", "/debug/requests/{good_id}", j),
+        Case("debug_requests_forged_tenant", "/debug/requests/{good_id}", {**j, "x-tenant": "good"}),
+        Case("metrics_without_key", "/metrics", {}),
+        Case("version_without_key", "/version", {}),
+        Case("prefix_hashes_without_key", "/kv/prefix_hashes", {}),
+        Case("wrong_key", "/v1/completions", {**j, **bearer("not-a-key")}, cmpl()),
+        Case("no_key", "/v1/chat/completions", {"content-type": "application/json"}, chat()),
     ]
+
+
+def outcome_passes(outcome: str, expect: frozenset[str]) -> bool:
+    return outcome in expect or ("4xx" in expect and outcome.isdigit() and 400 <= int(outcome) < 500)
 
 
 class Soak:
@@ -94,6 +142,8 @@ class Soak:
         self.good_ttft: list[float] = []
         self.expected: dict[str, str] = {}
         self.mismatches = 0
+        self.unexpected: Counter[str] = Counter()  # abusive outcomes outside their case's `expect`
+        self.good_ids: list[str] = []  # the good tenant's recent request ids, for the abuser to look up
 
     async def good(self, http: httpx.AsyncClient, seed: int) -> None:
         rng = random.Random(seed)
@@ -104,7 +154,8 @@ class Soak:
             t0 = time.monotonic()
             text, ttft = "", None
             try:
-                async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                async with http.stream("POST", self.url + "/v1/chat/completions", json=body,
+                                       headers=bearer(GOOD_KEY)) as r:
                     if r.status_code != 200:
                         self.outcomes[f"good:http_{r.status_code}"] += 1
                         await asyncio.sleep(0.5)
@@ -116,6 +167,8 @@ class Soak:
                                 self.outcomes[f"good:stream_error_{chunk['error'].get('code')}"] += 1
                                 break
                             if chunk.get("choices"):
+                                if ttft is None:
+                                    self.good_ids = [*self.good_ids[-31:], chunk["id"]]
                                 ttft = ttft if ttft is not None else time.monotonic() - t0
                                 text += chunk["choices"][0]["delta"].get("content") or ""
             except httpx.HTTPError as e:
@@ -132,14 +185,23 @@ class Soak:
         rng = random.Random(seed)
         cases = abusive_requests()
         while time.monotonic() < self.deadline:
-            kind, path, headers, body = rng.choice(cases)
+            case = rng.choice(cases)
+            path = case.path.format(good_id=rng.choice(self.good_ids or ["chatcmpl-none"]))
             try:
-                r = await http.post(self.url + path, content=body, headers=headers)
-                ok_body = "error" in r.json() if r.headers.get("content-type", "").startswith("application/json") \
-                    else False
-                self.outcomes[f"abusive:{kind}:{r.status_code}{'' if ok_body else ':no_openai_body'}"] += 1
+                if case.body is None:
+                    r = await http.get(self.url + path, headers=case.headers)
+                else:
+                    r = await http.post(self.url + path, content=case.body, headers=case.headers)
+                outcome = str(r.status_code)
+                ok_body = r.status_code < 400 or (r.headers.get("content-type", "").startswith("application/json")
+                                                  and "error" in r.json())
             except (httpx.HTTPError, ValueError) as e:
-                self.outcomes[f"abusive:{kind}:{type(e).__name__}"] += 1
+                outcome, ok_body = type(e).__name__, True
+            self.outcomes[f"abusive:{case.kind}:{outcome}{'' if ok_body else ':no_openai_body'}"] += 1
+            # a client-side timeout is the machine's load, not a wrong answer: counted above, not judged
+            timed_out = outcome.endswith("Timeout")
+            if not timed_out and (not outcome_passes(outcome, case.expect) or not ok_body):
+                self.unexpected[f"{case.kind}:{outcome}"] += 1
             await asyncio.sleep(0.2)
 
     async def slowloris(self, host: str, port: int) -> None:
@@ -170,7 +232,8 @@ class Soak:
             body = {"messages": [{"role": "user", "content": rng.choice(GOOD_PROMPTS)}], "max_tokens": 200,
                     "stream": True, "ignore_eos": True}
             try:
-                async with http.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                async with http.stream("POST", self.url + "/v1/chat/completions", json=body,
+                                       headers=bearer(GOOD_KEY)) as r:
                     n = 0
                     async for line in r.aiter_lines():
                         n += line.startswith("data: ")
@@ -189,7 +252,7 @@ def rss_mib(pid: int) -> float:
 
 
 async def sample(url: str, pid: int, deadline: float, out: list[dict[str, Any]], t_start: float) -> None:
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=10, headers=bearer(ADMIN_KEY)) as http:
         while time.monotonic() < deadline:
             kv = (await http.get(url + "/debug/kv")).json()
             out.append({"t_s": round(time.monotonic() - t_start), "rss_mib": round(rss_mib(pid), 1),
@@ -231,6 +294,14 @@ def report(soak: Soak, samples: list[dict[str, Any]], end_kv: dict[str, Any], ba
     print("RSS/KV samples (every 10th): " + json.dumps(samples[::10]))
     print(f"KV at baseline: used {base_kv['num_used_blocks']} -> {end_kv['num_used_blocks']}, open requests "
           f"{end_kv['open_requests']}")
+    print(f"abusive outcomes outside their case's expectation: {dict(soak.unexpected) or 'none'}")
+
+
+def keys_in_logs(log_dir: Path) -> dict[str, int]:
+    """How many times each key's value appears in the server's logs (server log with access and request-log lines
+    at info level, audit log): must be none."""
+    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(log_dir.rglob("*")) if p.is_file())
+    return {name: text.count(key) for name, key in KEYS.items() if key in text}
 
 
 def main() -> int:
@@ -246,18 +317,29 @@ def main() -> int:
     print(f"# soak: {args.minutes} min, {args.good} good / {args.abusive} abusive / {args.disconnecting} "
           f"disconnecting clients; {info.get('cpu')}, {info.get('date')}")
     with tempfile.TemporaryDirectory() as d:
-        srv = start_server(Path(d), "--log-level", "warning", "--admin-api-key", ADMIN_KEY,
-                           *args.server_args.split())
+        keys_file = Path(d) / "keys.txt"  # outside the log dir: the only file allowed to hold the keys
+        keys_file.write_text(f"good:{GOOD_KEY}\nabuser:{ABUSER_KEY}\n")
+        logs = Path(d) / "logs"
+        logs.mkdir()
+        srv = start_server(logs, "--log-level", "info", "--api-key-file", str(keys_file), "--admin-api-key",
+                           ADMIN_KEY, "--audit-log", str(logs / "audit.jsonl"), *args.server_args.split())
+        admin = bearer(ADMIN_KEY)
         try:
-            base_kv = httpx.get(srv.base_url + "/debug/kv").json()
+            base_kv = httpx.get(srv.base_url + "/debug/kv", headers=admin).json()
             soak, samples = asyncio.run(run(args, srv.base_url, srv.proc.pid))
             time.sleep(2)  # aborts of the last dropped streams land within a step
-            end_kv = httpx.get(srv.base_url + "/debug/kv").json()
+            end_kv = httpx.get(srv.base_url + "/debug/kv", headers=admin).json()
             report(soak, samples, end_kv, base_kv)
-            ok = (end_kv["num_used_blocks"] == base_kv["num_used_blocks"] and end_kv["open_requests"] == 0
-                  and soak.mismatches == 0 and srv.proc.poll() is None)
+            alive = srv.proc.poll() is None
         finally:
             srv.stop()
+        leaked = keys_in_logs(logs)
+        print(f"API keys found in the logs ({sum(p.stat().st_size for p in logs.rglob('*'))} bytes): "
+              f"{leaked or 'none'}")
+        ok = (end_kv["num_used_blocks"] == base_kv["num_used_blocks"] and end_kv["open_requests"] == 0
+              and soak.mismatches == 0 and alive and not soak.unexpected
+              and not leaked and soak.outcomes["good:ok"] > 0
+              and not any(k.startswith("good:") and k != "good:ok" for k in soak.outcomes))
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

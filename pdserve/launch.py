@@ -90,6 +90,23 @@ def http_ok(base_url: str, paths: Sequence[str] = ("/health",), timeout: float =
         return False
 
 
+SECRET_FLAGS = frozenset({"--api-key", "--admin-api-key", "--instance-api-key", "--kv-transfer-secret"})
+
+
+def shown_command(cmd: Sequence[str]) -> str:
+    """`cmd` as a shell line for logs and errors, with the values of secret flags (both `--flag V` and `--flag=V`)
+    replaced by `***`: a key must never reach a log."""
+    shown: list[str] = []
+    for i, arg in enumerate(cmd):
+        flag, eq, _ = arg.partition("=")
+        if eq and flag in SECRET_FLAGS:
+            arg = f"{flag}=***"
+        elif i > 0 and cmd[i - 1] in SECRET_FLAGS:
+            arg = "***"
+        shown.append(arg)
+    return shlex.join(shown)
+
+
 def start_process(cmd: Sequence[str], base_url: str, log_path: Path, *, env: dict[str, str] | None = None,
            timeout: float = 180.0, healthy: Callable[[], bool] | None = None,
            health_paths: Sequence[str] = ("/health",), own_group: bool = False,
@@ -100,7 +117,7 @@ def start_process(cmd: Sequence[str], base_url: str, log_path: Path, *, env: dic
     cmd = list(cmd)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.write(f"$ {shown_command(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})}, start_new_session=own_group)
@@ -108,14 +125,14 @@ def start_process(cmd: Sequence[str], base_url: str, log_path: Path, *, env: dic
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise LaunchError(f"{shlex.join(cmd)} exited with {proc.returncode} during start-up; log {log_path}:\n"
+            raise LaunchError(f"{shown_command(cmd)} exited with {proc.returncode} during start-up; log {log_path}:\n"
                               f"{srv.log_tail()}")
         if healthy() if healthy is not None else http_ok(base_url, health_paths, probe_timeout):
             srv.startup_s = time.monotonic() - t0
             return srv
         time.sleep(poll_interval)
     srv.stop(timeout=5.0)
-    raise LaunchError(f"{shlex.join(cmd)} was not healthy within {timeout:.0f} s; log {log_path}:\n{srv.log_tail()}")
+    raise LaunchError(f"{shown_command(cmd)} was not healthy within {timeout:.0f} s; log {log_path}:\n{srv.log_tail()}")
 
 
 def start_pdserve(log_dir: Path, name: str, cli_args: Sequence[str], base_url: str, timeout: float = 180.0,

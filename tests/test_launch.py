@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launch import LaunchError, free_port, pdserve_command, start_process
+from pdserve.launch import LaunchError, free_port, pdserve_command, shown_command, start_process
 
 TINY_SERVER = """
 import http.server, sys
@@ -46,3 +46,15 @@ def test_start_process_reports_an_early_exit_and_a_timeout(tmp_path: Path) -> No
 def test_pdserve_command_runs_this_python() -> None:
     assert pdserve_command(["serve", "--port", "1"], ["taskset", "-c", "0"]) == [
         "taskset", "-c", "0", sys.executable, "-m", "pdserve.cli", "serve", "--port", "1"]
+
+
+def test_secret_flag_values_never_reach_the_launch_log_or_errors(tmp_path: Path) -> None:
+    """The command line heads the log and every LaunchError: the values of --api-key, --admin-api-key,
+    --instance-api-key and --kv-transfer-secret are shown as ***, in both `--flag V` and `--flag=V` forms."""
+    cmd = [sys.executable, "-c", "raise SystemExit(3)", "--api-key", "k-secret-1", "--admin-api-key=k-secret-2",
+           "--kv-transfer-secret", "k-secret-3", "--model", "m"]
+    assert shown_command(cmd).endswith("--api-key '***' '--admin-api-key=***' --kv-transfer-secret '***' --model m")
+    with pytest.raises(LaunchError) as e:
+        start_process(cmd, "http://127.0.0.1:1", tmp_path / "secret.log", timeout=30)
+    text = str(e.value) + (tmp_path / "secret.log").read_text()
+    assert "k-secret" not in text and "--model m" in text
