@@ -7,6 +7,13 @@ take the small-batch paths (native GGUF-block GEMV; PyTorch int8 kernel with bf1
 large-batch ones. Every mode sees the same tokens; logits of every position are compared with those of the float32
 reference (the GGUF weights dequantized to fp32, PyTorch path). `native Q4_1` is the default model's own blocks read
 by the native kernels (int8-quantized activations, as llama.cpp); `native int8/int4` re-quantize the fp32 weights.
+
+With `--llama-server PATH` llama.cpp is measured on the same GGUF file and tokens: for each position one
+`/completion` request (the prefix as token ids, prompt cache on, one token forced to the text's next token by a
+logit bias) returns the forced token's probability before sampling (so the perplexity is exact) and the top
+`--llama-top` tokens (top-1 agreement exact). llama-server does not return the whole distribution, so KL is also
+given for every mode over the same coarse distribution: llama.cpp's top tokens at that position plus one bucket for
+the rest (a lower bound of the full KL, comparable across rows).
 """
 
 from __future__ import annotations
@@ -17,12 +24,15 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
+import httpx
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.launch import free_port, start_process
 from pdserve.model.inputs import ScheduledRequest, SchedulerOutput
-from pdserve.model.loader import load_model
+from pdserve.model.loader import load_model, resolve_model_path
 from pdserve.model.runner import ModelRunner
 
 TEXT = (
@@ -55,10 +65,64 @@ def position_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.
     return torch.cat(out)
 
 
+def llama_cpp_positions(server: str, gguf: str, ids: list[int],
+                        top: int) -> tuple[list[float], torch.Tensor, torch.Tensor]:
+    """llama.cpp's log-probability of each next token of `ids` (positions 1..n-1), and its top-`top` token ids and
+    their log-probabilities there ([n-1, top] each): one request a position, the text's token forced by a logit
+    bias; probabilities are the raw softmax before any sampler, so the bias does not change them."""
+    port = free_port()
+    srv = start_process([server, "-m", gguf, "-t", "2", "-c", str(len(ids) + 64), "-np", "1", "--host", "127.0.0.1",
+                         "--port", str(port)], f"http://127.0.0.1:{port}", Path("out") / "llama-quality.log")
+    logprobs, tops, top_lps = [], [], []
+    try:
+        with httpx.Client(timeout=120) as http:
+            for i in range(1, len(ids)):
+                body = {"prompt": ids[:i], "n_predict": 1, "n_probs": top, "cache_prompt": True, "temperature": 0,
+                        "logit_bias": [[ids[i], 100.0]], "post_sampling_probs": False}
+                r = http.post(srv.base_url + "/completion", json=body)
+                r.raise_for_status()
+                [entry] = r.json()["completion_probabilities"]
+                assert entry["id"] == ids[i], (i, entry["id"], ids[i])
+                logprobs.append(float(entry["logprob"]))
+                tops.append([t["id"] for t in entry["top_logprobs"]])
+                top_lps.append([float(t["logprob"]) for t in entry["top_logprobs"]])
+    finally:
+        srv.stop()
+    return logprobs, torch.tensor(tops), torch.tensor(top_lps)
+
+
+def coarse_kl(ref: torch.Tensor, sets: torch.Tensor, lp: torch.Tensor | None = None,
+              set_lp: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(ref || q) per position over the tokens of `sets` plus one bucket for the rest (positions 0..n-2); q is
+    the full `lp` or, for llama.cpp, only its log-probabilities on the sets (`set_lp`)."""
+    ps = ref[:len(sets)].exp().gather(1, sets)
+    if set_lp is not None:
+        qs = set_lp.exp()
+    else:
+        assert lp is not None
+        qs = lp[:len(sets)].exp().gather(1, sets)
+    pr, qr = (1 - ps.sum(1)).clamp_min(1e-12), (1 - qs.sum(1)).clamp_min(1e-12)
+    return (ps * (ps.log() - qs.log())).sum(1) + pr * (pr.log() - qr.log())
+
+
+def llama_cpp_row(args: argparse.Namespace, ids: list[int], ref: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    gguf = str(resolve_model_path(args.model))
+    logprobs, sets, set_lp = llama_cpp_positions(args.llama_server, gguf, ids, args.llama_top)
+    nll = -sum(logprobs) / len(logprobs)
+    agree = (sets[:, 0] == ref[:-1].argmax(-1)).float().mean()
+    row = {"mode": f"llama.cpp llama-server ({Path(args.llama_server).name}, same file)",
+           "weight_bytes": Path(gguf).stat().st_size, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
+           "top1_agreement_vs_fp32": float(agree),
+           "kl_coarse_vs_fp32": float(coarse_kl(ref, sets, set_lp=set_lp).mean())}
+    return row, sets
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--llama-server", default=None, help="also measure llama.cpp's llama-server on the same file")
+    ap.add_argument("--llama-top", type=int, default=100, help="top tokens llama-server returns a position")
     args = ap.parse_args()
     # (dtype, --quantization, kernels, keep GGUF blocks, chunk)
     modes = [("float32", None, "torch", False, 256), ("float32", None, "native", True, 4),
@@ -68,6 +132,8 @@ def main() -> int:
              ("bfloat16", None, "native", True, 256)]
     tok = None
     ref: torch.Tensor | None = None
+    sets: torch.Tensor | None = None  # llama.cpp's top tokens a position, with --llama-server
+    llama_row: dict | None = None
     rows = []
     for dtype_name, quant, kernels, blocks, chunk in modes:
         cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant, kernels=kernels)
@@ -88,23 +154,39 @@ def main() -> int:
                "seconds": round(secs, 2)}
         if ref is None:
             ref = lp
+            if args.llama_server:
+                llama_row, sets = llama_cpp_row(args, ids, ref)
+                print(json.dumps(llama_row, ensure_ascii=False), flush=True)
         else:
             kl = (ref.exp() * (ref - lp)).sum(-1)
             row.update(mean_kl_vs_fp32=float(kl.mean()), max_kl_vs_fp32=float(kl.max()),
                        top1_agreement_vs_fp32=float((lp.argmax(-1) == ref.argmax(-1)).float().mean()))
+            if sets is not None:
+                row["kl_coarse_vs_fp32"] = float(coarse_kl(ref, sets, lp).mean())
         rows.append(row)
         print(json.dumps(row, ensure_ascii=False), flush=True)
-    print("\n| mode | weight MB | perplexity | mean KL vs fp32 | max KL | top-1 agreement |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['weight_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} | "
-              f"{r.get('mean_kl_vs_fp32', 0):.5f} | {r.get('max_kl_vs_fp32', 0):.4f} | "
-              f"{r.get('top1_agreement_vs_fp32', 1):.2%} |")
+    if llama_row is not None:
+        rows.insert(1, llama_row)
+    print(render(rows))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"text_tokens": rows[0]["tokens"], "rows": rows}, f, ensure_ascii=False, indent=1)
     return 0
+
+
+def render(rows: list[dict]) -> str:
+    def num(r: dict, key: str, spec: str) -> str:
+        v = r.get(key, 0 if r is rows[0] else None)
+        return "n/a" if v is None else format(v, spec)
+
+    lines = ["| mode | weight MB | perplexity | mean KL vs fp32 | max KL | KL, llama.cpp's top tokens + rest | "
+             "top-1 agreement |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['weight_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} | "
+                     f"{num(r, 'mean_kl_vs_fp32', '.5f')} | {num(r, 'max_kl_vs_fp32', '.4f')} | "
+                     f"{num(r, 'kl_coarse_vs_fp32', '.5f')} | {r.get('top1_agreement_vs_fp32', 1):.2%} |")
+    return "\n" + "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               prefix_cache_isolation=args.prefix_cache_isolation,
                               tool_call_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser,
+                              default_chat_template_kwargs=args.default_chat_template_kwargs,
                               explain_itl_threshold=args.explain_itl_threshold,
                               debug_requests_history=args.debug_requests_history,
                               profiler_dir=args.profiler_dir, profiler_limits=ProfilerLimits(
@@ -252,6 +253,30 @@ def _add_responses_args(srv: argparse.ArgumentParser) -> None:
                      help="seconds a stored response is kept")
 
 
+def _template_kwargs_arg(text: str) -> dict[str, Any]:
+    """--default-chat-template-kwargs: a JSON object of template variables, none of those the renderer sets."""
+    from pdserve.errors import RequestRejected
+    from pdserve.server.chat_template import check_template_kwargs
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    try:
+        check_template_kwargs(value)
+    except RequestRejected as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return value
+
+
+def _add_chat_args(srv: argparse.ArgumentParser) -> None:
+    srv.add_argument("--default-chat-template-kwargs", type=_template_kwargs_arg, default=None,
+                     help='template variables every chat request gets, under its own chat_template_kwargs (e.g. '
+                     '\'{"enable_thinking": false}\' for Qwen3); a request\'s value for the same name wins')
+
+
 def _add_introspection_args(srv: argparse.ArgumentParser) -> None:
     """Explanations, profiles and traces of served requests."""
     srv.add_argument("--explain-itl-threshold", default="2x",
@@ -325,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "reasoning_content (streamed: delta.reasoning_content), the rest to content; qwen3: only an "
                      "explicit <think> block, deepseek_r1: everything before </think> (its template opens <think>)")
     _add_responses_args(srv)
+    _add_chat_args(srv)
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="seconds open requests may run after SIGTERM (while /health answers 503 draining) "
                      "before the rest end with an error")

@@ -394,3 +394,36 @@ def test_chat_request_passes_chat_template_kwargs(aengine: EngineClient, monkeyp
     # the renderer itself refuses (one check, shared with LLM.chat), before anything is scheduled
     assert e.value.param == "chat_template_kwargs" and seen == [{"enable_thinking": False}, {"tools": []}]
     assert wait_kv_baseline(aengine).num_used_blocks == 0
+
+
+def test_default_chat_template_kwargs_sit_under_the_request_s(aengine: EngineClient,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """--default-chat-template-kwargs: every chat request's template gets them; a request's own value for the same
+    name wins. The flag refuses what is not a JSON object and what the renderer sets itself."""
+    import argparse
+
+    import pdserve.server.serving as serving_mod
+    from pdserve.cli import _template_kwargs_arg
+    from pdserve.server.serving import ServingOptions
+
+    seen: list[dict[str, Any] | None] = []
+    real = serving_mod.render_chat
+
+    def spy(tok: Any, msgs: list[dict[str, Any]], agp: bool = True, tools: Any = None,
+            template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        seen.append(template_kwargs)
+        return real(tok, msgs, agp, tools, template_kwargs)
+
+    monkeypatch.setattr(serving_mod, "render_chat", spy)
+    defaults = _template_kwargs_arg('{"enable_thinking": false, "风格": "简洁"}')
+    serving = OpenAIServingChat(aengine, MODEL, options=ServingOptions(default_chat_template_kwargs=defaults))
+    for own in (None, {"enable_thinking": True}):
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "你好"}], max_tokens=2, ignore_eos=True,
+                                     chat_template_kwargs=own)
+        out = asyncio.run(serving.create_chat_completion(body, RequestContext()))
+        assert isinstance(out, dict) and out["usage"]["completion_tokens"] == 2
+    assert seen == [{"enable_thinking": False, "风格": "简洁"}, {"enable_thinking": True, "风格": "简洁"}]
+    for bad in ('["enable_thinking"]', '{"tools": []}', "{not json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _template_kwargs_arg(bad)
+    assert wait_kv_baseline(aengine).num_used_blocks == 0

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
@@ -71,6 +71,7 @@ class ServerConfig:
     prefix_cache_isolation: Literal["none", "tenant"] = "none"
     tool_call_parser: str = "hermes"  # tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None  # reasoning.REASONING_PARSERS: <think> text -> reasoning_content
+    default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's chat_template_kwargs
     explain_itl_threshold: str = "2x"  # a stall: an ITL gap above this (explain.StallThreshold.parse)
     debug_requests_history: int = 1000  # finished requests kept for GET /debug/requests/{id}
     profiler_dir: str | None = None  # /start_profile traces go here (None: a new temporary directory)
@@ -97,7 +98,8 @@ class ServerConfig:
         seqs = self.max_sequences_per_request or self.max_waiting_requests or 1024
         return ServingOptions(self.max_n, seqs, self.max_prompt_chars, self.prefix_cache_isolation,
                               self.tool_call_parser, self.reasoning_parser,
-                              max_prompt_logprob_entries=self.max_prompt_logprob_entries)
+                              max_prompt_logprob_entries=self.max_prompt_logprob_entries,
+                              default_chat_template_kwargs=self.default_chat_template_kwargs)
 
 
 def new_registry(base: EngineConfig, cfg: ServerConfig) -> ModelRegistry:

@@ -78,6 +78,7 @@ class ServingOptions:
     # prompt tokens x (prompt_logprobs + 1) over the request's sequences: each entry is ~70 bytes of JSON and ~700
     # of Python objects while the reply is built (2**17: a 6,241-token prompt at k = 20, ~10 MB of JSON)
     max_prompt_logprob_entries: int = 2**17
+    default_chat_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs: a request's win
 
 
 @dataclass
@@ -232,6 +233,9 @@ class OpenAIServing:
                      prepare: PrepareChat | None, template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
         # without a tool plan: no tools, the history's tool calls and results mapped all the same
         plain, tools = prepare(plain) if prepare is not None else self.tools.prepare(plain, ToolPlan())
+        defaults = self.options.default_chat_template_kwargs
+        if defaults:
+            template_kwargs = {**defaults, **(template_kwargs or {})}
         try:
             return render_chat(self.client.tokenizer, plain, add_generation_prompt, tools, template_kwargs)
         except RequestRejected:  # reserved chat_template_kwargs: render_chat's own coded refusal
