@@ -356,6 +356,8 @@ def test_single_model_server_has_no_admin_api(tmp_path: Path, tiny_dir: Path) ->
         assert r.status_code == 404
         [m] = get(srv, "/v1/models").json()["data"]
         assert m["id"] == str(tiny_dir) and m["state"] == "loaded" and m["version"] is None
+        # a float checkpoint at --dtype float32: every matrix stored as float32, whatever the kernels
+        assert list(m["quantization"]) == ["F32"] and m["quantization"]["F32"] > 0
         c = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert c.status_code == 200 and c.headers[HEADER] == f"{tiny_dir}@none"
     finally:
@@ -377,6 +379,8 @@ def test_real_model_two_versions_and_memory_back(tmp_path: Path) -> None:
             raw = client.chat.completions.with_raw_response.create(
                 model=name, messages=[{"role": "user", "content": "你好"}], max_tokens=8)
             assert raw.headers[HEADER] == f"{name}@{name[-1]}" and raw.parse().choices[0].message.content
+        # the default GGUF's matrices are read as stored (its Q4_1 blocks and the file's other types)
+        assert models(srv)["smol-a"]["quantization"].get("Q4_1", 0) > 0
         before = _rss_threads(srv.proc.pid)
         heap_before, heap = _heap_in_use_mib(srv), []
         after, grew = [], []

@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from pdserve.config import EngineConfig
@@ -34,6 +34,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.kv_transfer.base import FinishedLoad
 from pdserve.model.inputs import StepKind
+from pdserve.model.packed_weights import stored_types
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
 from pdserve.profiler.traces import ProfilerLimits
@@ -80,6 +81,7 @@ class ModelInfo:
     speculative: bool  # speculative decoding is on: outputs report drafted and accepted tokens
     device: DeviceSpec | None  # the peaks the live roofline measures MFU/MBU against (None: unknown)
     peak_flops: float
+    weight_formats: dict[str, int] = field(default_factory=dict)  # matrices per stored type: {"Q4_K": 112, "F32": 1}
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,7 @@ class EngineClient:
             engine.config.model or engine.model_name, engine.max_model_len, engine.arch.vocab_size,
             engine.arch.hidden_size, str(engine.config.torch_dtype).removeprefix("torch."), engine.kernels,
             engine.config.kv_role, kv.engine_id if kv is not None else None, engine.spec is not None, roof.device,
-            roof.peak_flops)
+            roof.peak_flops, stored_types(engine.runner.model))
 
     @classmethod
     def build(cls, config: EngineConfig, engine_thread: EngineThread, device_peaks: DeviceSpec | None = None,

@@ -172,6 +172,18 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
     return dict(Counter(part for name in seen.values() for part in name.split("+")))
 
 
+_GGUF_FLOAT_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def stored_types(model: nn.Module) -> dict[str, int]:
+    """weight_formats with GGUF's names for float storage too (F32, BF16, F16, whichever path reads it): what
+    /v1/models reports as a model's `quantization`."""
+    out: Counter[str] = Counter()
+    for name, count in weight_formats(model).items():
+        out[_GGUF_FLOAT_NAMES.get(name, name)] += count
+    return dict(out)
+
+
 def describe_weights(model: nn.Module) -> str:
     """The start-up log's account of the weights: "Q4_K x 150, Q6_K x 31 (pack_gguf, AVX-512 VNNI int8 ...)"."""
     by_path: dict[str, list[str]] = {}

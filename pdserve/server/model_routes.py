@@ -25,6 +25,8 @@ def model_entry(m: ServedModel, aliases: list[str]) -> dict[str, Any]:
     entry: dict[str, Any] = {"id": m.name, "object": "model", "created": m.created, "owned_by": "pdserve",
                              "state": m.state, "version": m.version, "config_hash": m.config_hash,
                              "aliases": aliases, "max_model_len": m.max_model_len}
+    if m.client is not None:  # loaded: how its weight matrices are stored, by type (GGUF names; float dtypes)
+        entry["quantization"] = m.client.model_info.weight_formats
     if m.state == "loading":
         entry["progress"] = round(m.progress, 3)
     if m.error is not None:
