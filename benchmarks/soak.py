@@ -254,7 +254,10 @@ def rss_mib(pid: int) -> float:
 async def sample(url: str, pid: int, deadline: float, out: list[dict[str, Any]], t_start: float) -> None:
     async with httpx.AsyncClient(timeout=10, headers=bearer(ADMIN_KEY)) as http:
         while time.monotonic() < deadline:
-            kv = (await http.get(url + "/debug/kv")).json()
+            try:
+                kv = (await http.get(url + "/debug/kv")).json()
+            except httpx.HTTPError as e:  # the sample is lost (the machine's load), the soak goes on
+                kv = {"num_used_blocks": None, "open_requests": None, "error": type(e).__name__}
             out.append({"t_s": round(time.monotonic() - t_start), "rss_mib": round(rss_mib(pid), 1),
                         "used_blocks": kv["num_used_blocks"], "open_requests": kv["open_requests"]})
             await asyncio.sleep(10)
