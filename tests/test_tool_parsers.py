@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from test_tool_calling import ADD, WEATHER  # the chat tool tests' schemas
 
 from pdserve.cli import TOOL_CALL_PARSERS, build_parser
 from pdserve.launch import ServerProc, start_server
@@ -20,12 +21,6 @@ from pdserve.server.tool_parser_registry import TOOL_PARSERS, get_tool_parser, p
 from pdserve.server.tool_parsers import ToolCall, ToolParser
 from pdserve.server.tool_parsers_xml import convert_value
 
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12},
-    "unit": {"enum": ["celsius", "fahrenheit", "摄氏"]}}, "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-       "required": ["a", "b"], "additionalProperties": False}
 # properties in sorted order: the JSON grammars take them in that order (the structural tag is cached by its JSON
 # text, written with sorted keys), the pythonic grammar in the declared order
 OPTS = {"type": "object", "properties": {"deep": {"type": "boolean"}, "n": {"type": "integer"},

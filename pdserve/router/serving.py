@@ -211,6 +211,20 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None, secret: str
     return b
 
 
+def refusal(tr: RouteTrace, exc: UpstreamRejected | APIError | ClientDisconnected,
+            anthropic: bool = False) -> RoutedResponse:
+    """A request that ended without an answer, as the client's response (noted on its trace): an instance's 4xx
+    as it sent it, the router's own error in OpenAI's body (Anthropic's on its routes), 499 for a client gone."""
+    if isinstance(exc, UpstreamRejected):
+        tr.outcome, tr.error = "error", f"upstream {exc.status}"
+        return RoutedResponse(exc.status, exc.content)
+    if isinstance(exc, APIError):
+        tr.outcome, tr.error = "error", exc.message
+        return RoutedResponse(exc.status, json.dumps(exc.anthropic_body() if anthropic else exc.body()).encode())
+    tr.outcome = "client_disconnect"
+    return RoutedResponse(499, b"")
+
+
 def has_token(chunk: dict[str, Any]) -> bool:
     for c in chunk.get("choices") or []:
         if c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason"):
@@ -297,15 +311,8 @@ class RouterServing:
 
         try:
             return await watch_disconnect(run(), disconnected)
-        except UpstreamRejected as exc:
-            tr.outcome, tr.error = "error", f"upstream {exc.status}"
-            return RoutedResponse(exc.status, exc.content)
-        except APIError as exc:
-            tr.outcome, tr.error = "error", exc.message
-            return RoutedResponse(exc.status, json.dumps(exc.body()).encode())
-        except ClientDisconnected:
-            tr.outcome = "client_disconnect"
-            return RoutedResponse(499, b"")
+        except (UpstreamRejected, APIError, ClientDisconnected) as exc:
+            return refusal(tr, exc)
         finally:
             tr.finish(self.metrics)
 
@@ -480,15 +487,8 @@ class RouterServing:
             async with aclosing(self._relay_tries(path, body, tr, disconnected)) as out:
                 async for item in out:
                     yield item
-        except UpstreamRejected as exc:
-            tr.outcome, tr.error = "error", f"upstream {exc.status}"
-            yield RoutedResponse(exc.status, exc.content)
-        except APIError as exc:
-            tr.outcome, tr.error = "error", exc.message
-            yield RoutedResponse(exc.status, json.dumps(exc.anthropic_body()).encode())
-        except ClientDisconnected:
-            tr.outcome = "client_disconnect"
-            yield RoutedResponse(499, b"")
+        except (UpstreamRejected, APIError, ClientDisconnected) as exc:
+            yield refusal(tr, exc, anthropic=True)
         except (asyncio.CancelledError, GeneratorExit):
             tr.outcome = "client_disconnect"
             raise
