@@ -3,13 +3,15 @@ over its requests/min, tokens/min and concurrency quota at the same time. Does B
 A's latency stays what it is without B?
 
     .venv/bin/python benchmarks/key_quota.py [--model PATH] [--a-clients 2] [--a-requests 6] [--output-len 32]
-                                             [--b-clients 8] [--b-limits "rpm=6 tpm=600 concurrent=1"]
+                                             [--b-clients 8] [--b-rate 20]
+                                             [--b-limits "rpm=6 tpm=600 concurrent=1"]
 
 Phases, on one server: A alone, A with B's flood, A alone again (the two A-alone runs bound the machine's drift;
 it is shared). A: `--a-clients` closed-loop streaming clients, `--a-requests` completions each (`--output-len`
-tokens, ignore_eos). B: `--b-clients` clients sending completions back to back (no pause, 429 or not) until A's
-clients are done. Reported per phase and key: requests, 200s, 429s and how many of those carried Retry-After,
-other statuses; A's TTFT and ITL p50/p99; the load average before and after.
+tokens, ignore_eos). B: `--b-clients` clients sending completions at `--b-rate` a second in all (0: back to
+back), never waiting out a Retry-After, until A's clients are done. Reported per phase and key: requests, 200s,
+429s and how many of those carried Retry-After, other statuses; A's TTFT and ITL p50/p99; the CPU
+seconds of the server (process and children) and of this process (the clients); the load average before and after.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 
 from pdserve.launch import start_server
 
@@ -88,29 +91,44 @@ async def a_client(http: httpx.AsyncClient, n_requests: int, output_len: int, ta
             tally.itl.extend(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
 
 
-async def b_client(http: httpx.AsyncClient, output_len: int, tally: KeyTally, stop: asyncio.Event) -> None:
-    """Back to back, never waiting out a Retry-After: far over any quota."""
+async def b_client(http: httpx.AsyncClient, output_len: int, tally: KeyTally, stop: asyncio.Event,
+                   interval: float) -> None:
+    """A request every `interval` seconds (0: back to back), never waiting out a Retry-After: far over any
+    quota."""
+    next_t = time.perf_counter()
     while not stop.is_set():
         r = await http.post("/v1/completions", json=body(output_len, False),
                             headers={"Authorization": f"Bearer {KEY_B}"})
         tally.count(r)
+        next_t += interval
+        if (wait := next_t - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
 
 
-async def phase(base: str, args: argparse.Namespace, with_b: bool) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the server process and its children so far."""
+    proc = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+
+
+async def phase(base: str, args: argparse.Namespace, with_b: bool, pid: int) -> dict[str, Any]:
     a, b = KeyTally(), KeyTally()
+    cpu0, own0 = cpu_seconds(pid), sum(psutil.Process().cpu_times()[:2])
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=args.a_clients + args.b_clients + 4)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
-        flood = [asyncio.create_task(b_client(http, args.output_len, b, stop))
+        interval = args.b_clients / args.b_rate if args.b_rate > 0 else 0.0
+        flood = [asyncio.create_task(b_client(http, args.output_len, b, stop, interval))
                  for _ in range(args.b_clients if with_b else 0)]
         t0 = time.perf_counter()
         await asyncio.gather(*[a_client(http, args.a_requests, args.output_len, a) for _ in range(args.a_clients)])
         wall = time.perf_counter() - t0
         stop.set()
         await asyncio.gather(*flood)
-    out = {"wall_s": round(wall, 2), "a": a.summary()}
+    out = {"wall_s": round(wall, 2), "server_cpu_s": round(cpu_seconds(pid) - cpu0, 2),
+           "client_cpu_s": round(sum(psutil.Process().cpu_times()[:2]) - own0, 2), "a": a.summary()}
     if with_b:
-        out["b"] = b.summary()
+        out["b"] = {**b.summary(), "per_s": round(b.requests / wall, 1)}
     return out
 
 
@@ -123,6 +141,8 @@ def main() -> None:
     ap.add_argument("--a-requests", type=int, default=6, help="requests per A client")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--b-clients", type=int, default=8)
+    ap.add_argument("--b-rate", type=float, default=20.0,
+                    help="B's requests a second, all clients together (0: back to back, as fast as they answer)")
     ap.add_argument("--b-limits", default="rpm=6 tpm=600 concurrent=1", help="key B's limits (key-file words)")
     ap.add_argument("--json", default=None, help="write the results here as JSON too")
     args = ap.parse_args()
@@ -137,10 +157,12 @@ def main() -> None:
                            "--api-key-file", str(keys), *extra)
         try:
             load_before = os.getloadavg()
-            asyncio.run(phase(srv.base_url, argparse.Namespace(**{**vars(args), "a_requests": 1}), False))  # warm-up
-            runs = {"a_alone": asyncio.run(phase(srv.base_url, args, False)),
-                    "a_with_b": asyncio.run(phase(srv.base_url, args, True)),
-                    "a_alone_again": asyncio.run(phase(srv.base_url, args, False))}
+            pid = srv.proc.pid
+            warm = argparse.Namespace(**{**vars(args), "a_requests": 1})
+            asyncio.run(phase(srv.base_url, warm, False, pid))
+            runs = {"a_alone": asyncio.run(phase(srv.base_url, args, False, pid)),
+                    "a_with_b": asyncio.run(phase(srv.base_url, args, True, pid)),
+                    "a_alone_again": asyncio.run(phase(srv.base_url, args, False, pid))}
             load_after = os.getloadavg()
         finally:
             srv.stop()
@@ -150,11 +172,13 @@ def main() -> None:
     print(json.dumps(result, indent=2, ensure_ascii=False))
     for name, run in runs.items():
         a = run["a"]
-        line = (f"{name:14s} A: {a['200']}/{a['requests']} ok, TTFT p50 {a['ttft_ms']['p50']} ms p99 "
+        line = (f"{name:14s} CPU server {run['server_cpu_s']} s, clients {run['client_cpu_s']} s in "
+                f"{run['wall_s']} s; "
+                f"A: {a['200']}/{a['requests']} ok, TTFT p50 {a['ttft_ms']['p50']} ms p99 "
                 f"{a['ttft_ms']['p99']} ms, ITL p50 {a['itl_ms']['p50']} ms p99 {a['itl_ms']['p99']} ms")
         if "b" in run:
             b = run["b"]
-            line += (f" | B: {b['requests']} requests, {b['200']} ok, {b['429']} x 429 "
+            line += (f" | B: {b['requests']} requests ({b['per_s']}/s), {b['200']} ok, {b['429']} x 429 "
                      f"({b['429_with_retry_after']} with Retry-After), other {b['other']}")
         print(line)
     ratio = statistics.mean(runs[k]["a"]["itl_ms"]["p50"] for k in ("a_alone", "a_alone_again"))
