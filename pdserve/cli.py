@@ -14,6 +14,9 @@ from typing import Any
 from pdserve.api.log_hygiene import install_log_hygiene
 from pdserve.config import EngineConfig, shown_default
 
+# pdserve.server.tool_parser_registry's names (not imported: `pdserve router` loads no server code); a test
+# keeps the two equal
+TOOL_CALL_PARSERS = ["auto", "hermes", "json", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
 
 def add_engine_args(parser: argparse.ArgumentParser, repeat_model: bool = False) -> None:
     """One flag per EngineConfig field, so every engine option is on every command line; its help is the field's.
@@ -342,9 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefix-cache-isolation", choices=["none", "tenant"], default="none",
                      help="tenant: prefix-cache blocks are shared only within a tenant (X-Tenant header, else "
                      "the body's user), combined with the body's cache_salt")
-    srv.add_argument("--tool-call-parser", choices=["hermes", "json"], default="hermes",
-                     help="how chat output becomes tool calls: hermes (<tool_call>{json}</tool_call> blocks) or "
-                     "json (the whole output is a call object or a list of them)")
+    srv.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
+                     help="how chat output becomes tool calls: hermes (<tool_call>{json}</tool_call> blocks), json "
+                     "(the whole output is a call object or a list of them), llama3_json, mistral, pythonic, "
+                     "qwen3_coder, or auto (read off the chat template; README, tool calling)")
     srv.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
                      help="reasoning models: the reply's <think> ... </think> text goes to the message's "
                      "reasoning_content (streamed: delta.reasoning_content), the rest to content; qwen3: only an "

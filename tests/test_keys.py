@@ -209,7 +209,7 @@ def test_list_args_as_vllm_or_commas() -> None:
 
 
 # ---- one HTTPS server, three keys -----------------------------------------------------------------------------------
-KEYS = "alice:sk-alice\nbob:sk-bob rpm=1\ncarol:sk-carol tpm=60\n"
+KEYS = "alice:sk-alice\nbob:sk-bob rpm=1\ncarol:sk-carol tpm=60\ndave:sk-dave rpm=2 concurrent=1\n"
 ADMIN = "sk-admin"
 ORIGIN = "https://app.example"
 
@@ -316,6 +316,28 @@ def test_key_over_its_requests_per_minute_gets_429_while_the_other_runs(http: ht
     assert http.post("/v1/completions", headers=_auth("sk-nobody"), json={}).status_code == 401
     metrics = http.get("/metrics", headers=_auth("sk-alice")).text  # the refusals count for bob's tenant
     assert 'pdserve:tenant_requests_total{model="unknown",status="429",tenant="bob"} 3.0' in metrics
+
+
+def test_one_burst_over_quota_key_gets_429s_the_other_none(server: ServerProc, verify: ssl.SSLContext) -> None:
+    """Both keys in one concurrent burst: dave (2 a minute, 1 at a time) gets 429s with Retry-After for all but
+    the few his quota admits; alice (no limits) gets every answer. Counts only, no timing: at most 2 of dave's
+    run within the minute, plus one the bucket may refill if the burst takes over 30 s."""
+    async def burst() -> dict[str, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=server.base_url, verify=verify, timeout=120) as c:
+            async def one(key: str) -> httpx.Response:
+                return await c.post("/v1/completions", headers=_auth(key),
+                                    json={"prompt": "你好, world", "max_tokens": 4, "ignore_eos": True})
+            keys = ["sk-alice", "sk-dave"] * 8
+            answers = await asyncio.gather(*[one(k) for k in keys])
+        return {k: [r for kk, r in zip(keys, answers, strict=True) if kk == k] for k in ("sk-alice", "sk-dave")}
+
+    got = asyncio.run(burst())
+    assert [r.status_code for r in got["sk-alice"]] == [200] * 8
+    dave = [r.status_code for r in got["sk-dave"]]
+    assert set(dave) == {200, 429} and 1 <= dave.count(200) <= 3, dave
+    for r in got["sk-dave"]:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
 
 
 def test_tokens_per_minute_and_concurrency(http: httpx.Client) -> None:

@@ -19,7 +19,7 @@ import openai
 import pytest
 from test_tool_calling import ADD, SCHEMAS, WEATHER  # the chat tool tests' schemas, as Anthropic tools here
 
-from pdserve.launch import ServerProc, start_server
+from pdserve.launch import ServerProc, free_port, start_pdserve, start_server
 from pdserve.server.tools import MAX_PARALLEL_TOOL_CALLS
 
 KEY = "sekret-key"
@@ -304,3 +304,62 @@ def test_request_id_echoed_sanitized_and_logged(server: ServerProc, model: str) 
     lines = [json.loads(ln[ln.index("{"):]) for ln in server.log().splitlines() if '"x_request_id"' in ln]
     assert {"trace-42/abc", "7" * 128, r._request_id} <= {ln["x_request_id"] for ln in lines}  # type: ignore
     assert [ln["tenant"] for ln in lines if ln["x_request_id"] == "7" * 128] == ["团队-7"]  # metadata.user_id
+
+
+# ---- through `pdserve router` --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory, server: ServerProc) -> Iterator[ServerProc]:
+    """A router with this server as its decode instance and a dead one beside it (no prefill pool)."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{free_port()}"
+    srv = start_pdserve(tmp_path_factory.mktemp("messages-router"), "router",
+                        ["router", "--port", str(port), "--decode", server.base_url, dead, "--poll-interval", "0.2"],
+                        f"http://127.0.0.1:{port}", 60, env={"PDSERVE_INSTANCE_API_KEY": KEY})
+    yield srv
+    srv.stop()
+
+
+def test_messages_through_the_router(server: ServerProc, router: ServerProc, client: anthropic.Anthropic,
+                                     model: str) -> None:
+    """/v1/messages and count_tokens relayed by the router: the same answers, the same named SSE events byte for
+    byte, a tool round trip, and the instance's Anthropic errors with their status."""
+    via = anthropic.Anthropic(base_url=router.base_url, api_key=KEY, max_retries=0, timeout=120)
+    kw: Any = dict(model=model, max_tokens=12, extra_body=GREEDY, system=SYSTEM,
+                   messages=[{"role": "user", "content": QUESTION}])
+    direct, routed = client.messages.create(**kw), via.messages.create(**kw)
+    assert text_of(routed) == text_of(direct) and routed.usage == direct.usage
+    assert routed.stop_reason == direct.stop_reason
+    events = list(via.messages.create(**kw, stream=True))
+    assert [e.type for e in events][:1] == ["message_start"] and events[-1].type == "message_stop"
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text_of(direct)
+    raw = {"model": model, "max_tokens": 6, "temperature": 0, "messages": ASK, "stream": True}
+
+    def sse_lines(base: str) -> list[str]:
+        with httpx.stream("POST", base + "/v1/messages", json=raw, headers={"x-api-key": KEY}, timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            return [re.sub(r'"(msg|toolu)_[0-9a-zA-Z]+"', "ID", ln) for ln in r.iter_lines()]
+    assert sse_lines(router.base_url) == sse_lines(server.base_url)  # relayed as the instance wrote it
+    # a forced tool call and its result, through the router
+    tool_kw: Any = dict(model=model, max_tokens=120, extra_body=GREEDY, tools=TOOLS,
+                        tool_choice={"type": "tool", "name": "get_weather"})
+    first = via.messages.create(**tool_kw, messages=ASK)
+    calls = tool_uses(first)
+    assert first.stop_reason == "tool_use" and [c.name for c in calls] == ["get_weather"]
+    history: Any = [*ASK, {"role": "assistant", "content": [c.model_dump() for c in first.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                                  "content": "晴, 21 °C"}]}]
+    second = via.messages.create(model=model, max_tokens=4, extra_body=GREEDY, tools=TOOLS, messages=history)
+    counted = via.messages.count_tokens(model=model, tools=TOOLS, messages=history)
+    assert counted.input_tokens == second.usage.input_tokens == \
+        client.messages.count_tokens(model=model, tools=TOOLS, messages=history).input_tokens
+    # errors: the router's own check (400) and the instance's (401, 404) in Anthropic's body, with their status
+    url = router.base_url + "/v1/messages"
+    r = httpx.post(url, json={"model": model, "messages": ASK}, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=router.base_url, api_key="wrong", max_retries=0).messages.create(
+            model=model, max_tokens=2, messages=ASK, stream=True)
+    r = httpx.post(url, json={"model": "nope", "max_tokens": 2, "messages": ASK, "stream": True},
+                   headers={"x-api-key": KEY})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    wait_idle(server)

@@ -1,5 +1,6 @@
 """`pdserve router`: the PD disaggregation router's HTTP app. The routes are thin: they parse the client's request
-and hand it to `RouterServing` (serving.py: the prefill -> decode hand-off, retries, streaming relay); instances,
+and hand it to `RouterServing` (serving.py: the prefill -> decode hand-off, retries, streaming relay; Anthropic's
+/v1/messages and count_tokens relayed to a decode instance as they are); instances,
 health and the choice of instance live in pool.py (least-loaded) and prefix.py (prefix-aware). The router speaks
 HTTP to its instances only: it loads neither torch nor the engine (tests/test_architecture.py checks it).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -63,6 +64,14 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
     async def chat(raw: Request) -> Response:
         return await route("/v1/chat/completions", raw)
 
+    @app.post("/v1/messages")
+    async def messages(raw: Request) -> Response:
+        return await relay(serving, "/v1/messages", raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw: Request) -> Response:
+        return await relay(serving, "/v1/messages/count_tokens", raw)
+
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
         return as_response(await serving.models(dict(raw.headers.items())))
@@ -83,6 +92,25 @@ def create_router_app(cfg: RouterConfig, transport: httpx.AsyncBaseTransport | N
 
     app.include_router(page_router)  # the same dashboard; it shows the instances side by side
     return app
+
+
+async def relay(serving: RouterServing, path: str, raw: Request) -> Response:
+    """Anthropic's Messages API: relayed to a decode instance (RouterServing.relay); a stream's status is known
+    before its first byte goes out, so an instance's refusal keeps its own status."""
+    body = parse_body(path, await raw.body())
+    out = serving.relay(path, body, dict(raw.headers.items()), raw.is_disconnected)
+    first = await anext(out, RoutedResponse(502, b""))
+    if isinstance(first, RoutedResponse):
+        await out.aclose()
+        return as_response(first)
+
+    async def rest() -> AsyncIterator[bytes]:
+        async with aclosing(out):
+            yield first
+            async for chunk in out:
+                assert isinstance(chunk, bytes)
+                yield chunk
+    return StreamingResponse(rest(), media_type="text/event-stream")
 
 
 def as_response(r: RoutedResponse) -> Response:

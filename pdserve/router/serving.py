@@ -25,7 +25,9 @@ Failures (every wait is bounded by a timeout):
 - decode fails after tokens were streamed -> no retry (it would repeat tokens): the stream ends with an OpenAI
   error event and `data: [DONE]`.
 - client disconnects -> the upstream HTTP requests are closed, which aborts them in pdserve (prefill or decode).
-Requests the hand-off cannot express (several prompts, n > 1) go to a decode instance as they are (colocated).
+Requests the hand-off cannot express (several prompts, n > 1) go to a decode instance as they are (colocated), and
+so do Anthropic's /v1/messages and /v1/messages/count_tokens (`relay`: the answer, or the SSE stream, byte for
+byte; retried on another decode instance only before any byte reached the client).
 
 Streams send nothing before the decode instance's first token: what comes earlier (the chat role chunk) waits and
 goes out with it, so a client that stamps TTFT at its first SSE event sees the real time to first token.
@@ -45,10 +47,11 @@ from typing import Any, TypeVar
 
 import httpx
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pdserve.api.errors import APIError, validation_message
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.protocol_messages import CountTokensRequest, MessagesRequest
 from pdserve.api.sse import sse
 from pdserve.errors import ErrorCode
 from pdserve.kv_transfer.trust import sign_kv_transfer_params
@@ -61,7 +64,8 @@ logger = logging.getLogger("pdserve.router")
 T = TypeVar("T")
 Disconnected = Callable[[], Awaitable[bool]]  # asks whether the client went away
 # passed on to the instances; the W3C trace context too, so both instances' spans join the client's trace
-FORWARDED_HEADERS = ("authorization", "x-tenant", "traceparent", "tracestate", "x-request-id")
+FORWARDED_HEADERS = ("authorization", "x-api-key", "anthropic-version", "anthropic-beta", "x-tenant", "traceparent",
+                     "tracestate", "x-request-id")
 # the instance cannot use the hand-off params: the next try computes the prompt instead
 KV_CODES = (ErrorCode.KV_TRANSFER_FAILED, ErrorCode.KV_TRANSFER_PARAMS_REJECTED)
 
@@ -145,16 +149,19 @@ def parse_body(path: str, raw: bytes) -> dict[str, Any]:
         raise APIError(400, f"malformed JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object")
-    schema = ChatCompletionRequest if path.endswith("/chat/completions") else CompletionRequest
     try:
-        req = schema.model_validate(body)
+        req = REQUEST_SCHEMAS[path].model_validate(body)
     except ValidationError as exc:
         raise validation_message(RequestValidationError(exc.errors())) from None
-    if "n" in body:
-        body["n"] = req.n
-    if "stream" in body:
-        body["stream"] = req.stream
+    for key in ("n", "stream"):
+        if key in body:
+            body[key] = getattr(req, key)
     return body
+
+
+REQUEST_SCHEMAS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest}
 
 
 def error_code(error: Any) -> str | None:
@@ -202,6 +209,20 @@ def decode_body(body: dict[str, Any], params: dict[str, Any] | None, secret: str
     if params:
         b["kv_transfer_params"] = sign_kv_transfer_params(params, secret)
     return b
+
+
+def refusal(tr: RouteTrace, exc: UpstreamRejected | APIError | ClientDisconnected,
+            anthropic: bool = False) -> RoutedResponse:
+    """A request that ended without an answer, as the client's response (noted on its trace): an instance's 4xx
+    as it sent it, the router's own error in OpenAI's body (Anthropic's on its routes), 499 for a client gone."""
+    if isinstance(exc, UpstreamRejected):
+        tr.outcome, tr.error = "error", f"upstream {exc.status}"
+        return RoutedResponse(exc.status, exc.content)
+    if isinstance(exc, APIError):
+        tr.outcome, tr.error = "error", exc.message
+        return RoutedResponse(exc.status, json.dumps(exc.anthropic_body() if anthropic else exc.body()).encode())
+    tr.outcome = "client_disconnect"
+    return RoutedResponse(499, b"")
 
 
 def has_token(chunk: dict[str, Any]) -> bool:
@@ -290,15 +311,8 @@ class RouterServing:
 
         try:
             return await watch_disconnect(run(), disconnected)
-        except UpstreamRejected as exc:
-            tr.outcome, tr.error = "error", f"upstream {exc.status}"
-            return RoutedResponse(exc.status, exc.content)
-        except APIError as exc:
-            tr.outcome, tr.error = "error", exc.message
-            return RoutedResponse(exc.status, json.dumps(exc.body()).encode())
-        except ClientDisconnected:
-            tr.outcome = "client_disconnect"
-            return RoutedResponse(499, b"")
+        except (UpstreamRejected, APIError, ClientDisconnected) as exc:
+            return refusal(tr, exc)
         finally:
             tr.finish(self.metrics)
 
@@ -459,3 +473,55 @@ class RouterServing:
             if emitted:
                 raise upstream_error(f"the decode instance failed after tokens were streamed ({attempt.failure}); "
                                      "not retried so that no token is repeated")
+
+    # ---- relayed APIs --------------------------------------------------------------------------------------
+    async def relay(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                    disconnected: Disconnected | None = None) -> AsyncGenerator[RoutedResponse | bytes, None]:
+        """An API the hand-off does not carry (Anthropic's /v1/messages and count_tokens): to a decode instance
+        as it is (colocated), its answer back byte for byte. Yields one RoutedResponse (a whole answer, or an
+        error before any byte of a stream), else the stream's bytes as they come. Another decode instance is
+        tried when one fails (connection, 5xx, 429) before a byte reached the client; a 4xx goes back as it is;
+        a failure mid-stream ends the stream with an Anthropic `error` event. Router errors in Anthropic's body."""
+        tr = self.new_trace(path, body, headers)
+        try:
+            async with aclosing(self._relay_tries(path, body, tr, disconnected)) as out:
+                async for item in out:
+                    yield item
+        except (UpstreamRejected, APIError, ClientDisconnected) as exc:
+            yield refusal(tr, exc, anthropic=True)
+        except (asyncio.CancelledError, GeneratorExit):
+            tr.outcome = "client_disconnect"
+            raise
+        finally:
+            tr.finish(self.metrics)
+
+    async def _relay_tries(self, path: str, body: dict[str, Any], tr: RouteTrace,
+                           disconnected: Disconnected | None) -> AsyncGenerator[RoutedResponse | bytes, None]:
+        sent = False  # a byte of the stream reached the client: from here on a failure cannot be retried
+        for attempt, _ in self._decode_tries(tr, None):
+            with attempt as inst:
+                req = self.client.build_request("POST", inst.url + path, json=body, headers=tr.headers)
+                resp = await watch_disconnect(self.client.send(req, stream=True), disconnected, inst=inst)
+                try:
+                    if resp.status_code != 200:
+                        check_upstream(resp.status_code, await resp.aread())
+                    if not tr.stream:
+                        content = await resp.aread()
+                        tr.ttft_s = time.perf_counter() - tr.t0
+                        yield RoutedResponse(200, content)
+                        return
+                    async for chunk in resp.aiter_bytes():
+                        if not sent:
+                            sent, tr.ttft_s = True, time.perf_counter() - tr.t0
+                            self.metrics.ttft.observe(tr.ttft_s)
+                        yield chunk
+                    return
+                except httpx.HTTPError as exc:
+                    if not sent:
+                        raise
+                    tr.outcome, tr.error = "error", f"{type(exc).__name__} mid-stream"
+                    err = upstream_error(f"the decode instance failed mid-stream ({type(exc).__name__}); not retried")
+                    yield sse(err.anthropic_body(), "error").encode()
+                    return
+                finally:
+                    await resp.aclose()

@@ -48,7 +48,7 @@ from pdserve.server.chat_template import render_chat
 from pdserve.server.metrics import Metrics
 from pdserve.server.reasoning import get_reasoning_parser
 from pdserve.server.tenants import TenantMetrics
-from pdserve.server.tool_parsers import get_tool_parser
+from pdserve.server.tool_parser_registry import get_tool_parser
 from pdserve.server.tools import ChatTools, ToolPlan
 from pdserve.server.tracing import RequestTracer
 
@@ -137,7 +137,7 @@ class OpenAIServing:
         self.model_info = client.model_info
         self.max_prompt_chars = self.options.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.model_info.max_model_len
         tok = client.tokenizer
-        self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser), client.check_json_schema)
+        self.tools = ChatTools(tok, get_tool_parser(self.options.tool_call_parser, tok), client.check_json_schema)
         self.reasoning = get_reasoning_parser(self.options.reasoning_parser)
         # token id -> its text, for logprobs (a few hot ids dominate)
         self.token_text: Callable[[int], str] = functools.lru_cache(maxsize=65536)(lambda t: str(tok.decode([t])))

@@ -74,7 +74,10 @@ class OpenAIServingChat(OpenAIServing):
         return plan
 
     def constrain_tools(self, plan: ToolPlan, params: SamplingParams) -> None:
-        """tool_choice required / a named function: the output is constrained to tool calls."""
+        """tool_choice required / a named function: the output is constrained to tool calls. A parser whose
+        markers are special tokens keeps them in the text whenever tools are on (vLLM does the same)."""
+        if plan.active and self.tools.parser.keeps_special_tokens:
+            params.skip_special_tokens = False
         so = self.tools.constraint(plan)
         if so is None:
             return

@@ -6,6 +6,11 @@ A parser works on a stream of text deltas and yields events: content text, or a 
 its markup closes and its JSON parsed). `parse(text)` is the same stream fed the whole text, so a streamed reply
 always reassembles to the non-streamed one.
 
+Most formats are read by a `MarkerStream`: content until one of the format's markers, then calls read from the
+marker on; text at a marker that does not read as a call stays content as written (the marker too), and the
+whole output is never lost. The other parsers (`llama3_json`, `mistral`, `pythonic`, `qwen3_coder`) are in
+tool_parsers_json.py, tool_parsers_pythonic.py and tool_parsers_xml.py; tool_parser_registry.py names them all.
+
 - `hermes` (Hermes / Qwen style): calls are `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks,
   any number, anywhere in the text. Text around them is content; the whitespace between content and a call, and
   trailing whitespace after the last call, are dropped. A block whose JSON does not parse into a call (or that
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -73,19 +79,57 @@ def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _loads(text: str) -> Any:
+def loads_or_none(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError:
         return None
 
 
-def _held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (held back: the tag may follow)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
+def decode_prefix(text: str) -> tuple[Any, int] | None:
+    """The JSON value at the start of `text` (after whitespace) and where it ends; None while it is incomplete or
+    not JSON (an object or array ends at its closing bracket, so no shorter prefix ever decodes to another one)."""
+    start = len(text) - len(text.lstrip())
+    try:
+        obj, end = _DECODER.raw_decode(text, start)
+    except ValueError:
+        return None
+    return obj, end
+
+
+_DECODER = json.JSONDecoder()
+
+
+def held_prefix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags` (held back: it may follow)."""
+    for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        if any(text.endswith(t[:n]) for t in tags if len(t) > n):
             return n
     return 0
+
+
+def structural_calls(calls: list[dict[str, Any]], max_calls: int, sep: str, begin: str = "",
+                     end: str = "") -> StructuredOutputs:
+    """xgrammar's structural tag for 1 to `max_calls` of the `calls` formats (one per tool), `sep` between two,
+    the whole between `begin` and `end`; complete after the last call allowed (then only the stop token)."""
+    call: dict[str, Any] = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    fmt = call
+    if max_calls > 1:
+        more = {"type": "sequence", "elements": [{"type": "const_string", "value": sep}, call]}
+        fmt = {"type": "sequence", "elements": [call, {"type": "repeat", "min": 0, "max": max_calls - 1,
+                                                         "content": more}]}
+    if begin or end:
+        fmt = {"type": "sequence", "elements": [*([{"type": "const_string", "value": begin}] if begin else []), fmt,
+                                                 *([{"type": "const_string", "value": end}] if end else [])]}
+    return StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": fmt},
+                                                       ensure_ascii=False, sort_keys=True), param="tool_choice")
+
+
+def json_call_tag(begin: str, params: dict[str, Any], end: str) -> dict[str, Any]:
+    """A call as a tag: its literal beginning (the name in it), arguments valid against `params` (at most one
+    whitespace character in a row: a weak model cannot pad forever), its literal end."""
+    return {"type": "tag", "begin": begin, "end": end,
+            "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1}}
 
 
 class ToolStream(ABC):
@@ -98,13 +142,18 @@ class ToolStream(ABC):
     def finish(self) -> list[Event]: ...
 
 
+Tools = Mapping[str, dict[str, Any]]  # the request's tools: name -> parameters schema
+
+
 class ToolParser(ABC):
     """A tool-call output format. Stateless: `stream()` gives the per-choice state."""
 
     name: ClassVar[str]
+    # the format's markers are special tokens (Mistral's [TOOL_CALLS]): with tools, special tokens stay in the text
+    keeps_special_tokens: ClassVar[bool] = False
 
     @abstractmethod
-    def stream(self) -> ToolStream: ...
+    def stream(self, tools: Tools | None = None) -> ToolStream: ...
 
     @abstractmethod
     def instructions(self) -> str:
@@ -120,8 +169,8 @@ class ToolParser(ABC):
         tools, each call's arguments valid against its tool's schema; after the last one allowed, only the stop
         token (the grammar is complete), so a model that would go on calling ends its turn."""
 
-    def parse(self, text: str) -> ParsedOutput:
-        return parse_with(self.stream(), text)
+    def parse(self, text: str, tools: Tools | None = None) -> ParsedOutput:
+        return parse_with(self.stream(tools), text)
 
 
 def parse_with(stream: ToolStream, text: str) -> ParsedOutput:
@@ -132,54 +181,82 @@ def parse_with(stream: ToolStream, text: str) -> ParsedOutput:
     return ParsedOutput(None if calls and not content else content, calls)
 
 
-class HermesStream(ToolStream):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+@dataclass
+class Taken:
+    """What a parser took from text that starts at one of its markers: the calls, and how many characters they
+    used. `used == 0`: not a call; the marker is content and the text after it is scanned again."""
+    calls: list[ToolCall]
+    used: int
+
+
+NOT_A_CALL = Taken([], 0)
+
+
+class MarkerStream(ToolStream):
+    """Content until one of `markers`; from a marker on, `take` reads calls (None: it needs more text; at the end
+    of the output, what it still cannot read is not a call). Whitespace between content and a call, and after
+    the last call, is dropped, and so are the `separators` right after a call; a marker cut across deltas is
+    held until it is whole or cannot be, so no markup is streamed as content."""
+
+    markers: ClassVar[tuple[str, ...]]
+    separators: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
-        self.buf = ""  # text mode: a held partial "<tool_call>"; call mode: the block's body so far
+        self.buf = ""  # text mode: a held partial marker; call mode: from the marker on
         self.ws = ""  # trailing whitespace of the content, held: dropped if a call follows
         self.in_call = False
-        self.after_call = False  # whitespace right after a call is dropped
+        self.after_call = False  # whitespace and separators right after a call are dropped
         self.any_call = False
+
+    @abstractmethod
+    def take(self, buf: str, final: bool) -> Taken | None: ...
 
     def feed(self, text: str) -> list[Event]:
         self.buf += text
-        out: list[Event] = []
-        while True:
-            if self.in_call:
-                end = self.buf.find(self.CLOSE)
-                if end < 0:
-                    return out
-                body, self.buf, self.in_call = self.buf[:end], self.buf[end + len(self.CLOSE):], False
-                call = call_from_json(_loads(body.strip()))
-                if call is None:  # malformed: content, as written
-                    self._text(self.OPEN + body + self.CLOSE, out)
-                else:
-                    out.append(call)
-                    self.ws, self.after_call, self.any_call = "", True, True
-                continue
-            start = self.buf.find(self.OPEN)
-            if start < 0:
-                keep = _held_prefix(self.buf, self.OPEN)
-                self._text(self.buf[:len(self.buf) - keep], out)
-                self.buf = self.buf[len(self.buf) - keep:]
-                return out
-            self._text(self.buf[:start], out)
-            self.buf, self.in_call = self.buf[start + len(self.OPEN):], True
+        return self._scan(final=False)
 
     def finish(self) -> list[Event]:
-        out: list[Event] = []
-        rest = self.OPEN + self.buf if self.in_call else self.buf
-        self.buf, self.in_call = "", False
-        self._text(rest, out)
+        out = self._scan(final=True)
+        self._text(self.buf, out)
+        self.buf = ""
         if not self.any_call and self.ws:
             out.append(self.ws)
         self.ws = ""
         return out
 
+    def _scan(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            if self.in_call:
+                taken = self.take(self.buf, final)
+                if taken is None:
+                    return out
+                self.in_call = False
+                if taken.used == 0:  # not a call: its marker is content, what follows is scanned again
+                    marker = next(m for m in self.markers if self.buf.startswith(m))
+                    self._text(marker, out)
+                    self.buf = self.buf[len(marker):]
+                    continue
+                out.extend(taken.calls)
+                self.buf = self.buf[taken.used:]
+                self.ws, self.after_call, self.any_call = "", True, True
+                continue
+            hits = [(i, m) for m in self.markers if (i := self.buf.find(m)) >= 0]
+            if not hits:
+                tags = self.markers + (self.separators if self.after_call else ())
+                keep = 0 if final else held_prefix(self.buf, tags)
+                self._text(self.buf[:len(self.buf) - keep], out)
+                self.buf = self.buf[len(self.buf) - keep:]
+                return out
+            start = min(hits)[0]
+            self._text(self.buf[:start], out)
+            self.buf, self.in_call = self.buf[start:], True
+
     def _text(self, s: str, out: list[Event]) -> None:
         if self.after_call:
             s = s.lstrip()
+            while (sep := next((p for p in self.separators if s.startswith(p)), None)) is not None:
+                s = s[len(sep):].lstrip()
             if not s:
                 return
             self.after_call = False
@@ -190,10 +267,35 @@ class HermesStream(ToolStream):
             out.append(body)
 
 
+class BlockStream(MarkerStream):
+    """Calls in blocks that open with one of `markers` and close with `CLOSE`; `call` reads a block's body."""
+
+    CLOSE: ClassVar[str]
+
+    def take(self, buf: str, final: bool) -> Taken | None:
+        end = buf.find(self.CLOSE)
+        if end < 0:
+            return NOT_A_CALL if final else None
+        marker = next(m for m in self.markers if buf.startswith(m))
+        call = self.call(buf[len(marker):end])
+        return NOT_A_CALL if call is None else Taken([call], end + len(self.CLOSE))
+
+    @abstractmethod
+    def call(self, body: str) -> ToolCall | None: ...
+
+
+class HermesStream(BlockStream):
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    markers = (OPEN,)
+
+    def call(self, body: str) -> ToolCall | None:
+        return call_from_json(loads_or_none(body.strip()))
+
+
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: Tools | None = None) -> ToolStream:
         return HermesStream()
 
     def instructions(self) -> str:
@@ -206,20 +308,10 @@ class HermesToolParser(ToolParser):
                          for n, a in calls)
 
     def constraint(self, tools: list[tuple[str, dict[str, Any]]], max_calls: int) -> StructuredOutputs:
-        # as xgrammar's built-in tool tags: the name is part of the tag's literal beginning, the arguments are the
-        # tool's schema (at most one whitespace character in a row: a weak model cannot pad forever)
-        tags = [{"type": "tag", "begin": f'{HermesStream.OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
-                 "end": f"}}\n{HermesStream.CLOSE}",
-                 "content": {"type": "json_schema", "json_schema": params, "max_whitespace_cnt": 1}}
-                for name, params in tools]
-        call: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-        fmt = call  # one call, then a newline before each further one, up to max_calls in all
-        if max_calls > 1:
-            more = {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, call]}
-            fmt = {"type": "sequence", "elements": [call, {"type": "repeat", "min": 0, "max": max_calls - 1,
-                                                             "content": more}]}
-        return StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": fmt},
-                                                           ensure_ascii=False, sort_keys=True), param="tool_choice")
+        # as xgrammar's built-in tool tags: the name is part of the tag's literal beginning; a newline between calls
+        tags = [json_call_tag(f'{HermesStream.OPEN}\n{{"name": {json.dumps(name)}, "arguments": ', params,
+                              f"}}\n{HermesStream.CLOSE}") for name, params in tools]
+        return structural_calls(tags, max_calls, "\n")
 
 
 class JsonStream(ToolStream):
@@ -243,7 +335,7 @@ class JsonStream(ToolStream):
     def finish(self) -> list[Event]:
         text, self.buf = self.buf, ""
         if self.mode == "json":
-            obj = _loads(text.strip())
+            obj = loads_or_none(text.strip())
             items = obj if isinstance(obj, list) else [obj]
             calls = [call_from_json(o) for o in items]
             if calls and all(c is not None for c in calls):
@@ -254,7 +346,7 @@ class JsonStream(ToolStream):
 class JsonToolParser(ToolParser):
     name = "json"
 
-    def stream(self) -> ToolStream:
+    def stream(self, tools: Tools | None = None) -> ToolStream:
         return JsonStream()
 
     def instructions(self) -> str:
@@ -270,12 +362,3 @@ class JsonToolParser(ToolParser):
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
         schema = one if max_calls == 1 else {"type": "array", "items": one, "minItems": 1, "maxItems": max_calls}
         return StructuredOutputs(json=schema, param="tool_choice")
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "json": JsonToolParser}
-
-
-def get_tool_parser(name: str) -> ToolParser:
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]()

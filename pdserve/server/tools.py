@@ -215,7 +215,7 @@ class ChatTools:
         """A choice's parse state. Under a constraint the output is calls only: text the parser leaves over (a
         call cut off by max_tokens or a stop string) is never content. Without parallel calls, calls after the
         first are dropped (`auto` cannot enforce it in the grammar; vLLM filters the same way)."""
-        s = self.parser.stream()
+        s = self.parser.stream({t.name: t.parameters for t in plan.tools})
         if plan.constrained or not plan.parallel:
             return FilteredStream(s, keep_text=not plan.constrained, max_calls=None if plan.parallel else 1)
         return s
