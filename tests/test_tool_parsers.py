@@ -234,3 +234,19 @@ def test_server_required_and_named_calls_streamed_and_not(parser_server: tuple[s
     r = client.chat.completions.create(model=model, messages=history, tools=TOOLS, temperature=0,
                                        max_completion_tokens=5)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("name", ["hermes", *NEW])
+def test_grammar_writes_arguments_in_the_declared_order(tokenizer: Any, name: str) -> None:
+    """A tool's properties keep the order its schema declares (models are trained to write them so), not sorted:
+    `zone` before `area` is accepted, and the sorted order is not."""
+    from pdserve.engine.structured import StructuredOutputManager
+
+    params = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8},
+                                               "area": {"type": "integer"}}, "required": ["zone", "area"]}
+    parser = get_tool_parser(name)
+    mgr = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+    declared = parser.format_calls([("locate", {"zone": "东区", "area": 3})])
+    sorted_ = parser.format_calls([("locate", {"area": 3, "zone": "东区"})])
+    assert mgr.new_matcher(mgr.compile(parser.constraint([("locate", params)], 1))).accept_string(declared)
+    assert not mgr.new_matcher(mgr.compile(parser.constraint([("locate", params)], 1))).accept_string(sorted_)

@@ -122,7 +122,7 @@ def structural_calls(calls: list[dict[str, Any]], max_calls: int, sep: str, begi
         fmt = {"type": "sequence", "elements": [*([{"type": "const_string", "value": begin}] if begin else []), fmt,
                                                  *([{"type": "const_string", "value": end}] if end else [])]}
     return StructuredOutputs(structural_tag=json.dumps({"type": "structural_tag", "format": fmt},
-                                                       ensure_ascii=False, sort_keys=True), param="tool_choice")
+                                                       ensure_ascii=False), param="tool_choice")
 
 
 def json_call_tag(begin: str, params: dict[str, Any], end: str) -> dict[str, Any]:
