@@ -66,55 +66,73 @@ def position_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.
 
 
 def llama_cpp_positions(server: str, gguf: str, ids: list[int],
-                        top: int) -> tuple[list[float], torch.Tensor, torch.Tensor]:
-    """llama.cpp's log-probability of each next token of `ids` (positions 1..n-1), and its top-`top` token ids and
-    their log-probabilities there ([n-1, top] each): one request a position, the text's token forced by a logit
+                        top: int) -> tuple[list[int], list[float], torch.Tensor, torch.Tensor]:
+    """Where llama.cpp answered (positions p of 0..n-2 predicting token p+1), its log-probability of the next token
+    of `ids` there, and its top-`top` token ids and their log-probabilities ([len, top] each): one request a
+    position, the text's token forced by a logit
     bias; probabilities are the raw softmax before any sampler, so the bias does not change them."""
     port = free_port()
     srv = start_process([server, "-m", gguf, "-t", "2", "-c", str(len(ids) + 64), "-np", "1", "--host", "127.0.0.1",
                          "--port", str(port)], f"http://127.0.0.1:{port}", Path("out") / "llama-quality.log")
-    logprobs, tops, top_lps = [], [], []
+    positions, logprobs, tops, top_lps = [], [], [], []
     try:
         with httpx.Client(timeout=120) as http:
             for i in range(1, len(ids)):
-                body = {"prompt": ids[:i], "n_predict": 1, "n_probs": top, "cache_prompt": True, "temperature": 0,
-                        "logit_bias": [[ids[i], 100.0]], "post_sampling_probs": False}
-                r = http.post(srv.base_url + "/completion", json=body)
-                r.raise_for_status()
-                [entry] = r.json()["completion_probabilities"]
+                entry = _forced_entry(http, srv.base_url, ids, i, top)
+                if entry is None:
+                    continue
                 assert entry["id"] == ids[i], (i, entry["id"], ids[i])
+                positions.append(i - 1)
                 logprobs.append(float(entry["logprob"]))
                 tops.append([t["id"] for t in entry["top_logprobs"]])
                 top_lps.append([float(t["logprob"]) for t in entry["top_logprobs"]])
     finally:
         srv.stop()
-    return logprobs, torch.tensor(tops), torch.tensor(top_lps)
+    return positions, logprobs, torch.tensor(tops), torch.tensor(top_lps)
 
 
-def coarse_kl(ref: torch.Tensor, sets: torch.Tensor, lp: torch.Tensor | None = None,
+def _forced_entry(http: httpx.Client, url: str, ids: list[int], i: int, top: int) -> dict | None:
+    """llama-server's probabilities of the token forced at position i (a logit bias), or None where it sends none:
+    a token that ends inside a UTF-8 character (a byte of a CJK character) is held back with its probabilities
+    until the character completes, which one forced token cannot do."""
+    body = {"prompt": ids[:i], "n_predict": 1, "n_probs": top, "cache_prompt": True, "temperature": 0,
+            "logit_bias": [[ids[i], 100.0]], "post_sampling_probs": False}
+    r = http.post(url + "/completion", json=body)
+    r.raise_for_status()
+    probs = r.json().get("completion_probabilities")
+    return dict(probs[0]) if probs else None
+
+
+def coarse_kl(ref: torch.Tensor, pos: torch.Tensor, sets: torch.Tensor, lp: torch.Tensor | None = None,
               set_lp: torch.Tensor | None = None) -> torch.Tensor:
-    """KL(ref || q) per position over the tokens of `sets` plus one bucket for the rest (positions 0..n-2); q is
-    the full `lp` or, for llama.cpp, only its log-probabilities on the sets (`set_lp`)."""
-    ps = ref[:len(sets)].exp().gather(1, sets)
+    """KL(ref || q) at positions `pos` over the tokens of `sets` plus one bucket for the rest; q is the full `lp`
+    or, for llama.cpp, only its log-probabilities on the sets (`set_lp`)."""
+    ps = ref[pos].exp().gather(1, sets)
     if set_lp is not None:
         qs = set_lp.exp()
     else:
         assert lp is not None
-        qs = lp[:len(sets)].exp().gather(1, sets)
+        qs = lp[pos].exp().gather(1, sets)
     pr, qr = (1 - ps.sum(1)).clamp_min(1e-12), (1 - qs.sum(1)).clamp_min(1e-12)
     return (ps * (ps.log() - qs.log())).sum(1) + pr * (pr.log() - qr.log())
 
 
-def llama_cpp_row(args: argparse.Namespace, ids: list[int], ref: torch.Tensor) -> tuple[dict, torch.Tensor]:
+def llama_cpp_row(args: argparse.Namespace, ids: list[int],
+                  ref: torch.Tensor) -> tuple[dict, tuple[torch.Tensor, torch.Tensor]]:
+    """llama.cpp's row, over the positions it answered (top-1 and KL against the fp32 reference there); the
+    reference's own perplexity on those positions beside it."""
     gguf = str(resolve_model_path(args.model))
-    logprobs, sets, set_lp = llama_cpp_positions(args.llama_server, gguf, ids, args.llama_top)
+    positions, logprobs, sets, set_lp = llama_cpp_positions(args.llama_server, gguf, ids, args.llama_top)
+    pos = torch.tensor(positions)
     nll = -sum(logprobs) / len(logprobs)
-    agree = (sets[:, 0] == ref[:-1].argmax(-1)).float().mean()
-    row = {"mode": f"llama.cpp llama-server ({Path(args.llama_server).name}, same file)",
+    ref_nll = -ref[pos].gather(1, torch.tensor(ids)[pos + 1].unsqueeze(1)).mean().item()
+    agree = (sets[:, 0] == ref[pos].argmax(-1)).float().mean()
+    row = {"mode": f"llama.cpp llama-server, same file ({len(positions)} of {len(ids) - 1} positions)",
            "weight_bytes": Path(gguf).stat().st_size, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
+           "fp32_perplexity_same_positions": round(math.exp(ref_nll), 4),
            "top1_agreement_vs_fp32": float(agree),
-           "kl_coarse_vs_fp32": float(coarse_kl(ref, sets, set_lp=set_lp).mean())}
-    return row, sets
+           "kl_coarse_vs_fp32": float(coarse_kl(ref, pos, sets, set_lp=set_lp).mean())}
+    return row, (pos, sets)
 
 
 def main() -> int:
@@ -132,7 +150,7 @@ def main() -> int:
              ("bfloat16", None, "native", True, 256)]
     tok = None
     ref: torch.Tensor | None = None
-    sets: torch.Tensor | None = None  # llama.cpp's top tokens a position, with --llama-server
+    llama_sets: tuple[torch.Tensor, torch.Tensor] | None = None  # positions llama.cpp answered, its top tokens
     llama_row: dict | None = None
     rows = []
     for dtype_name, quant, kernels, blocks, chunk in modes:
@@ -155,14 +173,17 @@ def main() -> int:
         if ref is None:
             ref = lp
             if args.llama_server:
-                llama_row, sets = llama_cpp_row(args, ids, ref)
+                llama_row, llama_sets = llama_cpp_row(args, ids, ref)
                 print(json.dumps(llama_row, ensure_ascii=False), flush=True)
         else:
             kl = (ref.exp() * (ref - lp)).sum(-1)
             row.update(mean_kl_vs_fp32=float(kl.mean()), max_kl_vs_fp32=float(kl.max()),
                        top1_agreement_vs_fp32=float((lp.argmax(-1) == ref.argmax(-1)).float().mean()))
-            if sets is not None:
-                row["kl_coarse_vs_fp32"] = float(coarse_kl(ref, sets, lp).mean())
+            if llama_sets is not None:
+                pos, sets = llama_sets
+                row["kl_coarse_vs_fp32"] = float(coarse_kl(ref, pos, sets, lp).mean())
+                row["top1_agreement_llama_positions"] = float((lp[pos].argmax(-1) == ref[pos].argmax(-1))
+                                                              .float().mean())
         rows.append(row)
         print(json.dumps(row, ensure_ascii=False), flush=True)
     if llama_row is not None:
@@ -181,11 +202,14 @@ def render(rows: list[dict]) -> str:
         return "n/a" if v is None else format(v, spec)
 
     lines = ["| mode | weight MB | perplexity | mean KL vs fp32 | max KL | KL, llama.cpp's top tokens + rest | "
-             "top-1 agreement |", "|---|---|---|---|---|---|---|"]
+             "top-1 agreement | top-1, llama.cpp's positions |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        top1_llama = r.get("top1_agreement_llama_positions", r["top1_agreement_vs_fp32"] if "llama" in r["mode"]
+                           else None)
         lines.append(f"| {r['mode']} | {r['weight_bytes'] / 1e6:.0f} | {r['perplexity']:.3f} | "
                      f"{num(r, 'mean_kl_vs_fp32', '.5f')} | {num(r, 'max_kl_vs_fp32', '.4f')} | "
-                     f"{num(r, 'kl_coarse_vs_fp32', '.5f')} | {r.get('top1_agreement_vs_fp32', 1):.2%} |")
+                     f"{num(r, 'kl_coarse_vs_fp32', '.5f')} | {r.get('top1_agreement_vs_fp32', 1):.2%} | "
+                     f"{'n/a' if top1_llama is None else format(top1_llama, '.2%')} |")
     return "\n" + "\n".join(lines)
 
 
