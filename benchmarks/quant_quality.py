@@ -7,6 +7,9 @@ take the small-batch paths (native GGUF-block GEMV; PyTorch int8 kernel with bf1
 large-batch ones. Every mode sees the same tokens; logits of every position are compared with those of the float32
 reference (the GGUF weights dequantized to fp32, PyTorch path). `native Q4_1` is the default model's own blocks read
 by the native kernels (int8-quantized activations, as llama.cpp); `native int8/int4` re-quantize the fp32 weights.
+The `... KV` rows keep the default model's blocks and change only `--kv-cache-dtype` (fp32, bf16, int8, fp8 e4m3 /
+e5m2): every position reads its keys from the cache as stored (`--kv-only`: the reference and those rows only;
+`--text-file`: another text, e.g. a longer one).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.model.inputs import ScheduledRequest, SchedulerOutput
+from pdserve.model.kv_cache_dtype import kv_torch_dtype
 from pdserve.model.loader import load_model
 from pdserve.model.runner import ModelRunner
 
@@ -59,29 +63,35 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--kv-only", action="store_true", help="the fp32 reference and the KV cache dtype rows only")
+    ap.add_argument("--text-file", default=None, help="score this UTF-8 text instead of the built-in one")
     args = ap.parse_args()
-    # (dtype, --quantization, kernels, keep GGUF blocks, chunk)
-    modes = [("float32", None, "torch", False, 256), ("float32", None, "native", True, 4),
-             ("float32", None, "native", True, 256), ("float32", "int8", "native", False, 4),
-             ("float32", "int4", "native", False, 4), ("float32", "int8", "torch", False, 4),
-             ("float32", "int8", "torch", False, 256), ("bfloat16", None, "torch", False, 256),
-             ("bfloat16", None, "native", True, 256)]
+    text = open(args.text_file, encoding="utf-8").read() if args.text_file else TEXT
+    # (dtype, --quantization, kernels, keep GGUF blocks, chunk, --kv-cache-dtype)
+    modes = [("float32", None, "torch", False, 256, "auto"), ("float32", None, "native", True, 4, "auto"),
+             ("float32", None, "native", True, 256, "auto"), ("float32", "int8", "native", False, 4, "auto"),
+             ("float32", "int4", "native", False, 4, "auto"), ("float32", "int8", "torch", False, 4, "auto"),
+             ("float32", "int8", "torch", False, 256, "auto"), ("bfloat16", None, "torch", False, 256, "auto"),
+             ("bfloat16", None, "native", True, 256, "auto")]
+    kv_modes = [("float32", None, "native", True, 256, kv) for kv in ("bf16", "int8", "fp8", "fp8_e5m2")]
+    modes = [modes[0], modes[2], *kv_modes] if args.kv_only else modes + kv_modes
     tok = None
     ref: torch.Tensor | None = None
     rows = []
-    for dtype_name, quant, kernels, blocks, chunk in modes:
-        cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant, kernels=kernels)
+    for dtype_name, quant, kernels, blocks, chunk, kv in modes:
+        cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant, kernels=kernels, kv_cache_dtype=kv)
         loaded = load_model(cfg.model, dtype=cfg.torch_dtype, keep_quantized=blocks)
         tok = tok or loaded.tokenizer()
-        ids = tok.encode(TEXT)
+        ids = tok.encode(text)
         runner = ModelRunner(loaded.arch, loaded.state_dict, cfg.torch_dtype, -(-len(ids) // 16) + 1, 16,
-                             len(ids) + 16, kernels=kernels, quantization=quant)
+                             len(ids) + 16, kernels=kernels, quantization=quant,
+                             kv_cache_dtype=kv_torch_dtype(cfg.kv_storage))
         t0 = time.perf_counter()
         lp = position_logprobs(runner, ids, chunk).float()
         secs = time.perf_counter() - t0
         target = torch.tensor(ids[1:])
         nll = -lp[:-1].gather(1, target.unsqueeze(1)).mean().item()
-        label = f"native GGUF blocks, {dtype_name} KV" if blocks else f"{kernels} {dtype_name}" + (
+        label = f"native GGUF blocks, {cfg.kv_storage} KV" if blocks else f"{kernels} {dtype_name}" + (
             f"+{quant}" if quant else "")
         row = {"mode": f"{label} (chunks of {chunk})",
                "weight_bytes": runner.weight_bytes, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
