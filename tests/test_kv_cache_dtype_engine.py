@@ -1,5 +1,5 @@
 """--kv-cache-dtype through the engine on the tiny model: the block count follows the bytes per token, greedy tokens
-with int8 / fp8 KV agree with fp32 KV on both kernel paths, prefix-cache hits and preemption (recompute) give the
+with int8 / fp8 KV track fp32 KV (native, sdpa and flex paths), prefix-cache hits and preemption (recompute) give the
 same tokens as a cold run, the KV pool returns to baseline; the PD layout check refuses mixed dtypes; the live
 roofline and `pdserve calc` count the stored bytes."""
 
@@ -47,16 +47,17 @@ def test_block_count_follows_dtype(make_llm: Any, kernels: str) -> None:
     assert abs(blocks["int8"] / blocks["bf16"] - 2 * d / (d + 2)) < 0.01
 
 
-@pytest.mark.parametrize("kernels", ["native", "torch"])
-@pytest.mark.parametrize("kv", ["int8", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize(("kernels", "kv"), [(k, kv) for k in ("native", "torch") for kv in ("int8", "fp8", "fp8_e5m2")]
+                         + [("flex", "int8")])
 def test_quantized_kv_tracks_fp32(make_llm: Any, tokenizer: Any, kernels: str, kv: str) -> None:
     """The tiny random model is far more sensitive than a trained one (its greedy tokens part from fp32 KV even with
     bf16 KV after a dozen steps; benchmarks/quant_quality.py measures the real model): the prompt's own next token
     agrees for int8 and e4m3 (e5m2's 2 mantissa bits do not promise that), every run ends with the pool at
     baseline."""
     prompts = _prompts(tokenizer)
-    want = _run(make_llm(kernels=kernels, kv_cache_dtype="fp32", max_num_batched_tokens=64), prompts)
-    got = _run(make_llm(kernels=kernels, kv_cache_dtype=kv, max_num_batched_tokens=64), prompts)
+    opts = {"kernels": "torch", "attention_backend": "flex"} if kernels == "flex" else {"kernels": kernels}
+    want = _run(make_llm(kv_cache_dtype="fp32", max_num_batched_tokens=64, **opts), prompts)
+    got = _run(make_llm(kv_cache_dtype=kv, max_num_batched_tokens=64, **opts), prompts)
     assert all(len(g) == NEW for g in got)
     if kv != "fp8_e5m2":
         assert [g[0] for g in got] == [w[0] for w in want]
