@@ -7,6 +7,9 @@ take the small-batch paths (native GGUF-block GEMV; PyTorch int8 kernel with bf1
 large-batch ones. Every mode sees the same tokens; logits of every position are compared with those of the float32
 reference (the GGUF weights dequantized to fp32, PyTorch path). `native Q4_1` is the default model's own blocks read
 by the native kernels (int8-quantized activations, as llama.cpp); `native int8/int4` re-quantize the fp32 weights.
+The `... KV` rows keep the default model's blocks and change only `--kv-cache-dtype` (fp32, bf16, int8, fp8 e4m3 /
+e5m2): every position reads its keys from the cache as stored (`--kv-only`: the reference and those rows only;
+`--text-file`: another text, e.g. a longer one).
 
 With `--llama-server PATH` llama.cpp is measured on the same GGUF file and tokens: for each position one
 `/completion` request (the prefix as token ids, prompt cache on, one token forced to the text's next token by a
@@ -32,6 +35,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.launch import free_port, start_process
 from pdserve.model.inputs import ScheduledRequest, SchedulerOutput
+from pdserve.model.kv_cache_dtype import kv_torch_dtype
 from pdserve.model.loader import load_model, resolve_model_path
 from pdserve.model.runner import ModelRunner
 
@@ -140,32 +144,39 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     ap.add_argument("--llama-server", default=None, help="also measure llama.cpp's llama-server on the same file")
+    ap.add_argument("--kv-only", action="store_true", help="the fp32 reference and the KV cache dtype rows only")
+    ap.add_argument("--text-file", default=None, help="score this UTF-8 text instead of the built-in one")
     ap.add_argument("--llama-top", type=int, default=100, help="top tokens llama-server returns a position")
     args = ap.parse_args()
-    # (dtype, --quantization, kernels, keep GGUF blocks, chunk)
-    modes = [("float32", None, "torch", False, 256), ("float32", None, "native", True, 4),
-             ("float32", None, "native", True, 256), ("float32", "int8", "native", False, 4),
-             ("float32", "int4", "native", False, 4), ("float32", "int8", "torch", False, 4),
-             ("float32", "int8", "torch", False, 256), ("bfloat16", None, "torch", False, 256),
-             ("bfloat16", None, "native", True, 256)]
+    text = open(args.text_file, encoding="utf-8").read() if args.text_file else TEXT
+    # (dtype, --quantization, kernels, keep GGUF blocks, chunk, --kv-cache-dtype)
+    modes = [("float32", None, "torch", False, 256, "auto"), ("float32", None, "native", True, 4, "auto"),
+             ("float32", None, "native", True, 256, "auto"), ("float32", "int8", "native", False, 4, "auto"),
+             ("float32", "int4", "native", False, 4, "auto"), ("float32", "int8", "torch", False, 4, "auto"),
+             ("float32", "int8", "torch", False, 256, "auto"), ("bfloat16", None, "torch", False, 256, "auto"),
+             ("bfloat16", None, "native", True, 256, "auto")]
+    kv_modes = [("float32", None, "native", True, 256, kv) for kv in ("bf16", "int8", "fp8", "fp8_e5m2")]
+    modes = [modes[0], modes[2], *kv_modes] if args.kv_only else modes + kv_modes
+    kv_ref: torch.Tensor | None = None  # the native fp32-KV run: the KV rows' own reference
     tok = None
     ref: torch.Tensor | None = None
     llama_sets: tuple[torch.Tensor, torch.Tensor] | None = None  # positions llama.cpp answered, its top tokens
     llama_row: dict | None = None
     rows = []
-    for dtype_name, quant, kernels, blocks, chunk in modes:
-        cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant, kernels=kernels)
+    for dtype_name, quant, kernels, blocks, chunk, kv in modes:
+        cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant, kernels=kernels, kv_cache_dtype=kv)
         loaded = load_model(cfg.model, dtype=cfg.torch_dtype, keep_quantized=blocks)
         tok = tok or loaded.tokenizer()
-        ids = tok.encode(TEXT)
+        ids = tok.encode(text)
         runner = ModelRunner(loaded.arch, loaded.state_dict, cfg.torch_dtype, -(-len(ids) // 16) + 1, 16,
-                             len(ids) + 16, kernels=kernels, quantization=quant)
+                             len(ids) + 16, kernels=kernels, quantization=quant,
+                             kv_cache_dtype=kv_torch_dtype(cfg.kv_storage))
         t0 = time.perf_counter()
         lp = position_logprobs(runner, ids, chunk).float()
         secs = time.perf_counter() - t0
         target = torch.tensor(ids[1:])
         nll = -lp[:-1].gather(1, target.unsqueeze(1)).mean().item()
-        label = f"native GGUF blocks, {dtype_name} KV" if blocks else f"{kernels} {dtype_name}" + (
+        label = f"native GGUF blocks, {cfg.kv_storage} KV" if blocks else f"{kernels} {dtype_name}" + (
             f"+{quant}" if quant else "")
         row = {"mode": f"{label} (chunks of {chunk})",
                "weight_bytes": runner.weight_bytes, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
@@ -184,6 +195,12 @@ def main() -> int:
                 row["kl_coarse_vs_fp32"] = float(coarse_kl(ref, pos, sets, lp).mean())
                 row["top1_agreement_llama_positions"] = float((lp[pos].argmax(-1) == ref[pos].argmax(-1))
                                                               .float().mean())
+        if blocks and chunk == 256 and cfg.kv_storage == "float32":
+            kv_ref = lp
+        elif kv != "auto" and kv_ref is not None:
+            kl = (kv_ref.exp() * (kv_ref - lp)).sum(-1)
+            row.update(mean_kl_vs_fp32_kv=float(kl.mean()), max_kl_vs_fp32_kv=float(kl.max()),
+                       top1_agreement_vs_fp32_kv=float((lp.argmax(-1) == kv_ref.argmax(-1)).float().mean()))
         rows.append(row)
         print(json.dumps(row, ensure_ascii=False), flush=True)
     if llama_row is not None:
@@ -210,6 +227,9 @@ def render(rows: list[dict]) -> str:
                      f"{num(r, 'mean_kl_vs_fp32', '.5f')} | {num(r, 'max_kl_vs_fp32', '.4f')} | "
                      f"{num(r, 'kl_coarse_vs_fp32', '.5f')} | {r.get('top1_agreement_vs_fp32', 1):.2%} | "
                      f"{'n/a' if top1_llama is None else format(top1_llama, '.2%')} |")
+    lines += ["", "| KV cache dtype (same weights) | mean KL vs fp32 KV | max KL | top-1 agreement |", "|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['mean_kl_vs_fp32_kv']:.5f} | {r['max_kl_vs_fp32_kv']:.4f} | "
+              f"{r['top1_agreement_vs_fp32_kv']:.2%} |" for r in rows if "mean_kl_vs_fp32_kv" in r]
     return "\n" + "\n".join(lines)
 
 

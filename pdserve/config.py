@@ -48,6 +48,31 @@ def dtype_name(name: str) -> str:
     return key
 
 
+# --kv-cache-dtype: the names taken (vLLM's, plus int8) -> how the cache stores K/V, as a torch dtype name. The
+# one-byte formats store per (token, KV head) row head_dim codes and a 2-byte bf16 scale (kernels/csrc/kv_quant.h).
+KV_CACHE_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                   "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+KV_SCALE_BYTES = 2  # the bf16 scale after each quantized row
+
+
+def kv_cache_dtype_name(name: str, dtype: str) -> str:
+    """The storage dtype name of `--kv-cache-dtype name` (float32 | bfloat16 | int8 | float8_e4m3fn | float8_e5m2);
+    `auto`: the model's `--dtype` (dtype_name's rule), as before the flag. Raises ValueError for an unknown name."""
+    if name == "auto":
+        return dtype_name(dtype)
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {name!r}; choose one of {['auto', *KV_CACHE_DTYPES]}")
+    return KV_CACHE_DTYPES[name]
+
+
+def kv_row_bytes(storage: str, head_dim: int) -> int:
+    """Bytes of one (token, KV head) row of the cache in `storage` (a kv_cache_dtype_name result, or float16)."""
+    if storage in QUANTIZED_KV_DTYPES:
+        return head_dim + KV_SCALE_BYTES
+    return head_dim * {"float32": 4, "bfloat16": 2, "float16": 2}[storage]
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """The torch dtype of `name` (dtype_name's rules); a torch dtype is returned as it is."""
     import torch
@@ -174,10 +199,11 @@ class ModelArchConfig:
             **phi3,
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x element size."""
-        elt = dtype.itemsize
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
+    def kv_bytes_per_token(self, kv_dtype: str | torch.dtype) -> int:
+        """2 (K and V) x layers x kv_heads x the bytes of a head's row in `kv_dtype` (a torch dtype or a storage
+        name, kv_cache_dtype_name: head_dim x element size, or head_dim codes + their scale)."""
+        name = kv_dtype if isinstance(kv_dtype, str) else str(kv_dtype).removeprefix("torch.")
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * kv_row_bytes(name, self.head_dim)
 
 
 def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -370,6 +396,10 @@ class EngineConfig:
     num_kv_blocks: int | None = option(None, "exact number of KV blocks (overrides `kv_cache_memory`)")
     kv_cache_memory: str | int = option(
         "1GiB", "KV cache size, e.g. `2GiB`; the number of blocks follows from the model's KV bytes per token")
+    kv_cache_dtype: str = option(
+        "auto", "how the KV cache stores K/V: `fp32`, `bf16`, `int8` (symmetric, one bf16 scale per token and KV "
+        "head), `fp8` = `fp8_e4m3` or `fp8_e5m2` (fp8 codes with the same scales); `auto`: as `dtype`. The one-byte "
+        "formats hold ~2x the tokens of bf16 (4x fp32) in the same `kv_cache_memory`")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     # scheduler
     max_num_seqs: int = option(64, "most sequences in one step")
@@ -448,6 +478,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)
+        kv_cache_dtype_name(self.kv_cache_dtype, self.dtype)
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be int8, int4 or unset, got {self.quantization!r}")
         if self.device not in DEVICES:
@@ -495,6 +526,13 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         """On cuda `auto` is bfloat16 (tensor cores); on cpu it depends on the CPU (parse_dtype)."""
         return parse_dtype("bfloat16" if self.device == "cuda" and self.dtype == "auto" else self.dtype)
+
+    @property
+    def kv_storage(self) -> str:
+        """The KV cache's storage dtype name (kv_cache_dtype_name); `auto` follows torch_dtype."""
+        if self.kv_cache_dtype == "auto":
+            return str(self.torch_dtype).removeprefix("torch.")
+        return kv_cache_dtype_name(self.kv_cache_dtype, self.dtype)
 
     @classmethod
     def option_names(cls) -> list[str]:

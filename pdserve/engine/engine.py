@@ -32,6 +32,7 @@ from pdserve.kernels import kernels_description, kernels_isa, resolve_kernels
 from pdserve.kv_transfer.base import KVTransfer
 from pdserve.kv_transfer.factory import make_kv_transfer
 from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
+from pdserve.model.kv_cache_dtype import kv_torch_dtype
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.packed_weights import describe_weights
@@ -82,7 +83,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, num_blocks,
                                   config.block_size, self.max_model_len, self.kernels,
                                   config.quantization, config.linear_backend, self.device, config.attention_backend,
-                                  max_num_seqs=config.max_num_seqs)
+                                  max_num_seqs=config.max_num_seqs,
+                                  kv_cache_dtype=kv_torch_dtype(config.kv_storage))
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs()
         if cuda_sized:
@@ -116,19 +118,20 @@ class LLMEngine:
         self.core = EngineCore(self.scheduler, self.runner, self.step_budget,
                                RooflineMeter(device_peaks, config.torch_dtype), self.kv_transfer, self.spec)
         self.roofline, self.step_log = self.core.roofline, self.core.step_log
-        logger.info("engine ready: %s, %s, %d KV blocks x %d tokens (%.1f MiB), max_model_len %d, kernels %s",
-                    self.model_name, config.torch_dtype, self.num_blocks, self.block_size,
+        logger.info("engine ready: %s, %s, %d KV blocks x %d tokens in %s (%.1f MiB), max_model_len %d, kernels %s",
+                    self.model_name, config.torch_dtype, self.num_blocks, self.block_size, config.kv_storage,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
                     kernels_description(self.kernels))
         if self.kernels == "native":
-            logger.info("native kernels (%s): weights %s; float weights and KV cache in %s (--dtype %s: %s)",
+            logger.info("native kernels (%s): weights %s; float weights (and KV cache, --kv-cache-dtype auto) in %s "
+                        "(--dtype %s: %s)",
                         kernels_isa("native")[0], describe_weights(self.runner.model),
                         str(config.torch_dtype).removeprefix("torch."), config.dtype, dtype_reason(config.dtype))
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = config.block_size * self.arch.kv_bytes_per_token(config.torch_dtype)
+        per_block = config.block_size * self.arch.kv_bytes_per_token(config.kv_storage)
         n = parse_size(config.kv_cache_memory) // per_block
         if n < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no block of {per_block} bytes")
@@ -138,7 +141,7 @@ class LLMEngine:
         """vLLM's gpu_memory_utilization: profile the largest step, then give the KV cache what the budget leaves."""
         activations = self.runner.profile_activation_bytes(config.max_num_batched_tokens, config.max_num_seqs)
         plan = kv_cache_budget(total, free, self.runner.weight_bytes, activations, config.gpu_memory_utilization)
-        per_block = config.block_size * self.arch.kv_bytes_per_token(config.torch_dtype)
+        per_block = config.block_size * self.arch.kv_bytes_per_token(config.kv_storage)
         self.runner.allocate_kv_cache(max(1, plan.num_blocks(per_block) - 1))  # one block is the scratch block
         logger.info("device memory plan: %s", plan)
 

@@ -124,8 +124,12 @@ def kv_layout(kv_cache: torch.Tensor) -> dict[str, Any]:
 
 
 def check_compatible(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
-    """None if blocks can be copied between the two caches as they are, else why not."""
-    for key in ("num_layers", "block_size", "kv_heads", "head_dim", "dtype"):
+    """None if blocks can be copied between the two caches as they are, else why not. Blocks move as stored bytes
+    (int8/fp8 rows with their scales), so the two instances need the same --kv-cache-dtype."""
+    if local.get("dtype") != remote.get("dtype"):
+        return (f"KV cache dtypes differ: local {local.get('dtype')!r}, remote {remote.get('dtype')!r}; start the "
+                "prefill and decode instances with the same --kv-cache-dtype (and --dtype when it is auto)")
+    for key in ("num_layers", "block_size", "kv_heads", "head_dim"):
         if local.get(key) != remote.get(key):
             return f"KV layouts differ in {key}: local {local.get(key)!r}, remote {remote.get(key)!r}"
     return None

@@ -172,8 +172,11 @@ class ZmqConnector(KVConnector):
                 buf = frame.buffer
                 if buf.nbytes != expect:
                     raise KVTransferError(f"layer {layer}: expected {expect} bytes, got {buf.nbytes}")
-                src = torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_cache.dtype).view(shape)
-                self.kv_cache[layer].index_copy_(1, idx, src.to(self.kv_cache.device))
+                dst = self.kv_cache[layer]
+                if dst.element_size() == 1:  # int8/fp8 rows and their scales as bytes (no fp8 index_copy_ on cpu)
+                    dst = dst.view(torch.uint8)
+                src = torch.frombuffer(buf, dtype=torch.uint8).view(dst.dtype).view(shape)
+                dst.index_copy_(1, idx, src.to(dst.device))
                 total += buf.nbytes
         return total, True
 

@@ -5,6 +5,9 @@ copied or sent as a unit):
 
     kv_cache[layer, 0 = K | 1 = V, block_id, slot_in_block, kv_head, head_dim]
 
+(quantized caches, `--kv-cache-dtype int8|fp8`: the last dimension is head_dim codes + a 2-byte scale per row,
+model/kv_cache_dtype.py.)
+
 A step's tokens are laid out flat: first the decode tokens (one per sequence), then each prefill chunk
 contiguously. Every token's K/V is written to its slot (`slot_mapping`) before attention reads the cache, so a
 chunk sees its own keys as well as those of earlier chunks and prefix-cache hits.
@@ -17,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model.kv_cache_dtype import dequantize_kv, is_quantized, kv_bytes, quantize_kv
 
 
 @dataclass
@@ -72,9 +77,15 @@ class AttentionBackend(Protocol):
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _, nb, bs, h, d = layer_cache.shape
-    layer_cache[0].view(nb * bs, h, d).index_copy_(0, slot_mapping, k.to(layer_cache.dtype))
-    layer_cache[1].view(nb * bs, h, d).index_copy_(0, slot_mapping, v.to(layer_cache.dtype))
+    """k/v [T, Hkv, D] into their slots, in the cache's format (quantized per row: model/kv_cache_dtype.py)."""
+    _, nb, bs, h, row = layer_cache.shape
+    if is_quantized(layer_cache.dtype):
+        k, v = quantize_kv(k, layer_cache.dtype), quantize_kv(v, layer_cache.dtype)
+    else:
+        k, v = k.to(layer_cache.dtype), v.to(layer_cache.dtype)
+    cache = kv_bytes(layer_cache)
+    cache[0].view(nb * bs, h, row).index_copy_(0, slot_mapping, k)
+    cache[1].view(nb * bs, h, row).index_copy_(0, slot_mapping, v)
 
 
 class SDPABackend:
@@ -94,7 +105,7 @@ class SDPABackend:
         nd = meta.num_decodes
         if nd:
             assert meta.decode_block_tables is not None and meta.decode_mask is not None
-            kd, vd = self._gather(layer_cache, meta.decode_block_tables)  # [nd, Hkv, L, D]
+            kd, vd = self._gather(layer_cache, meta.decode_block_tables, dtype=q.dtype)  # [nd, Hkv, L, D]
             qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
             mask = meta.decode_mask
             if sliding_window:  # the valid keys are a prefix 0..position: keep the last sliding_window of them
@@ -105,14 +116,15 @@ class SDPABackend:
         for chunk in meta.prefills:
             s, n = chunk.start, chunk.num_tokens
             qp = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            if chunk.num_context == 0 and not sliding_window:  # the whole sequence: plain causal attention
+            # the whole sequence: plain causal attention (quantized caches: attend to what was stored, as native)
+            if chunk.num_context == 0 and not sliding_window and not is_quantized(layer_cache.dtype):
                 kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
                 vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
                 op = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), is_causal=True,
                                                     scale=scale, enable_gqa=True)
             else:
                 total = chunk.num_context + n
-                kp, vp = self._gather(layer_cache, chunk.block_ids.unsqueeze(0), total)
+                kp, vp = self._gather(layer_cache, chunk.block_ids.unsqueeze(0), total, q.dtype)
                 # query i sits at position num_context + i and sees keys 0..num_context + i
                 qpos = torch.arange(chunk.num_context, total, device=q.device).unsqueeze(1)
                 key = torch.arange(total, device=q.device).unsqueeze(0)
@@ -122,17 +134,23 @@ class SDPABackend:
         return out
 
     @staticmethod
-    def _gather(layer_cache: torch.Tensor, block_tables: torch.Tensor,
-                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(layer_cache: torch.Tensor, block_tables: torch.Tensor, length: int | None = None,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the listed blocks as [B, Hkv, L, D] (L = blocks * block_size or `length`). One index_select of
-        whole blocks (a row copy each, 4-5x faster than advanced indexing); the result is a strided view."""
+        whole blocks (a row copy each, 4-5x faster than advanced indexing); the result is a strided view. Quantized
+        caches are dequantized (into `dtype`, default float32); others keep their dtype unless `dtype` is given."""
         b, nblk = block_tables.shape
-        _, nb, bs, h, d = layer_cache.shape
+        _, nb, bs, h, row = layer_cache.shape
         flat = block_tables.reshape(-1)
-        kv = layer_cache.view(2 * nb, bs * h * d).index_select(0, torch.cat([flat, flat + nb]))
-        kv = kv.view(2, b, nblk * bs, h, d)
+        cache = kv_bytes(layer_cache)
+        kv = cache.view(2 * nb, bs * h * row).index_select(0, torch.cat([flat, flat + nb]))
+        kv = kv.view(2, b, nblk * bs, h, row)
         if length is not None:
             kv = kv[:, :, :length]
+        if is_quantized(layer_cache.dtype):
+            kv = dequantize_kv(kv, layer_cache.dtype, dtype or torch.float32)
+        elif dtype is not None:
+            kv = kv.to(dtype)
         kv = kv.transpose(2, 3)  # [2, B, Hkv, L, D]
         return kv[0], kv[1]
 

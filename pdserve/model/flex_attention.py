@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.attention import AttentionMetadata, write_kv
+from pdserve.model.kv_cache_dtype import dequantize_kv, is_quantized, kv_bytes
 
 Q_BLOCK = 16  # query rows per sparse tile: a decode tile spans at most 16 sequences' blocks
 
@@ -129,10 +130,13 @@ class FlexBackend:
                 assert meta.window_mask_builder is not None
                 meta.window_masks[sliding_window] = meta.window_mask_builder(sliding_window)
             block_mask, dense_mask = meta.window_masks[sliding_window]
-        _, nb, bs, h, d = layer_cache.shape
-        kc = layer_cache[0].view(1, nb * bs, h, d).transpose(1, 2)  # [1, Hkv, slots, D]: a view
-        vc = layer_cache[1].view(1, nb * bs, h, d).transpose(1, 2)
-        qf = q.to(layer_cache.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+        cache = layer_cache
+        if is_quantized(cache.dtype):  # int8/fp8 rows: the layer dequantized whole (correct, not fast)
+            cache = dequantize_kv(kv_bytes(cache), cache.dtype, q.dtype)
+        _, nb, bs, h, d = cache.shape
+        kc = cache[0].view(1, nb * bs, h, d).transpose(1, 2)  # [1, Hkv, slots, D]: a view
+        vc = cache[1].view(1, nb * bs, h, d).transpose(1, 2)
+        qf = q.to(cache.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
         if self.mode == "dense":
             out = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=dense_mask, scale=scale, enable_gqa=True)
         else:

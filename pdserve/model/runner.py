@@ -19,6 +19,7 @@ from pdserve.model.cpu_linear import OneDNNWeight
 from pdserve.model.decode_graphs import DecodeGraphRunner
 from pdserve.model.input_batch import InputBatch
 from pdserve.model.inputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pdserve.model.kv_cache_dtype import kv_row_elements
 from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.native_ops import select_kernels
 from pdserve.model.packed_weights import StateDict
@@ -53,14 +54,17 @@ class ModelRunner:
     def __init__(self, arch: ModelArchConfig, state_dict: StateDict, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_model_len: int, kernels: str = "torch",
                  quantization: str | None = None, linear_backend: str = "auto", device: str | torch.device = "cpu",
-                 attention_backend: str = "auto", max_num_seqs: int = 64) -> None:
+                 attention_backend: str = "auto", max_num_seqs: int = 64,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         """`kernels`: "native" (pdserve/kernels: weights packed at load, fused layer ops, paged attention in place;
         `dtype` is then how float weights and the KV cache are stored, activations are float32) or "torch" (the
         PyTorch reference path, everything in `dtype`); the engine resolves "auto" before this. `device`: where
         weights, KV cache, step tensors and sampling live. `attention_backend` (torch kernels): sdpa | flex | auto
-        (flex on cuda). `max_num_seqs`: the largest padded batch of decode graphs (enable_decode_graphs)."""
+        (flex on cuda). `max_num_seqs`: the largest padded batch of decode graphs (enable_decode_graphs).
+        `kv_cache_dtype`: how the KV cache stores K/V (None: `dtype`; int8 and fp8: model/kv_cache_dtype.py)."""
         self.arch = arch
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = torch.device(device)
@@ -97,12 +101,13 @@ class ModelRunner:
         them (id num_blocks) that padded decode rows write to: never handed out, never read unmasked."""
         arch = self.arch
         shape = (arch.num_hidden_layers, 2, num_blocks + 1, self.block_size, arch.num_key_value_heads,
-                 arch.head_dim)
+                 kv_row_elements(self.kv_dtype, arch.head_dim))
         self.kv_cache = torch.empty(0)  # free the old cache first
         if self.device.type == "cpu":
-            self.kv_cache = lazy_zeros(shape, self.dtype)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = lazy_zeros(shape, self.kv_dtype)
+        else:  # zeros as bytes: fp8 dtypes have no fill kernel everywhere
+            self.kv_cache = torch.zeros(shape[:-1] + (shape[-1] * self.kv_dtype.itemsize,), dtype=torch.uint8,
+                                        device=self.device).view(self.kv_dtype)
         self.num_blocks = num_blocks
         self.decode_graphs = None
         if self._graphs_capture is not None:
@@ -154,7 +159,7 @@ class ModelRunner:
         return StepCostModel.for_model(
             self.arch, layer_params=layer_params, layer_weight_bytes=layer_bytes, lm_head_params=head_params,
             lm_head_bytes=head_bytes, embed_row_bytes=self.model.embed_tokens.row_bytes,
-            kv_dtype_bytes=self.kv_cache.element_size())
+            kv_dtype_bytes=self.kv_cache.shape[-1] * self.kv_cache.element_size() / self.arch.head_dim)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's tensors, built on the CPU from plain lists and copied to the device once each."""

@@ -37,6 +37,7 @@ from pdserve.roofline.cost import (
     dtype_bytes,
     kv_bytes_per_token,
     kv_capacity,
+    kv_element_bytes,
     prefill_cost,
 )
 from pdserve.roofline.devices import DEVICE_PRESETS, DeviceSpec, PeaksProvenance, device_preset, machine_info
@@ -56,9 +57,10 @@ __all__ = [
     "DEVICE_PRESETS", "MODEL_PRESETS", "CalcResult", "Cost", "DeviceSpec", "ModelPreset", "PeaksProvenance",
     "PhaseTotals", "RooflineMeter", "StepCostModel", "add_calc_parser", "calc", "count_params",
     "decode_compute_bound_batch", "decode_cost", "device_preset", "dtype_bytes", "format_report",
-    "kv_bytes_per_token", "kv_capacity", "load_cached_device", "machine_info", "measure_copy_bandwidth",
-    "measure_device", "measure_matmul_flops", "model_params", "model_shape_from", "peaks_key", "prefill_cost",
-    "probe_device", "resolve_device_peaks", "result_json", "run_calc", "save_measured_device",
+    "kv_bytes_per_token", "kv_capacity", "kv_element_bytes", "load_cached_device", "machine_info",
+    "measure_copy_bandwidth", "measure_device", "measure_matmul_flops", "model_params", "model_shape_from",
+    "peaks_key", "prefill_cost", "probe_device", "resolve_device_peaks", "result_json", "run_calc",
+    "save_measured_device",
 ]
 
 

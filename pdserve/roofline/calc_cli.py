@@ -31,6 +31,7 @@ from pdserve.roofline.cost import (
     dtype_bytes,
     kv_bytes_per_token,
     kv_capacity,
+    kv_element_bytes,
     prefill_cost,
 )
 from pdserve.roofline.devices import DEVICE_PRESETS, DeviceSpec, device_preset, usable_cores
@@ -141,7 +142,7 @@ def calc(model: str | None, device: DeviceSpec, prompt_len: int = 4096, batches:
     bits = weight_bits if weight_bits is not None else 8.0 * dtype_bytes(dtype)
     weight_bytes = p * bits / 8
     kv_dtype = kv_dtype or dtype
-    kvb = dtype_bytes(kv_dtype)
+    kvb = kv_element_bytes(kv_dtype, arch.head_dim)
     phases = [(f"prefill N={prompt_len}", prefill_cost(arch, prompt_len, weight_bytes, kvb, p))]
     phases += [(f"decode B={b} L={context}", decode_cost(arch, b, context, weight_bytes, kvb, p)) for b in batches]
     tokens, seqs = kv_capacity(arch, device.memory, weight_bytes, kvb, context, reserve_fraction)
@@ -184,7 +185,7 @@ def format_report(r: CalcResult) -> str:
         + (f"{r.dtype})" if r.weight_bits == 8 * dtype_bytes(r.dtype) else "quantized)"),
         f"KV cache {r.kv_bytes_per_token / 1024:.4g} KiB/token ({r.kv_bytes_per_token:,} B, {r.kv_dtype}) = 2 (K, V) x "
         f"{a.num_hidden_layers} layers x {a.num_key_value_heads} KV heads x {a.head_dim} dims x "
-        f"{dtype_bytes(r.kv_dtype)} B",
+        + (f"{dtype_bytes(r.kv_dtype)} B" if dtype_bytes(r.kv_dtype) > 1 else "(1 B + a 2 B scale per row)"),
         f"device   {d.name}: {_si(d.peak_flops, 'FLOP/s')} peak"
         + (" (" + ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in d.flops_by_dtype) + ")" if d.flops_by_dtype else "")
         + f", {_si(d.mem_bandwidth, 'B/s')}, {_si(d.memory, 'B')} -> balance {d.balance:.4g} FLOP/B",
@@ -287,7 +288,8 @@ def add_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="decode batch sizes B (several allowed)")
     p.add_argument("--context", type=int, default=4096, help="tokens already cached per decoding sequence L")
     p.add_argument("--dtype", default="bf16", help="weight dtype: bf16 | fp16 | fp32")
-    p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype; fp8/int8 allowed)")
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", dest="kv_dtype", default=None,
+                   help="KV cache dtype (default: --dtype; int8/fp8 count their per-row 2-byte scale, as stored)")
     p.add_argument("--weight-bits", type=float, default=None, help="bits per weight for quantized weights (4, 8)")
     p.add_argument("--params", type=float, default=None, help="override the parameter count (e.g. 7e9)")
     p.add_argument("--reserve", type=float, default=0.1, help="fraction of memory kept from weights and KV")

@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.config import ModelArchConfig
+from pdserve.config import ModelArchConfig, kv_row_bytes
 from pdserve.roofline.devices import DeviceSpec
 
 
@@ -35,7 +35,8 @@ def count_params(arch: ModelArchConfig) -> int:
 
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-                "fp8": 1, "float8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+                "fp8": 1, "float8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "float8_e4m3fn": 1,
+                "float8_e5m2": 1}
 
 
 def dtype_bytes(name: str) -> int:
@@ -46,9 +47,19 @@ def dtype_bytes(name: str) -> int:
     return _DTYPE_BYTES[key]
 
 
-def kv_bytes_per_token(arch: ModelArchConfig, kv_dtype_bytes: int) -> int:
-    """2 (K and V) x layers x KV heads x head_dim x bytes per element."""
-    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * kv_dtype_bytes
+def kv_element_bytes(name: str, head_dim: int) -> float:
+    """Bytes per K/V element of a KV cache dtype name as pdserve stores it: the dtype's size, and for the one-byte
+    formats (int8, fp8) their per-row scale spread over the row: (head_dim + 2) / head_dim."""
+    key = name.strip().lower().removeprefix("torch.")
+    size = dtype_bytes(key)
+    if size == 1:
+        return kv_row_bytes("int8", head_dim) / head_dim
+    return float(size)
+
+
+def kv_bytes_per_token(arch: ModelArchConfig, kv_dtype_bytes: float) -> int:
+    """2 (K and V) x layers x KV heads x head_dim x bytes per element (kv_element_bytes)."""
+    return round(2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * kv_dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ class Cost:
             else "bandwidth"
 
 
-def prefill_cost(arch: ModelArchConfig, n_tokens: int, weight_bytes: float, kv_dtype_bytes: int,
+def prefill_cost(arch: ModelArchConfig, n_tokens: int, weight_bytes: float, kv_dtype_bytes: float,
                  params: int | None = None) -> Cost:
     """Prefill of an `n_tokens` prompt from an empty cache: 2·P·N FLOPs; weights read once + N tokens of KV written.
     Causal attention: query i meets i+1 keys, 4·head_dim FLOPs per (query, key, head), so 2·N·(N+1)·layers·heads·d."""
@@ -99,7 +110,7 @@ def prefill_cost(arch: ModelArchConfig, n_tokens: int, weight_bytes: float, kv_d
     return Cost(2 * p * n_tokens, weight_bytes + kv_write, attn, weight_bytes, 0, kv_write, n_tokens)
 
 
-def decode_cost(arch: ModelArchConfig, batch: int, context: int, weight_bytes: float, kv_dtype_bytes: int,
+def decode_cost(arch: ModelArchConfig, batch: int, context: int, weight_bytes: float, kv_dtype_bytes: float,
                 params: int | None = None) -> Cost:
     """One decode step of `batch` sequences with `context` tokens cached each: 2·P·B FLOPs; weights read once +
     B·L tokens of KV read + B tokens written. Attention: each new token meets L+1 keys, 4·B·(L+1)·layers·heads·d."""
@@ -110,7 +121,7 @@ def decode_cost(arch: ModelArchConfig, batch: int, context: int, weight_bytes: f
     return Cost(2 * p * batch, weight_bytes + kv_read + kv_write, attn, weight_bytes, kv_read, kv_write, batch)
 
 
-def kv_capacity(arch: ModelArchConfig, device_memory: float, weight_bytes: float, kv_dtype_bytes: int, context: int,
+def kv_capacity(arch: ModelArchConfig, device_memory: float, weight_bytes: float, kv_dtype_bytes: float, context: int,
                 reserve_fraction: float = 0.1) -> tuple[int, int]:
     """(most KV tokens, most sequences of `context` tokens) in device_memory·(1 - reserve) - weights; (0, 0) when the
     weights alone do not fit. Block rounding of a paged cache is ignored (exact when context % block_size == 0)."""
@@ -119,7 +130,7 @@ def kv_capacity(arch: ModelArchConfig, device_memory: float, weight_bytes: float
     return tokens, tokens // max(1, context)
 
 
-def decode_compute_bound_batch(arch: ModelArchConfig, context: int, weight_bytes: float, kv_dtype_bytes: int,
+def decode_compute_bound_batch(arch: ModelArchConfig, context: int, weight_bytes: float, kv_dtype_bytes: float,
                                device: DeviceSpec, params: int | None = None) -> float | None:
     """Smallest batch at which a decode step at `context` turns compute-bound on the 2·P rule, or None when it never
     does: 2·P·B / (W + B·(L+1)·kv) = balance  ->  B = balance·W / (2·P - balance·(L+1)·kv)."""
@@ -151,7 +162,7 @@ class StepCostModel:
 
     @classmethod
     def for_model(cls, arch: ModelArchConfig, layer_params: int, layer_weight_bytes: int, lm_head_params: int,
-                  lm_head_bytes: int, embed_row_bytes: int, kv_dtype_bytes: int) -> StepCostModel:
+                  lm_head_bytes: int, embed_row_bytes: int, kv_dtype_bytes: float) -> StepCostModel:
         return cls(layer_params, lm_head_params, layer_weight_bytes, lm_head_bytes, embed_row_bytes,
                    kv_bytes_per_token(arch, kv_dtype_bytes),
                    4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim)

@@ -56,7 +56,9 @@ struct Task {
 // row of a model still runs one arithmetic; change it only before serving (a row's bits depend on it).
 std::atomic<int64_t> g_bf16_min_group{4};
 
-AttnFn pick_kernel(int64_t d, bool kv_bf16, int64_t group) {
+// Quantized caches (int8, fp8) run the fp32 kernels (rows dequantized per key tile): the bf16 dot-product levels
+// (avx512_bf16, amx) take bf16 caches only, so on those CPUs int8/fp8 dispatch to the avx512 kernel.
+AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group) {
   static const IsaTable<AttnFn> f32 = {
       {Isa::kGeneric, attn_item_generic},
       PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512})};
@@ -66,16 +68,33 @@ AttnFn pick_kernel(int64_t d, bool kv_bf16, int64_t group) {
                   {Isa::kAvx512Bf16, attn_item_avx512bf16}, {Isa::kAmx, attn_item_amx})};
   if (d == 256) return f32.pick();                     // Gemma: the fp32 kernels (bf16 caches widened per tile)
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
-  const bool dot = kv_bf16 && group >= g_bf16_min_group.load(std::memory_order_relaxed);
+  const bool dot = fmt == KVFormat::kBF16 && group >= g_bf16_min_group.load(std::memory_order_relaxed);
   return dot ? bf16.pick() : f32.pick();
 }
 
-void check_kv(const at::Tensor& kv) {
-  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv_layer must be [2, num_blocks, block_size, Hkv, D], got ",
+// The cache's storage format, from its dtype (model/kv_cache_dtype.py allocates it so): float32, bfloat16, int8
+// (int8 codes + scale), float8_e4m3fn / float8_e5m2 (fp8 codes + scale; the tensor is bytes, not fp8 values).
+KVFormat kv_format(const at::Tensor& kv) {
+  switch (kv.scalar_type()) {
+    case at::kFloat: return KVFormat::kF32;
+    case at::kBFloat16: return KVFormat::kBF16;
+    case at::kChar: return KVFormat::kInt8;
+    case at::kFloat8_e4m3fn: return KVFormat::kFp8E4M3;
+    case at::kFloat8_e5m2: return KVFormat::kFp8E5M2;
+    default: TORCH_CHECK(false, "kv_layer must be float32, bfloat16, int8, float8_e4m3fn or float8_e5m2, got ",
+                         kv.scalar_type());
+  }
+}
+
+// The cache holds rows of head_dim d; returns its format.
+KVFormat check_kv(const at::Tensor& kv, int64_t d) {
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2, "kv_layer must be [2, num_blocks, block_size, Hkv, row], got ",
               kv.sizes());
-  TORCH_CHECK(kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kBFloat16,
-              "kv_layer must be float32 or bfloat16, got ", kv.scalar_type());
   TORCH_CHECK(kv.is_contiguous() && kv.device().is_cpu(), "kv_layer must be a contiguous CPU tensor");
+  const KVFormat fmt = kv_format(kv);
+  TORCH_CHECK(kv.size(4) * kv.element_size() == kv_row_bytes(fmt, d), "kv_layer rows of ", kv.size(4), " ",
+              kv.scalar_type(), " do not hold head_dim ", d, kv_quantized(fmt) ? " codes and a 2-byte scale" : "");
+  return fmt;
 }
 
 // [T, H, D] f32 with heads adjacent and head_dim contiguous; the token stride is free.
@@ -222,7 +241,7 @@ void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
 
 void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::vector<Task>& tasks,
                int64_t nthreads) {
-  const AttnFn fn = pick_kernel(a.d, a.kv_bf16, a.hq / a.hkv);
+  const AttnFn fn = pick_kernel(a.d, a.kv_format, a.hq / a.hkv);
   std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
   for (size_t i = 0; i < groups.size(); ++i) left[i].store(groups[i].nparts, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
@@ -254,9 +273,10 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                      int64_t sliding_window) {
-  check_kv(kv);
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
-  const int64_t t = q.size(0), hkv = kv.size(3), d = kv.size(4), hq = q.dim() == 3 ? q.size(1) : 0;
+  TORCH_CHECK(q.dim() == 3, "q must be [T, Hq, D], got ", q.sizes());
+  const int64_t t = q.size(0), hkv = kv.dim() == 5 ? kv.size(3) : 1, d = q.size(2), hq = q.size(1);
+  const KVFormat fmt = check_kv(kv, d);
   TORCH_CHECK(hq > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
   check_heads(q, "q", t, hq, d);
   check_heads(out, "out", t, hq, d);
@@ -267,7 +287,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
   check_i32(query_start_loc, "query_start_loc", nseq + 1);
   check_i32(seq_lens, "seq_lens", nseq);
   const AttnArgs a{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), kv.data_ptr(),
-                   kv.scalar_type() == at::kBFloat16, kv.size(1), kv.size(2), hkv, hq, d,
+                   fmt == KVFormat::kBF16, fmt, kv.size(1), kv.size(2), hkv, hq, d,
                    block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale)};
   std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                           nseq, t, block_table.size(1), sliding_window);
@@ -277,9 +297,24 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
   run_tasks(a, groups, tasks, nthreads);
 }
 
+// One token's K or V rows [hkv][d] (src, heads adjacent) into its slot's row of a cache in format fmt (dst).
+void write_slot(KVFormat fmt, const float* src, int64_t hkv, int64_t d, void* dst) {
+  if (fmt == KVFormat::kF32) {
+    std::memcpy(dst, src, hkv * d * sizeof(float));
+  } else if (fmt == KVFormat::kBF16) {
+    uint16_t* out = static_cast<uint16_t*>(dst);
+    for (int64_t j = 0; j < hkv * d; ++j) out[j] = fp32_to_bf16(src[j]);
+  } else {
+    const int64_t rb = kv_row_bytes(fmt, d);
+    for (int64_t h = 0; h < hkv; ++h) kv_quantize_row(fmt, src + h * d, d, static_cast<uint8_t*>(dst) + h * rb);
+  }
+}
+
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv, const at::Tensor& slot_mapping) {
-  check_kv(kv);
-  const int64_t t = k.size(0), hkv = kv.size(3), d = kv.size(4), slots = kv.size(1) * kv.size(2);
+  TORCH_CHECK(k.dim() == 3, "k must be [T, Hkv, D], got ", k.sizes());
+  const int64_t t = k.size(0), d = k.size(2);
+  const KVFormat fmt = check_kv(kv, d);
+  const int64_t hkv = kv.size(3), slots = kv.size(1) * kv.size(2);
   check_heads(k, "k", t, hkv, d);
   check_heads(v, "v", t, hkv, d);
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == t && slot_mapping.scalar_type() == at::kLong &&
@@ -287,24 +322,15 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i)
     TORCH_CHECK(slot[i] < slots, "slot_mapping[", i, "] = ", slot[i], " is past the cache (", slots, " slots)");
-  const int64_t row = hkv * d, plane = slots * row, ks = k.stride(0), vs = v.stride(0);
+  const int64_t row = hkv * kv_row_bytes(fmt, d), plane = slots * row, ks = k.stride(0), vs = v.stride(0);
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const bool bf16 = kv.scalar_type() == at::kBFloat16;
-  void* base = kv.data_ptr();
-  parallel_for(0, t, std::max<int64_t>(1, 8192 / row), [&](int64_t i0, int64_t i1) {
+  uint8_t* base = static_cast<uint8_t*>(kv.data_ptr());
+  parallel_for(0, t, std::max<int64_t>(1, 8192 / (hkv * d)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       if (slot[i] < 0) continue;  // padding token: no slot
-      const float* src[2] = {kp + i * ks, vp + i * vs};
-      for (int p = 0; p < 2; ++p) {
-        const int64_t off = p * plane + slot[i] * row;
-        if (!bf16) {
-          std::memcpy(static_cast<float*>(base) + off, src[p], row * sizeof(float));
-          continue;
-        }
-        uint16_t* dst = static_cast<uint16_t*>(base) + off;
-        for (int64_t j = 0; j < row; ++j) dst[j] = fp32_to_bf16(src[p][j]);
-      }
+      write_slot(fmt, kp + i * ks, hkv, d, base + slot[i] * row);
+      write_slot(fmt, vp + i * vs, hkv, d, base + plane + slot[i] * row);
     }
   });
 }
@@ -324,7 +350,9 @@ void register_attention(pybind11::module_& m) {
           TORCH_CHECK(g >= 1, "group must be >= 1");
           g_bf16_min_group.store(g);
         }, py::arg("group"), "change it (tests, benchmarks; before serving only: a row's bits depend on it)");
-  m.def("reshape_and_cache", &reshape_and_cache, "write K/V rows [T, Hkv, D] into their cache slots (slot < 0: skip)",
+  m.def("reshape_and_cache", &reshape_and_cache,
+        "write K/V rows [T, Hkv, D] into their cache slots (slot < 0: skip); int8/fp8 caches: quantized per (token, "
+        "head) row with its scale (kv_quant.h)",
         py::arg("k"), py::arg("v"), py::arg("kv_layer"), py::arg("slot_mapping"));
 }
 

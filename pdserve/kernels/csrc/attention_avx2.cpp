@@ -14,6 +14,7 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "vec_avx2.h"
+#include "attention_quant_tile.h"
 
 namespace pdserve {
 namespace {
@@ -69,10 +70,33 @@ inline void pv(float* acc, float alpha, const float* p, const float* const* vp, 
   }
 }
 
+// A quantized row (kv_quant.h: D codes, then the bf16 scale) as D floats in dst: scale * decode(code), the
+// codes widened in registers (int8: sign-extend; fp8: to half bits, vcvtph2ps).
+template <int D>
+inline void dequant_row(KVFormat f, const uint8_t* src, float* dst) {
+  const __m256 s = _mm256_set1_ps(kv_row_scale(src, D) * kv_code_factor(f));
+  for (int j = 0; j < D; j += 8) {
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j));
+    __m256 x;
+    if (f == KVFormat::kInt8) {
+      x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+    } else {
+      __m128i h = _mm_cvtepu8_epi16(c);
+      h = f == KVFormat::kFp8E5M2 ? _mm_slli_epi16(h, 8)
+                                  : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                                                 _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+      x = _mm256_cvtph_ps(h);
+    }
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(x, s));
+  }
+}
+
 // K/V row pointers of keys kt .. kt + n - 1 (bf16 rows converted into kbuf/vbuf); entries n..15 repeat key kt.
 template <int D>
 void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const float** kp, const float** vp,
                  float* kbuf, float* vbuf) {
+  if (kv_quantized(a.kv_format))
+    return locate_tile_quantized<D, dequant_row<D>>(a, it, kt, n, kp, vp, kbuf, vbuf);
   const int32_t* bt = a.block_table + it.seq * a.bt_stride;
   const int64_t row = a.hkv * D, plane = a.num_blocks * a.block_size * row;
   int64_t bi = kt / a.block_size, off = kt % a.block_size;

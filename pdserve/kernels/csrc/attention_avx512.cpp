@@ -1,8 +1,8 @@
 // AVX-512 paged attention for head_dim 64, 128 and 256 (flash-attention style, online softmax).
 //
 // A work item (see attention_kernels.h) walks its keys in tiles of 16. Per tile the K/V rows of the item's KV head
-// are located once (bf16 rows converted to f32 once) and shared by all rows = query tokens x the G query heads of
-// that KV head. Per row: 16 dot products (16 accumulators, reduced by a transpose-add tree into one vector of 16
+// are located once (bf16 and quantized rows converted to f32 once) and shared by all rows = query tokens x the G
+// query heads of that KV head. Per row: 16 dot products (16 accumulators, reduced by a transpose-add tree into one vector of 16
 // scores), the online-softmax update, then acc = acc * alpha + sum_i p_i v_i. q is pre-scaled by `scale`.
 #include "attention_kernels.h"
 
@@ -18,6 +18,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
 #include "vec_avx512.h"
+#include "attention_quant_tile.h"
 
 namespace pdserve {
 namespace {
@@ -80,11 +81,34 @@ inline void pv(float* acc, float alpha, const float* p, const float* const* vp, 
   for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(a0[j], a1[j]));
 }
 
-// K/V row pointers of keys kt .. kt + n - 1 (bf16 rows converted into kbuf/vbuf); entries n..15 repeat key kt so
-// the 16-wide score code reads valid memory (their scores are masked).
+// A quantized row (kv_quant.h: D codes, then the bf16 scale) as D floats in dst: scale * decode(code), the
+// codes widened in registers (int8: sign-extend; fp8: to half bits, vcvtph2ps).
+template <int D>
+inline void dequant_row(KVFormat f, const uint8_t* src, float* dst) {
+  const __m512 s = _mm512_set1_ps(kv_row_scale(src, D) * kv_code_factor(f));
+  for (int j = 0; j < D; j += 16) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
+    __m512 x;
+    if (f == KVFormat::kInt8) {
+      x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+    } else {
+      __m256i h = _mm256_cvtepu8_epi16(c);
+      h = f == KVFormat::kFp8E5M2 ? _mm256_slli_epi16(h, 8)
+                                  : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                                                    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+      x = _mm512_cvtph_ps(h);
+    }
+    _mm512_storeu_ps(dst + j, _mm512_mul_ps(x, s));
+  }
+}
+
+// K/V row pointers of keys kt .. kt + n - 1 (bf16 and quantized rows converted into kbuf/vbuf); entries n..15
+// repeat key kt so the 16-wide score code reads valid memory (their scores are masked).
 template <int D>
 void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const float** kp, const float** vp,
                  float* kbuf, float* vbuf) {
+  if (kv_quantized(a.kv_format))
+    return locate_tile_quantized<D, dequant_row<D>>(a, it, kt, n, kp, vp, kbuf, vbuf);
   const int32_t* bt = a.block_table + it.seq * a.bt_stride;
   const int64_t row = a.hkv * D, plane = a.num_blocks * a.block_size * row;
   int64_t bi = kt / a.block_size, off = kt % a.block_size;

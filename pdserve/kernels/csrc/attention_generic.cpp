@@ -9,10 +9,16 @@ namespace pdserve {
 
 namespace {
 
-// Key or value row `key` of the item's KV head, as f32 (converted into tmp when the cache is bf16).
+// Key or value row `key` of the item's KV head, as f32 (converted into tmp unless the cache is f32).
 const float* kv_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key, float* tmp) {
   const int64_t blk = a.block_table[it.seq * a.bt_stride + key / a.block_size];
-  const int64_t off = ((plane * a.num_blocks + blk) * a.block_size + key % a.block_size) * a.hkv * a.d + it.kvh * a.d;
+  const int64_t slot = (plane * a.num_blocks + blk) * a.block_size + key % a.block_size;
+  if (kv_quantized(a.kv_format)) {
+    const int64_t row = kv_row_bytes(a.kv_format, a.d);
+    kv_dequantize_row(a.kv_format, static_cast<const uint8_t*>(a.kv) + (slot * a.hkv + it.kvh) * row, a.d, tmp);
+    return tmp;
+  }
+  const int64_t off = slot * a.hkv * a.d + it.kvh * a.d;
   if (!a.kv_bf16) return static_cast<const float*>(a.kv) + off;
   const uint16_t* src = static_cast<const uint16_t*>(a.kv) + off;
   for (int64_t i = 0; i < a.d; ++i) tmp[i] = bf16_to_fp32(src[i]);

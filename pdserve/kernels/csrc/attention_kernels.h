@@ -1,12 +1,14 @@
 // Paged attention work items, one kernel per ISA level. No torch here: the ISA files include only this.
 //
-// The KV cache of a layer is kv[2 (K | V)][num_blocks][block_size][hkv][d], contiguous, f32 or bf16. Key i of
-// sequence s lives in slot block_table[s][i / block_size] * block_size + i % block_size.
+// The KV cache of a layer is kv[2 (K | V)][num_blocks][block_size][hkv][row], contiguous: rows of d f32 or bf16
+// values, or of d one-byte codes and their scale (int8, fp8; kv_quant.h). Key i of sequence s lives in slot
+// block_table[s][i / block_size] * block_size + i % block_size.
 #pragma once
 
 #include <cstdint>
 
 #include "common.h"
+#include "kv_quant.h"
 
 namespace pdserve {
 
@@ -15,8 +17,9 @@ struct AttnArgs {
   int64_t q_stride;
   float* out;           // same layout as q, out_stride apart
   int64_t out_stride;
-  const void* kv;       // the layer's cache, f32 or bf16 (kv_bf16)
+  const void* kv;       // the layer's cache, in kv_format (kv_bf16: kv_format == kBF16)
   bool kv_bf16;
+  KVFormat kv_format;
   int64_t num_blocks, block_size, hkv, hq, d;
   const int32_t* block_table;  // [S][bt_stride]
   int64_t bt_stride;
@@ -43,8 +46,9 @@ constexpr int64_t kPartition = 256;
 
 void attn_item_generic(const AttnArgs& a, const AttnItem& it);
 #if defined(__x86_64__)
-void attn_item_avx2(const AttnArgs& a, const AttnItem& it);    // d in {64, 128, 256}
-void attn_item_avx512(const AttnArgs& a, const AttnItem& it);  // d in {64, 128, 256}
+// d in {64, 128, 256}; every format (quantized rows are dequantized once per key tile into L1, shared by its rows)
+void attn_item_avx2(const AttnArgs& a, const AttnItem& it);
+void attn_item_avx512(const AttnArgs& a, const AttnItem& it);
 // bf16 caches only, d in {64, 128}: bf16 dot products (attention_bf16.h)
 void attn_item_avx512bf16(const AttnArgs& a, const AttnItem& it);
 void attn_item_amx(const AttnArgs& a, const AttnItem& it);
