@@ -227,7 +227,8 @@ def render(rows: list[dict]) -> str:
                      f"{num(r, 'mean_kl_vs_fp32', '.5f')} | {num(r, 'max_kl_vs_fp32', '.4f')} | "
                      f"{num(r, 'kl_coarse_vs_fp32', '.5f')} | {r.get('top1_agreement_vs_fp32', 1):.2%} | "
                      f"{'n/a' if top1_llama is None else format(top1_llama, '.2%')} |")
-    lines += ["", "| KV cache dtype (same weights) | mean KL vs fp32 KV | max KL | top-1 agreement |", "|---|---|---|---|"]
+    lines += ["", "| KV cache dtype (same weights) | mean KL vs fp32 KV | max KL | top-1 agreement |",
+              "|---|---|---|---|"]
     lines += [f"| {r['mode']} | {r['mean_kl_vs_fp32_kv']:.5f} | {r['max_kl_vs_fp32_kv']:.4f} | "
               f"{r['top1_agreement_vs_fp32_kv']:.2%} |" for r in rows if "mean_kl_vs_fp32_kv" in r]
     return "\n" + "\n".join(lines)
