@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from pdserve.config import EngineConfig
+from pdserve.engine.client_lora import ClientLoRAs, LoRAExists, LoRAInUse, LoRANotLoaded
 from pdserve.engine.engine import LLMEngine, PromptType, StepResult
 from pdserve.engine.engine_thread import EngineThread, StepTurns
 from pdserve.engine.explain import ExplanationHistory, RequestExplainer, StallThreshold
@@ -33,6 +34,7 @@ from pdserve.engine.messages import SchedulerStats, StepStats
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.kv_transfer.base import FinishedLoad
+from pdserve.lora_request import LoRARequest, next_lora_id
 from pdserve.model.inputs import StepKind
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
@@ -45,6 +47,7 @@ logger = logging.getLogger("pdserve.engine_client")
 EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
 
 __all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVSnapshot", "LLMEngine",
+           "LoRAExists", "LoRAInUse", "LoRANotLoaded", "LoRARequest",
            "ModelInfo", "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream",
            "SchedulerStats", "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
 
@@ -176,6 +179,8 @@ class EngineClient:
         self._engine_thread = engine_thread  # the thread that built the engine runs its loop too
         self._loop_done: Future[Any] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._started = False  # the loop runs: LoRA adapters are (un)registered on it, between steps
+        self._loras = ClientLoRAs()  # guarded by _lock
         self.dead: BaseException | None = None
         self.draining = False  # set at SIGTERM: /health answers 503 (requests are still served during the grace)
         self.closed = False  # set when the grace ran out: new requests are refused
@@ -268,11 +273,60 @@ class EngineClient:
     # ---- inputs (any thread: no engine state touched) ----------------------------------------------------------
     def process_inputs(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
                        cache_salt: str | None = None, priority: int = 0,
-                       kv_transfer_params: dict[str, Any] | None = None) -> list[EngineRequest]:
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       lora_request: LoRARequest | None = None) -> list[EngineRequest]:
         """Tokenize, validate and fan out one API request (InputProcessor.make_requests); RequestRejected when it
         can never be served. Call in a worker thread: tokenizing and grammar compiling take time."""
         return self._engine.input_processor.make_requests(prompts, params, parent_id, cache_salt=cache_salt,
-                                                          priority=priority, kv_transfer_params=kv_transfer_params)
+                                                          priority=priority, kv_transfer_params=kv_transfer_params,
+                                                          lora_request=lora_request)
+
+    # ---- LoRA adapters (event loop; engine/client_lora.py) -----------------------------------------------------
+    @property
+    def lora_enabled(self) -> bool:
+        return self._engine.lora is not None
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The loaded adapter of that name, or None."""
+        return self._loras.by_name.get(name) if name is not None else None
+
+    def loras(self) -> list[LoRARequest]:
+        with self._lock:
+            return list(self._loras.by_name.values())
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Read and check the PEFT adapter at `path` in a worker thread, then register it on the engine thread
+        between steps (LoRAExists, LoRAAdapterError; ValueError without --enable-lora)."""
+        with self._lock:
+            self._loras.reserve(name)
+        try:
+            lr = LoRARequest(name, next_lora_id(), path)
+            prepared = await asyncio.to_thread(self._engine.prepare_lora, lr)
+            if self._started:
+                done: Future[None] = Future()
+                self._cmds.put(("lora_add", (lr, prepared, done)))
+                self._wake.set()
+                await asyncio.wrap_future(done)
+            else:
+                self._engine.add_lora(lr, prepared)
+            with self._lock:
+                self._loras.by_name[name] = lr
+            return lr
+        finally:
+            with self._lock:
+                self._loras.loading.discard(name)
+
+    def remove_lora(self, name: str) -> LoRARequest:
+        """Unload an adapter (LoRANotLoaded; LoRAInUse while an unfinished request runs with it); its weights are
+        dropped on the engine thread before the next step."""
+        with self._lock:
+            lr = self._loras.take_unused(name, (s.request for s in self._streams.values()))
+        if self._started:
+            self._cmds.put(("lora_remove", lr.lora_int_id))
+            self._wake.set()
+        else:
+            self._engine.remove_lora(lr.lora_int_id)
+        return lr
 
     def process_embedding_inputs(self, prompts: list[PromptType], parent_id: str,
                                  priority: int = 0) -> list[EngineRequest]:
@@ -281,6 +335,7 @@ class EngineClient:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
+        self._started = True
         if self._engine_thread is not None:
             self._loop_done = self._engine_thread.submit(self._loop)
         else:
@@ -321,6 +376,7 @@ class EngineClient:
                 raise QueueFull(f"too many waiting requests ({self.max_waiting_requests}); retry later")
             if dup := [r.request_id for r in requests if r.request_id in self._streams]:
                 raise ValueError(f"duplicate request id {dup[0]!r}")
+            self._loras.check_admit(requests)
             streams = [RequestStream(loop, asyncio.Queue(), r, on_finished, tenant) for r in requests]
             for st in streams:
                 self._streams[st.request.request_id] = st
@@ -430,12 +486,27 @@ class EngineClient:
                 self._begin_profile(arg)
             elif kind == "profile_stop":
                 self._finish_profile()
+            elif kind == "lora_add":
+                self._register_lora(arg)
+            elif kind == "lora_remove":
+                assert isinstance(arg, int)
+                eng.remove_lora(arg)
             else:
                 assert isinstance(arg, str)
                 for out in eng.abort_request(arg):
                     self._dispatch(out)
                 with self._lock:
                     self._streams.pop(arg, None)
+
+    def _register_lora(self, arg: Any) -> None:
+        lr, prepared, done = arg
+        assert isinstance(done, Future)
+        try:
+            self._engine.add_lora(lr, prepared)
+        except Exception as exc:  # e.g. --max-loras reached: the admin call gets it, the loop goes on
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
     def _dispatch(self, out: RequestOutput) -> None:
         with self._lock:

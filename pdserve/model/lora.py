@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -190,8 +191,8 @@ def _widths(layer: nn.Module, path: str) -> list[int]:
     linear = layer.get_submodule(path)
     assert isinstance(linear, Linear)
     if path == "self_attn.qkv_proj":
-        q, kv = getattr(layer.get_submodule("self_attn"), "q_size"), getattr(layer.get_submodule("self_attn"), "kv_size")
-        return [int(q), int(kv), int(kv)]
+        att: Any = layer.get_submodule("self_attn")
+        return [int(att.q_size), int(att.kv_size), int(att.kv_size)]
     if path == "mlp.gate_up_proj":
         return [linear.out_features // 2] * 2
     return [linear.out_features]

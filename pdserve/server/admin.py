@@ -63,7 +63,8 @@ def admin_key(raw: Request) -> str:
 
 # the audit action of each changing route (by its handler's name)
 _ACTIONS = {"load_model": "load", "unload_model": "unload", "sleep_model": "sleep", "wake_model": "wake",
-            "set_alias": "switch", "rollback_alias": "rollback"}
+            "set_alias": "switch", "rollback_alias": "rollback", "load_lora_adapter": "load_lora",
+            "unload_lora_adapter": "unload_lora"}
 
 
 class AuditedRoute(APIRoute):
