@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from pdserve.config import EngineConfig
 from pdserve.engine.client_lora import ClientLoRAs, LoRAExists, LoRAInUse, LoRANotLoaded
@@ -36,6 +36,7 @@ from pdserve.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.kv_transfer.base import FinishedLoad
 from pdserve.lora_request import LoRARequest, next_lora_id
 from pdserve.model.inputs import StepKind
+from pdserve.model.lora_peft import LoRAAdapterError
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
 from pdserve.profiler.traces import ProfilerLimits
@@ -47,9 +48,9 @@ logger = logging.getLogger("pdserve.engine_client")
 EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
 
 __all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVSnapshot", "LLMEngine",
-           "LoRAExists", "LoRAInUse", "LoRANotLoaded", "LoRARequest",
-           "ModelInfo", "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream",
-           "SchedulerStats", "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
+           "LoRAAdapterError", "LoRAExists", "LoRAInUse", "LoRANotLoaded", "LoRARequest", "ModelInfo",
+           "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream", "SchedulerStats",
+           "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
 
 
 class QueueFull(RuntimeError):
@@ -282,10 +283,6 @@ class EngineClient:
                                                           lora_request=lora_request)
 
     # ---- LoRA adapters (event loop; engine/client_lora.py) -----------------------------------------------------
-    @property
-    def lora_enabled(self) -> bool:
-        return self._engine.lora is not None
-
     def lora_request(self, name: str | None) -> LoRARequest | None:
         """The loaded adapter of that name, or None."""
         return self._loras.by_name.get(name) if name is not None else None
@@ -486,8 +483,13 @@ class EngineClient:
                 self._begin_profile(arg)
             elif kind == "profile_stop":
                 self._finish_profile()
-            elif kind == "lora_add":
-                self._register_lora(arg)
+            elif kind == "lora_add":  # (LoRARequest, PreparedAdapter, Future): an error goes to the admin call
+                lr, prepared, done = cast(tuple[LoRARequest, Any, Future[None]], arg)
+                try:
+                    eng.add_lora(lr, prepared)
+                    done.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - e.g. --max-loras reached; the loop goes on
+                    done.set_exception(exc)
             elif kind == "lora_remove":
                 assert isinstance(arg, int)
                 eng.remove_lora(arg)
@@ -497,16 +499,6 @@ class EngineClient:
                     self._dispatch(out)
                 with self._lock:
                     self._streams.pop(arg, None)
-
-    def _register_lora(self, arg: Any) -> None:
-        lr, prepared, done = arg
-        assert isinstance(done, Future)
-        try:
-            self._engine.add_lora(lr, prepared)
-        except Exception as exc:  # e.g. --max-loras reached: the admin call gets it, the loop goes on
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
 
     def _dispatch(self, out: RequestOutput) -> None:
         with self._lock:

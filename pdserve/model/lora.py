@@ -111,14 +111,14 @@ class PreparedAdapter:
 class LoRAManager:
     """The model's LoRA state: the step mapping, the LoRALinear of every target, the registered adapters."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
+    def __init__(self, layers: nn.ModuleList, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
                  device: torch.device) -> None:
+        """Attach a LoRALinear to every target Linear of the decoder `layers`."""
         self.mapping = LoRAMapping()
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.dtype, self.device = dtype, device
         self.targets: dict[tuple[int, str], LoRALinear] = {}
         self.active: dict[int, PreparedAdapter] = {}
-        layers = getattr(model, "layers", [])
         for i, layer in enumerate(layers):
             for path in {p for p, _ in TARGETS.values()}:
                 linear = layer.get_submodule(path)

@@ -88,7 +88,7 @@ class ModelRunner:
         """Attach LoRA to every target Linear (model/lora.py): steps with adapter rows then add their deltas and
         run the per-layer path; base-only steps run as before."""
         dtype = torch.float32 if self.backend.name == "native" else self.dtype  # native activations are float32
-        self.lora = LoRAManager(self.model, max_loras, max_lora_rank, dtype, self.device)
+        self.lora = LoRAManager(self.model.layers, max_loras, max_lora_rank, dtype, self.device)
         return self.lora
 
     def enable_decode_graphs(self, capture: bool | None = None) -> None:

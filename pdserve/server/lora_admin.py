@@ -18,9 +18,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.api.errors import APIError
-from pdserve.engine.client import LoRAExists, LoRAInUse, LoRANotLoaded
-from pdserve.model.lora_peft import LoRAAdapterError
-from pdserve.server.admin import AuditedRoute, _check_names, admin_key
+from pdserve.engine.client import LoRAAdapterError, LoRAExists, LoRAInUse, LoRANotLoaded
+from pdserve.server.admin import AuditedRoute, admin_key, check_names
 from pdserve.server.model_registry import ModelRegistry, ServedModel
 
 lora_router = APIRouter(prefix="/v1", dependencies=[Depends(admin_key)], route_class=AuditedRoute)
@@ -44,7 +43,7 @@ class UnloadLoRARequest(BaseModel):
 
 def _base_model(registry: ModelRegistry, model: str | None) -> ServedModel:
     served = registry.get(model)  # 404 model_not_found / 503 while not loaded
-    if served.client is None or not served.client.lora_enabled:
+    if served.client is None or not served.client.config.enable_lora:
         raise APIError(400, f"model {served.name!r} serves no LoRA adapters; start it with --enable-lora (or "
                        "serve --lora-modules)", param="model", code="lora_not_enabled")
     return served
@@ -97,7 +96,7 @@ def _registry(raw: Request) -> ModelRegistry:
 
 @lora_router.post("/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRARequest, raw: Request, kid: str = Depends(admin_key)) -> dict[str, Any]:
-    _check_names(raw, "load_lora", kid, body.lora_name, lora_name=body.lora_name)
+    check_names(raw, "load_lora", kid, body.lora_name, lora_name=body.lora_name)
     return await load_adapter(_registry(raw), body.lora_name, body.lora_path, body.model, kid)
 
 
