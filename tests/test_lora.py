@@ -167,6 +167,8 @@ def test_served_adapters_load_and_unload(server: ServerProc, tiny_hf_model: Any,
     assert e.value.code == "model_not_found"
     r = admin(server, "/v1/unload_lora_adapter", {"lora_name": "a2"})
     assert (r.status_code, r.json()["error"]["code"]) == (404, "lora_adapter_not_found")
+    metrics = httpx.get(server.base_url + "/metrics", headers=ADMIN, timeout=30).text
+    assert 'pdserve:lora_requests_info{max_lora="3",model_name="tiny",running_lora_adapters="' in metrics
     audit = httpx.get(server.base_url + "/admin/audit", headers=ADMIN, timeout=30).json()["entries"]
     assert [e["action"] for e in audit if e["model"] == "a2"] == ["load_lora", "unload_lora", "unload_lora"]
 

@@ -21,7 +21,7 @@ from pdserve.config import EngineConfig, dtype_reason, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.core import EngineCore
 from pdserve.engine.input_processor import MAX_PRIORITY, InputLimits, InputProcessor, PromptType
-from pdserve.engine.messages import EngineCoreOutput, StepStats
+from pdserve.engine.messages import EngineCoreOutput, LoRAStats, StepStats
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
@@ -213,6 +213,13 @@ class LLMEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         return list(self.lora_requests.values())
+
+    def lora_stats(self) -> LoRAStats:
+        """The adapters of the running and of the waiting requests (vLLM's lora_requests_info)."""
+        def names(reqs: Iterable[Request]) -> tuple[str, ...]:
+            return tuple(sorted({self.lora_requests[r.lora_int_id].lora_name for r in reqs
+                                 if r.lora_int_id in self.lora_requests}))
+        return LoRAStats(names(self.scheduler.running), names(self.scheduler.waiting), self.config.max_loras)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests as aborted and free their blocks at once."""
