@@ -151,6 +151,8 @@ def test_served_adapters_load_and_unload(server: ServerProc, tiny_hf_model: Any,
     assert listed["a1"]["parent"] == "tiny" and listed["a1"]["root"] == str(adapters["a1"][0])
     chat = client.chat.completions.create(model="a1", messages=[{"role": "user", "content": "你好"}], max_tokens=4)
     assert chat.model == "a1"
+    with pytest.raises(openai.BadRequestError):  # embeddings run the base model only
+        client.embeddings.create(model="a1", input="hi")
     expect = {"tiny": tiny_hf_model, "a1": adapters["a1"][1], "a2": adapters["a2"][1]}
     assert admin(server, "/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": str(adapters["a2"][0])},
                  None).status_code == 401
