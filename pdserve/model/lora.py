@@ -7,7 +7,9 @@ LoRALinear that adds, after the base product y = base(x), for each adapter i of 
 
     y[rows, cols of module m] += (x[rows] @ A_i,m^T) @ (scaling_i * B_i,m)^T
 
-(grouped by adapter: one gather, two small GEMMs per target slice, one scatter-add; vLLM's bgmv/sgmv in PyTorch).
+(grouped by adapter: one gather, two small GEMMs, one scatter-add; vLLM's bgmv/sgmv in PyTorch). A fused module's
+slices (q, k, v; gate, up) stack their A matrices and put their B matrices block-diagonally into one
+[sum r, out] matrix, so an adapter costs two GEMMs per module whatever the slices it targets.
 A step without adapter rows costs one attribute test per target Linear; without `--enable-lora` nothing is attached
 at all. Steps with adapter rows run the per-layer path (the native whole-stack program has no LoRA op).
 
@@ -60,11 +62,11 @@ class LoRAMapping:
 
 @dataclass
 class ModuleLoRA:
-    """One adapter on one target Linear: A of its slices stacked [in, sum r] (transposed once), and per slice
-    (first column, last column, first rank row, last rank row, (scaling * B)^T [r, cols])."""
+    """One adapter on one target Linear: A of its slices stacked and transposed [in, sum r], and scaling * B^T of
+    its slices block-diagonally [sum r, out] (zero in the columns of slices it does not target)."""
 
     a_t: torch.Tensor
-    slices: list[tuple[int, int, int, int, torch.Tensor]]
+    b_t: torch.Tensor
 
 
 class LoRALinear:
@@ -88,15 +90,11 @@ class LoRALinear:
             w = self.adapters.get(lora_id)
             if w is None:  # the adapter does not target this module
                 continue
-            xa = (x if rows is None else x.index_select(0, rows)).to(w.a_t.dtype) @ w.a_t
+            delta = ((x if rows is None else x.index_select(0, rows)).to(w.a_t.dtype) @ w.a_t) @ w.b_t
             if rows is None:
-                for c0, c1, r0, r1, b_t in w.slices:
-                    y[:, c0:c1].add_((xa[:, r0:r1] @ b_t).to(y.dtype))
-                continue
-            delta = torch.zeros(xa.shape[0], self.out_features, dtype=y.dtype, device=y.device)
-            for c0, c1, r0, r1, b_t in w.slices:
-                delta[:, c0:c1] = xa[:, r0:r1] @ b_t
-            y.index_add_(0, rows, delta)
+                y.add_(delta.to(y.dtype))
+            else:
+                y.index_add_(0, rows, delta.to(y.dtype))
 
 
 @dataclass
@@ -152,20 +150,21 @@ class LoRAManager:
                 scaling: float) -> ModuleLoRA:
         target = self.targets[key]
         starts = [sum(target.widths[:j]) for j in range(len(target.widths))]
-        a_parts, slices, rank_row = [], [], 0
-        for part, (a, b) in sorted(parts.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        ordered = sorted(parts.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+        b_t = torch.zeros(sum(a.shape[0] for _, (a, _) in ordered), target.out_features)
+        a_parts, rank_row = [], 0
+        for part, (a, b) in ordered:
             c0, width = (0, target.out_features) if part is None else (starts[part], target.widths[part])
             if a.shape[1] != target.in_features or b.shape[0] != width:
                 raise LoRAAdapterError(
                     f"layer {key[0]} {key[1]}{'' if part is None else f' slice {part}'}: lora_A {tuple(a.shape)} "
                     f"and lora_B {tuple(b.shape)} do not fit the base weight ({width} x {target.in_features})")
             r = a.shape[0]
-            a_parts.append(a)
-            b_t = (b.to(torch.float32) * scaling).t().contiguous().to(self.dtype, copy=True).to(self.device)
-            slices.append((c0, c0 + width, rank_row, rank_row + r, b_t))
+            a_parts.append(a.to(torch.float32))
+            b_t[rank_row:rank_row + r, c0:c0 + width] = b.to(torch.float32).t() * scaling
             rank_row += r
-        a_t = torch.cat(a_parts).t().contiguous().to(self.dtype).to(self.device)
-        return ModuleLoRA(a_t, slices)
+        a_t = torch.cat(a_parts).t().contiguous()
+        return ModuleLoRA(a_t.to(self.dtype).to(self.device), b_t.to(self.dtype).to(self.device))
 
     # ---- engine thread, between steps ---------------------------------------------------------------------------
     def add(self, adapter: PreparedAdapter) -> None:
