@@ -8,6 +8,8 @@ each engine, `--batch` greedy requests decoding `--steps` tokens, and reports th
 
 - `off`: LoRA not enabled, base-only batch;
 - `base`: LoRA enabled, base-only batch (must equal `off`: base-only steps never touch the adapters);
+- `layers`: LoRA enabled, base-only batch through the per-layer path (the native program switched off): what a
+  step with adapter rows pays before its deltas;
 - `mixed`: LoRA enabled, the batch split in three (base, adapter 1, adapter 2): the per-layer path with the
   adapters' grouped deltas (model/lora.py);
 - `one`: LoRA enabled, the whole batch on adapter 1 (no gather/scatter: every row is the adapter's).
@@ -99,12 +101,20 @@ def main() -> int:
         on.engine.add_lora(lr)
     b = args.batch
     third = [None] * (b - 2 * (b // 3)) + [a1] * (b // 3) + [a2] * (b // 3)
-    cases = {"off": (off, [None] * b), "base": (on, [None] * b), "mixed": (on, third), "one": (on, [a1] * b)}
+    cases = {"off": (off, [None] * b), "base": (on, [None] * b), "layers": (on, [None] * b), "mixed": (on, third),
+             "one": (on, [a1] * b)}
+    model = on.engine.runner.model
     wall: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(args.rounds):
         for name, (llm, loras) in cases.items():
-            w, c = decode_ms(llm, loras, args.steps)
+            program = model.program
+            if name == "layers":
+                model.program = None
+            try:
+                w, c = decode_ms(llm, loras, args.steps)
+            finally:
+                model.program = program
             wall[name].append(w)
             cpu[name].append(c)
         print(f"round {r}: " + ", ".join(f"{k} {cpu[k][-1]:.2f} ms cpu ({wall[k][-1]:.2f} wall)" for k in cases),
@@ -115,6 +125,7 @@ def main() -> int:
                       "decode_step_wall_ms": {k: round(statistics.median(v), 2) for k, v in wall.items()},
                       "mixed_over_off": round(med["mixed"] / med["off"], 3),
                       "one_over_off": round(med["one"] / med["off"], 3),
+                      "layers_over_off": round(med["layers"] / med["off"], 3),
                       "base_over_off": round(med["base"] / med["off"], 3),
                       "loadavg": [round(x, 2) for x in os.getloadavg()]}))
     return 0
