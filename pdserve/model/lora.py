@@ -1,17 +1,15 @@
 """LoRA adapters in the model layer: several adapters, and the base model, in one step (vLLM's punica idea).
 
-A step's rows belong to requests, each with an adapter id (0: the base model). The runner hands the manager the
-step's (adapter id, rows) per request as plain ints (LoRAManager.set_step), which become the LoRAMapping: each flat
-row's resident slot. Each target Linear (the fused qkv_proj and gate_up_proj, o_proj, down_proj of every decoder
-layer) holds a LoRALinear that adds, after the base product y = base(x), for the adapter i of each row r:
+A step's rows belong to requests, each with an adapter id (0: the base model). The runner sets the step's
+LoRAMapping from plain ints before the forward: for each adapter present, the flat rows it owns (None: every row).
+Each target Linear (the fused qkv_proj and gate_up_proj, o_proj, down_proj of every decoder layer) holds a
+LoRALinear that adds, after the base product y = base(x), for each adapter i of the step and its rows:
 
-    y[r, cols of module m] += (x[r] @ A_i,m^T) @ (scaling_i * B_i,m)^T
+    y[rows, cols of module m] += (x[rows] @ A_i,m^T) @ (scaling_i * B_i,m)^T
 
-computed for all rows and adapters at once on the adapters' stacked weights (one slot per resident adapter, zero
-where it has none): y += ((x @ A_all) * mask) @ B_all, the mask keeping each row's own slot (vLLM's bgmv on stacked
-LoRA weights, in PyTorch). A fused module's slices (q, k, v; gate, up) stack their A matrices and put their B
-matrices block-diagonally. Two GEMMs and a mask per target whatever the mix of adapters; the stacked weights cost
-max_loras x max_lora_rank x (in + out) per target, allocated with `--enable-lora`.
+(grouped by adapter: one gather, two small GEMMs, one scatter-add; vLLM's bgmv/sgmv in PyTorch). A fused module's
+slices (q, k, v; gate, up) stack their A matrices and put their B matrices block-diagonally into one
+[sum r, out] matrix, so an adapter costs two GEMMs per module whatever the slices it targets.
 A step without adapter rows costs one attribute test per target Linear; without `--enable-lora` nothing is attached
 at all. Steps with adapter rows run the per-layer path (the native whole-stack program has no LoRA op).
 
@@ -42,24 +40,24 @@ TARGETS: dict[str, tuple[str, int | None]] = {
 
 @dataclass
 class LoRAMapping:
-    """The current step's rows by adapter slot: `row_slot` [T] int64, the resident slot of each flat row's adapter
-    (-1: the base model); None: a base-only step. Set by the runner before each forward, cleared after. The masks
-    (row r, column c: 1 where c's slot is row r's) are made once per step and slot width, shared by the layers."""
+    """The current step's adapters: (adapter id, its flat rows as int64 indices, or None for all rows). Empty: a
+    base-only step. Set by the runner before each forward (set_rows), cleared after."""
 
-    row_slot: torch.Tensor | None = None
-    masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
 
-    def mask(self, slots: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        assert self.row_slot is not None
-        key = (width, dtype)
-        if key not in self.masks:
-            cols = torch.arange(slots * width, device=self.row_slot.device) // width
-            self.masks[key] = (cols.unsqueeze(0) == self.row_slot.unsqueeze(1)).to(dtype)
-        return self.masks[key]
+    def set_rows(self, per_request: list[tuple[int, int]], device: torch.device) -> None:
+        """`per_request`: (adapter id, rows) of each scheduled request in flat-row order."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for lora_id, n in per_request:
+            if lora_id:
+                rows.setdefault(lora_id, []).extend(range(start, start + n))
+            start += n
+        self.groups = [(i, None if len(r) == start else torch.tensor(r, dtype=torch.long, device=device))
+                       for i, r in rows.items()]
 
     def clear(self) -> None:
-        self.row_slot = None
-        self.masks = {}
+        self.groups = []
 
 
 @dataclass
@@ -72,39 +70,31 @@ class ModuleLoRA:
 
 
 class LoRALinear:
-    """What a target Linear runs with LoRA on: its base product, plus the step's adapters' deltas. Every resident
-    adapter has a slot of `width` = slices x max rank columns in `a_all` [in, slots x width] and rows in `b_all`
-    [slots x width, out] (zero where it has no weights), so a step with any mix of adapters costs
-    y += ((x @ a_all) * mask) @ b_all: two GEMMs and a mask, whatever the adapters (vLLM's bgmv on stacked
-    weights)."""
+    """What a target Linear runs with LoRA on: its base product, plus the step's adapters' deltas."""
 
-    def __init__(self, mapping: LoRAMapping, in_features: int, widths: list[int], slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, mapping: LoRAMapping, in_features: int, widths: list[int]) -> None:
         self.mapping = mapping
         self.in_features = in_features
         self.widths = widths  # output slices (q, k, v / gate, up / one)
         self.out_features = sum(widths)
-        self.slots, self.width = slots, len(widths) * max_rank
-        self.a_all = torch.zeros(in_features, slots * self.width, dtype=dtype, device=device)
-        self.b_all = torch.zeros(slots * self.width, self.out_features, dtype=dtype, device=device)
+        self.adapters: dict[int, ModuleLoRA] = {}
 
     def __call__(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         y = base(x)
-        if self.mapping.row_slot is not None:
-            xa = x.to(self.a_all.dtype) @ self.a_all
-            xa.mul_(self.mapping.mask(self.slots, self.width, xa.dtype))
-            y.add_((xa @ self.b_all).to(y.dtype))
+        if self.mapping.groups:
+            self.add_deltas(y, x)
         return y
 
-    def set_slot(self, slot: int, w: ModuleLoRA | None) -> None:
-        """Put an adapter's matrices into `slot` (None: zero it)."""
-        cols = slice(slot * self.width, (slot + 1) * self.width)
-        self.a_all[:, cols] = 0
-        self.b_all[cols] = 0
-        if w is not None:
-            r = w.a_t.shape[1]
-            self.a_all[:, cols.start:cols.start + r] = w.a_t
-            self.b_all[cols.start:cols.start + r] = w.b_t
+    def add_deltas(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        for lora_id, rows in self.mapping.groups:
+            w = self.adapters.get(lora_id)
+            if w is None:  # the adapter does not target this module
+                continue
+            delta = ((x if rows is None else x.index_select(0, rows)).to(w.a_t.dtype) @ w.a_t) @ w.b_t
+            if rows is None:
+                y.add_(delta.to(y.dtype))
+            else:
+                y.index_add_(0, rows, delta.to(y.dtype))
 
 
 @dataclass
@@ -127,14 +117,11 @@ class LoRAManager:
         self.dtype, self.device = dtype, device
         self.targets: dict[tuple[int, str], LoRALinear] = {}
         self.active: dict[int, PreparedAdapter] = {}
-        self.slot_of: dict[int, int] = {}  # adapter id -> its resident slot
-        self._free = list(range(max_loras - 1, -1, -1))
         for i, layer in enumerate(layers):
             for path in {p for p, _ in TARGETS.values()}:
                 linear = layer.get_submodule(path)
                 assert isinstance(linear, Linear)
-                self.targets[i, path] = lora = LoRALinear(self.mapping, linear.in_features, _widths(layer, path),
-                                                          max_loras, max_lora_rank, dtype, device)
+                self.targets[i, path] = lora = LoRALinear(self.mapping, linear.in_features, _widths(layer, path))
                 linear.set_lora(lora)
         self.num_layers = len(layers)
 
@@ -186,29 +173,16 @@ class LoRAManager:
         if len(self.active) >= self.max_loras:
             raise LoRAAdapterError(f"{len(self.active)} LoRA adapters are loaded, --max-loras {self.max_loras}; "
                                    "unload one first", "lora_limit_reached")
-        slot = self._free.pop()
-        for key, target in self.targets.items():  # every target: a module it does not adapt stays zero
-            target.set_slot(slot, adapter.modules.get(key))
-        self.active[adapter.lora_id], self.slot_of[adapter.lora_id] = adapter, slot
+        for key, module in adapter.modules.items():
+            self.targets[key].adapters[adapter.lora_id] = module
+        self.active[adapter.lora_id] = adapter
 
     def remove(self, lora_id: int) -> bool:
         if self.active.pop(lora_id, None) is None:
             return False
-        slot = self.slot_of.pop(lora_id)
         for target in self.targets.values():
-            target.set_slot(slot, None)
-        self._free.append(slot)
+            target.adapters.pop(lora_id, None)
         return True
-
-    # ---- each step with adapter rows (the runner) ----------------------------------------------------------------
-    def set_step(self, per_request: list[tuple[int, int]]) -> None:
-        """`per_request`: (adapter id, rows) of each scheduled request in flat-row order (id 0: the base model)."""
-        slots = [self.slot_of[i] if i else -1 for i, _ in per_request]
-        counts = torch.tensor([n for _, n in per_request])
-        self.mapping.row_slot = torch.repeat_interleave(torch.tensor(slots), counts).to(self.device)
-
-    def clear_step(self) -> None:
-        self.mapping.clear()
 
 
 def _widths(layer: nn.Module, path: str) -> list[int]:

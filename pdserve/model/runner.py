@@ -298,12 +298,12 @@ class ModelRunner:
         if lora is None:
             hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
         else:  # adapter rows: the per-layer path, whose target Linears add the adapters' deltas
-            lora.set_step([(r.lora_id, r.num_scheduled_tokens) for r in sched.scheduled_reqs])
+            lora.mapping.set_rows([(r.lora_id, r.num_scheduled_tokens) for r in sched.scheduled_reqs], self.device)
             try:
                 hidden = self.model.hidden_states(inp.input_ids, inp.positions, ForwardContext(self.kv_cache,
                                                                                                 inp.meta))
             finally:
-                lora.clear_step()
+                lora.mapping.clear()
         return hidden, self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
 
     def _collect(self, sampled: list[ScheduledRequest], res: SamplerOutput, out: ModelRunnerOutput) -> None:
