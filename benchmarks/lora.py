@@ -10,8 +10,8 @@ each engine, `--batch` greedy requests decoding `--steps` tokens, and reports th
 - `base`: LoRA enabled, base-only batch (must equal `off`: base-only steps never touch the adapters);
 - `layers`: LoRA enabled, base-only batch through the per-layer path (the native program switched off): what a
   step with adapter rows pays before its deltas;
-- `mixed`: LoRA enabled, the batch split in three (base, adapter 1, adapter 2): the per-layer path with the
-  adapters' grouped deltas (model/lora.py);
+- `mixed`: LoRA enabled, a third of the batch on each adapter and the rest on the base model (batch 8: 4, 2, 2):
+  the per-layer path with the adapters' grouped deltas (model/lora.py);
 - `one`: LoRA enabled, the whole batch on adapter 1 (no gather/scatter: every row is the adapter's).
 
 Configurations alternate within a round, so load from other users of the machine falls on all alike; the load
