@@ -214,3 +214,12 @@ def test_bad_adapters_and_names(server: ServerProc, adapters: dict[str, Any], tm
     assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
     ids = {m["id"] for m in httpx.get(server.base_url + "/v1/models", headers=ADMIN, timeout=30).json()["data"]}
     assert not any(i.startswith("bad-") for i in ids)
+    # --max-loras 3 with a1 resident: two more fit, the third is refused until one is unloaded
+    for name in ("l2", "l3"):
+        assert admin(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": good}).status_code == 200
+    r = admin(server, "/v1/load_lora_adapter", {"lora_name": "l4", "lora_path": good})
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "lora_limit_reached")
+    for name in ("l2", "l3"):
+        assert admin(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+    assert admin(server, "/v1/load_lora_adapter", {"lora_name": "l4", "lora_path": good}).status_code == 200
+    assert admin(server, "/v1/unload_lora_adapter", {"lora_name": "l4"}).status_code == 200
