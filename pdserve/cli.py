@@ -131,6 +131,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     tune_allocator()  # before the first load: freed models go back to the OS (allocator.py)
     specs, aliases = _serve_models(args)
     base = dataclasses.replace(engine_config_from_args(args), model=None)
+    if args.lora_modules:
+        base = dataclasses.replace(base, enable_lora=True)
     server_cfg = ServerConfig(served_model_name=specs[0].name, api_key=args.api_key, api_key_file=args.api_key_file,
                               allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                               allowed_headers=args.allowed_headers,
@@ -165,6 +167,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"model {spec.name!r} failed to load: {served.error}")
     for alias, target in aliases.items():
         registry.set_alias(alias, target, None, None)
+    _load_lora_modules(registry, args.lora_modules or [])
     app = create_registry_app(registry, server_cfg)
     # SIGTERM/SIGINT: /health turns 503 "draining", open requests finish for up to the grace period, then the
     # streams still open end with an error event and the app's shutdown aborts what is left and frees its blocks.
@@ -280,6 +283,35 @@ def _add_chat_args(srv: argparse.ArgumentParser) -> None:
                      '\'{"enable_thinking": false}\' for Qwen3); a request\'s value for the same name wins')
 
 
+def _add_api_args(srv: argparse.ArgumentParser) -> None:
+    """What the API serves besides the models: stored responses, LoRA adapters."""
+    _add_responses_args(srv)
+    srv.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories: adapter_config.json + adapter_model.safetensors) served "
+                     "on the default model, each as model NAME (implies --enable-lora; more at run time with the "
+                     "admin API's POST /v1/load_lora_adapter)")
+
+
+def _load_lora_modules(registry: Any, modules: list[str]) -> None:
+    """`serve --lora-modules`: each NAME=PATH onto the default model before the server starts (ValueError)."""
+    import asyncio
+
+    from pdserve.api.errors import APIError
+    from pdserve.server.lora_admin import load_adapter
+    from pdserve.server.model_spec import name_error
+
+    for module in modules:
+        name, sep, path = module.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {module!r}")
+        if (error := name_error(name, "LoRA adapter name")) is not None:
+            raise ValueError(f"--lora-modules {module!r}: {error}")
+        try:
+            asyncio.run(load_adapter(registry, name, path, None, None))
+        except APIError as e:
+            raise ValueError(f"--lora-modules {module!r}: {e.message}") from e
+
+
 def _add_introspection_args(srv: argparse.ArgumentParser) -> None:
     """Explanations, profiles and traces of served requests."""
     srv.add_argument("--explain-itl-threshold", default="2x",
@@ -353,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reasoning models: the reply's <think> ... </think> text goes to the message's "
                      "reasoning_content (streamed: delta.reasoning_content), the rest to content; qwen3: only an "
                      "explicit <think> block, deepseek_r1: everything before </think> (its template opens <think>)")
-    _add_responses_args(srv)
+    _add_api_args(srv)
     _add_chat_args(srv)
     srv.add_argument("--shutdown-grace", type=float, default=30.0,
                      help="seconds open requests may run after SIGTERM (while /health answers 503 draining) "

@@ -424,6 +424,13 @@ class EngineConfig:
         "its weights); `disable_by_batch_size`: no drafts in a step with more decodes than this; `policy`: `auto` "
         "(drafts only where the step cost model and the measured acceptance say they pay) or `always`. "
         "Requests with structured output are not speculated", "off")
+    # LoRA adapters (model/lora.py)
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT safetensors directories): `serve --lora-modules NAME=PATH`, or loaded at run "
+        "time through the admin API; requests pick one by its name in `model`; steps with adapter rows run the "
+        "per-layer path", "off; on with `--lora-modules`")
+    max_loras: int = option(4, "with `enable_lora`: most adapters loaded at once (their weights stay resident)")
+    max_lora_rank: int = option(16, "with `enable_lora`: largest adapter rank `r` accepted")
     # runtime
     num_threads: int | None = option(None, "torch intra-op threads", "torch's choice")
     kernels: str = option(
@@ -487,6 +494,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.kernels not in ("auto", "native", "torch"):
             raise ValueError(f"kernels must be auto, native or torch, got {self.kernels!r}")
         if self.kv_role not in ("both", "prefill", "decode"):

@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from pdserve.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, PromptType, StepStats
+from pdserve.lora_request import LoRARequest
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel
 from pdserve.outputs import RequestOutput
@@ -35,10 +36,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None) -> list[RequestOutput]:
+                 on_step: Callable[[StepStats], None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; results in input order. A prompt is a string,
         a list of token ids or {"prompt_token_ids": [...]}; `n > 1` yields n outputs per prompt. `on_step`
-        receives each step's stats (benchmarks and the live roofline's tests read them)."""
+        receives each step's stats (benchmarks and the live roofline's tests read them). `lora_request` (as
+        vLLM): the LoRA adapter of every prompt, or one per prompt (None: the base model); registered on first
+        use (`enable_lora=True`)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -48,8 +52,12 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError("need one SamplingParams per prompt, or a single one for all")
-        children = [req for i, (prompt, params) in enumerate(zip(prompt_list, params_list))
-                    for req in self.engine.make_requests([prompt], params, f"offline-{i}")]
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompt_list)
+        for lr in loras:
+            if lr is not None and lr.lora_int_id not in self.engine.lora_requests:
+                self.engine.add_lora(lr)
+        children = [req for i, (prompt, params, lr) in enumerate(zip(prompt_list, params_list, loras, strict=True))
+                    for req in self.engine.make_requests([prompt], params, f"offline-{i}", lora_request=lr)]
         for req in children:
             self.engine.add_request(req)
         finals: dict[str, RequestOutput] = {}

@@ -24,13 +24,15 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
-def root_hash(cache_salt: str | None) -> int:
+def root_hash(cache_salt: str | None, lora_id: int = 0) -> int:
     """The parent hash of a request's first block: 0 without a salt, else a stable digest of the salt (str
-    hashes are randomized per process, so not hash(salt))."""
-    if cache_salt is None:
-        return 0
-    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") | 1  # never 0, the unsalted root
+    hashes are randomized per process, so not hash(salt)). A LoRA adapter's id (vLLM: lora_int_id in the block
+    hash's extra keys) is chained in, so adapters and the base model never share a block."""
+    root = 0
+    if cache_salt is not None:
+        digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        root = int.from_bytes(digest, "little") | 1  # never 0, the unsalted root
+    return hash((root, lora_id)) | 1 if lora_id else root
 
 
 def effective_salt(cache_salt: str | None, tenant: str | None, isolation: PrefixIsolation) -> str | None:

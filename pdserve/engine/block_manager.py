@@ -103,7 +103,7 @@ class BlockManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        parent = root_hash(request.cache_salt)
+        parent = root_hash(request.cache_salt, request.lora_int_id)
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash_block(parent, chunk)
@@ -124,7 +124,7 @@ class BlockManager:
         blocks = self.req_blocks.get(rid, [])
         n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         done = self.req_num_hashed.get(rid, 0)
-        prev = blocks[done - 1].block_hash if done > 0 else root_hash(request.cache_salt)
+        prev = blocks[done - 1].block_hash if done > 0 else root_hash(request.cache_salt, request.lora_int_id)
         assert prev is not None  # the first `done` blocks are hashed
         parent: int = prev
         tokens = request.all_token_ids

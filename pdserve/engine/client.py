@@ -19,21 +19,24 @@ import contextlib
 import logging
 import queue
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 from pdserve.config import EngineConfig
+from pdserve.engine.client_lora import ClientLoRAs, LoRAExists, LoRAInUse, LoRANotLoaded
 from pdserve.engine.engine import LLMEngine, PromptType, StepResult
 from pdserve.engine.engine_thread import EngineThread, StepTurns
 from pdserve.engine.explain import ExplanationHistory, RequestExplainer, StallThreshold
-from pdserve.engine.messages import SchedulerStats, StepStats
+from pdserve.engine.messages import LoRAStats, SchedulerStats, StepStats
+from pdserve.engine.published import KVSnapshot, PrefixSummary
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.stats import SpecDecodeStats
 from pdserve.kv_transfer.base import FinishedLoad
+from pdserve.lora_request import LoRARequest, next_lora_id
 from pdserve.model.inputs import StepKind
+from pdserve.model.lora_peft import LoRAAdapterError
 from pdserve.model.packed_weights import stored_types
 from pdserve.outputs import RequestOutput
 from pdserve.profiler import PhaseProfiler, ProfileResult
@@ -46,8 +49,10 @@ logger = logging.getLogger("pdserve.engine_client")
 EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
 
 __all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVSnapshot", "LLMEngine",
-           "ModelInfo", "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream",
-           "SchedulerStats", "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
+           "LoRAAdapterError", "LoRAExists", "LoRAInUse", "LoRANotLoaded", "LoRARequest", "LoRAStats",
+           "ModelInfo",
+           "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream", "SchedulerStats",
+           "ShuttingDown", "SpecDecodeStats", "StatLogger", "StepStats", "StepTurns"]
 
 
 class QueueFull(RuntimeError):
@@ -82,53 +87,6 @@ class ModelInfo:
     device: DeviceSpec | None  # the peaks the live roofline measures MFU/MBU against (None: unknown)
     peak_flops: float
     weight_formats: dict[str, int] = field(default_factory=dict)  # matrices per stored type: {"Q4_K": 112, "F32": 1}
-
-
-@dataclass(frozen=True)
-class KVSnapshot:
-    """Block-manager and KV-transfer state as the engine thread last saw it (after a step, or while idle).
-    Immutable, so the event loop reads it without racing the engine thread that changes the live state."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    num_requests_holding_blocks: int
-    num_pinned_blocks: int  # PD prefill role: blocks held for decode instances to pull
-    num_requests_loading_kv: int  # PD decode role: requests whose prompt KV is being pulled
-    num_pinned_requests: int = 0  # PD prefill role: requests whose blocks are pinned
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> KVSnapshot:
-        """Build on the engine thread (or before it starts)."""
-        bm, kv = engine.block_manager, engine.kv_transfer
-        return cls(bm.num_blocks, bm.num_free_blocks, bm.num_used_blocks, len(bm.cached), len(bm.req_blocks),
-                   kv.num_pinned_blocks if kv is not None else 0, kv.num_loading if kv is not None else 0,
-                   kv.num_pinned_requests if kv is not None else 0)
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class PrefixSummary:
-    """The prefix-cache block hashes this engine holds (used or cached-free), for prefix-aware routers. Built on
-    the engine thread only when a reader asks and the set changed since the last build (BlockManager.cache_version),
-    so steps never copy hashes nobody reads: at most num_blocks hashes, 8 bytes each when packed. `epoch` is new for
-    every engine, so a router never mistakes a restarted one's version."""
-
-    epoch: str
-    version: int
-    block_size: int
-    hashes: tuple[int, ...]
-
-    @classmethod
-    def of(cls, engine: LLMEngine, prev: PrefixSummary | None = None) -> PrefixSummary:
-        bm = engine.block_manager
-        if prev is not None and prev.version == bm.cache_version:
-            return prev
-        return cls(prev.epoch if prev is not None else uuid.uuid4().hex[:12], bm.cache_version, bm.block_size,
-                   tuple(bm.cached))
 
 
 class StatLogger(Protocol):
@@ -179,6 +137,8 @@ class EngineClient:
         self._engine_thread = engine_thread  # the thread that built the engine runs its loop too
         self._loop_done: Future[Any] | None = None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._started = False  # the loop runs: LoRA adapters are (un)registered on it, between steps
+        self._loras = ClientLoRAs()  # guarded by _lock
         self.dead: BaseException | None = None
         self.draining = False  # set at SIGTERM: /health answers 503 (requests are still served during the grace)
         self.closed = False  # set when the grace ran out: new requests are refused
@@ -287,11 +247,56 @@ class EngineClient:
     # ---- inputs (any thread: no engine state touched) ----------------------------------------------------------
     def process_inputs(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
                        cache_salt: str | None = None, priority: int = 0,
-                       kv_transfer_params: dict[str, Any] | None = None) -> list[EngineRequest]:
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       lora_request: LoRARequest | None = None) -> list[EngineRequest]:
         """Tokenize, validate and fan out one API request (InputProcessor.make_requests); RequestRejected when it
         can never be served. Call in a worker thread: tokenizing and grammar compiling take time."""
         return self._engine.input_processor.make_requests(prompts, params, parent_id, cache_salt=cache_salt,
-                                                          priority=priority, kv_transfer_params=kv_transfer_params)
+                                                          priority=priority, kv_transfer_params=kv_transfer_params,
+                                                          lora_request=lora_request)
+
+    # ---- LoRA adapters (event loop; engine/client_lora.py) -----------------------------------------------------
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The loaded adapter of that name, or None."""
+        return self._loras.by_name.get(name) if name is not None else None
+
+    def loras(self) -> list[LoRARequest]:
+        with self._lock:
+            return list(self._loras.by_name.values())
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Read and check the PEFT adapter at `path` in a worker thread, then register it on the engine thread
+        between steps (LoRAExists, LoRAAdapterError; ValueError without --enable-lora)."""
+        with self._lock:
+            self._loras.reserve(name)
+        try:
+            lr = LoRARequest(name, next_lora_id(), path)
+            prepared = await asyncio.to_thread(self._engine.prepare_lora, lr)
+            if self._started:
+                done: Future[None] = Future()
+                self._cmds.put(("lora_add", (lr, prepared, done)))
+                self._wake.set()
+                await asyncio.wrap_future(done)
+            else:
+                self._engine.add_lora(lr, prepared)
+            with self._lock:
+                self._loras.by_name[name] = lr
+            return lr
+        finally:
+            with self._lock:
+                self._loras.loading.discard(name)
+
+    def remove_lora(self, name: str) -> LoRARequest:
+        """Unload an adapter (LoRANotLoaded; LoRAInUse while an unfinished request runs with it); its weights are
+        dropped on the engine thread before the next step."""
+        with self._lock:
+            lr = self._loras.take_unused(name, (s.request for s in self._streams.values()))
+        if self._started:
+            self._cmds.put(("lora_remove", lr.lora_int_id))
+            self._wake.set()
+        else:
+            self._engine.remove_lora(lr.lora_int_id)
+        return lr
 
     def process_embedding_inputs(self, prompts: list[PromptType], parent_id: str,
                                  priority: int = 0) -> list[EngineRequest]:
@@ -300,6 +305,7 @@ class EngineClient:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
+        self._started = True
         if self._engine_thread is not None:
             self._loop_done = self._engine_thread.submit(self._loop)
         else:
@@ -340,6 +346,7 @@ class EngineClient:
                 raise QueueFull(f"too many waiting requests ({self.max_waiting_requests}); retry later")
             if dup := [r.request_id for r in requests if r.request_id in self._streams]:
                 raise ValueError(f"duplicate request id {dup[0]!r}")
+            self._loras.check_admit(requests)
             streams = [RequestStream(loop, asyncio.Queue(), r, on_finished, tenant) for r in requests]
             for st in streams:
                 self._streams[st.request.request_id] = st
@@ -453,6 +460,16 @@ class EngineClient:
                 self._prefix_summary = PrefixSummary.of(eng, self._prefix_summary)
                 if not arg.done():
                     arg.set_result(self._prefix_summary)
+            elif kind == "lora_add":  # (LoRARequest, PreparedAdapter, Future): an error goes to the admin call
+                lr, prepared, done = cast(tuple[LoRARequest, Any, Future[None]], arg)
+                try:
+                    eng.add_lora(lr, prepared)
+                    done.set_result(None)
+                except Exception as exc:  # noqa: BLE001 - e.g. --max-loras reached; the loop goes on
+                    done.set_exception(exc)
+            elif kind == "lora_remove":
+                assert isinstance(arg, int)
+                eng.remove_lora(arg)
             else:
                 assert isinstance(arg, str)
                 for out in eng.abort_request(arg):
@@ -493,7 +510,7 @@ class EngineClient:
         bm, sched = eng.block_manager, eng.scheduler
         self.stat_logger.observe_step(stats, SchedulerStats(
             sched.num_running, sched.num_waiting, bm.usage, bm.stats.queries, bm.stats.hits, sched.num_preemptions,
-            eng.spec.stats if eng.spec is not None else None))
+            eng.spec.stats if eng.spec is not None else None, eng.lora_stats() if eng.lora is not None else None))
 
     def _explain(self, req: Request, out: RequestOutput, tenant: str | None) -> None:
         """Keep a finished request's explanation (engine thread; never takes the loop down)."""

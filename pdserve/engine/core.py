@@ -108,8 +108,9 @@ class EngineCore:
         reqs = self.scheduler.requests
         chunks = tuple((d.req_id, d.num_scheduled_tokens) for d in sched.scheduled_reqs
                        if not d.num_draft_tokens and not is_decode(reqs[d.req_id], d.num_scheduled_tokens))
+        loras = tuple(sorted({d.lora_id for d in sched.scheduled_reqs})) if self.runner.lora is not None else ()
         self.step_log.append(t0, now, sched.kind.value, len(sched.scheduled_reqs) - len(chunks), chunks,
-                             tuple(sched.preempted_req_ids), t_grammar, t_kv, t_run)
+                             tuple(sched.preempted_req_ids), t_grammar, t_kv, t_run, loras)
 
     def _observe(self, sched: SchedulerOutput, stats: StepStats, t_run: float, duration: float) -> None:
         """Feed the step to the roofline meter, the step budget's time model and speculative decoding."""

@@ -21,7 +21,7 @@ from pdserve.config import EngineConfig, dtype_reason, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.core import EngineCore
 from pdserve.engine.input_processor import MAX_PRIORITY, InputLimits, InputProcessor, PromptType
-from pdserve.engine.messages import EngineCoreOutput, StepStats
+from pdserve.engine.messages import EngineCoreOutput, LoRAStats, StepStats
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
@@ -31,10 +31,12 @@ from pdserve.engine.structured import StructuredOutputManager
 from pdserve.kernels import kernels_description, kernels_isa, resolve_kernels
 from pdserve.kv_transfer.base import KVTransfer
 from pdserve.kv_transfer.factory import make_kv_transfer
+from pdserve.lora_request import LoRARequest
 from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.kv_cache_dtype import kv_torch_dtype
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
+from pdserve.model.lora import PreparedAdapter
 from pdserve.model.packed_weights import describe_weights
 from pdserve.model.runner import ModelRunner
 from pdserve.model.spec.drafter import DraftTarget, make_proposer
@@ -87,6 +89,9 @@ class LLMEngine:
                                   kv_cache_dtype=kv_torch_dtype(config.kv_storage))
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs()
+        # LoRA adapters registered with the runner, by id (add_lora)
+        self.lora_requests: dict[int, LoRARequest] = {}
+        self.lora = self.runner.enable_lora(config.max_loras, config.max_lora_rank) if config.enable_lora else None
         if cuda_sized:
             self._size_kv_cache_from_device(config, *free_total)
         self.num_blocks = self.runner.num_blocks
@@ -164,10 +169,11 @@ class LLMEngine:
 
     def make_requests(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
                       arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
-                      kv_transfer_params: dict[str, Any] | None = None) -> list[Request]:
+                      kv_transfer_params: dict[str, Any] | None = None,
+                      lora_request: LoRARequest | None = None) -> list[Request]:
         """Fan one API request out into its sequences (InputProcessor.make_requests)."""
         return self.input_processor.make_requests(prompts, params, parent_id, arrival_time, cache_salt, priority,
-                                                  kv_transfer_params)
+                                                  kv_transfer_params, lora_request)
 
     def make_embedding_requests(self, prompts: list[PromptType], parent_id: str,
                                 priority: int = 0) -> list[Request]:
@@ -176,11 +182,47 @@ class LLMEngine:
 
     def add_request(self, prompt: PromptType | Request, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Queue one sequence (a prompt, or a Request from make_request)."""
+        """Queue one sequence (a prompt, or a Request from make_request; its LoRA adapter must be registered)."""
         req = prompt if isinstance(prompt, Request) else self.make_request(prompt, params, request_id, arrival_time)
+        if req.lora_int_id and req.lora_int_id not in self.lora_requests:
+            raise ValueError(f"request {req.request_id!r}: LoRA adapter id {req.lora_int_id} is not loaded")
         self.core.add_request(req)
         self.output_processor.add_request(req)
         return req
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -----------------------------------------
+    def prepare_lora(self, lora_request: LoRARequest) -> PreparedAdapter:
+        """Read and check the adapter's files (model/lora.py; LoRAAdapterError). Touches no engine state."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora (or serve --lora-modules)")
+        return self.lora.prepare(lora_request.lora_int_id, lora_request.lora_path)
+
+    def add_lora(self, lora_request: LoRARequest, prepared: PreparedAdapter | None = None) -> None:
+        """Register an adapter (read now unless `prepared`); requests with its id may be added from then on."""
+        adapter = prepared if prepared is not None else self.prepare_lora(lora_request)
+        assert self.lora is not None and adapter.lora_id == lora_request.lora_int_id
+        self.lora.add(adapter)
+        self.lora_requests[lora_request.lora_int_id] = lora_request
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop an adapter's weights; ValueError while an unfinished request runs with it."""
+        if lora_id not in self.lora_requests:
+            return False
+        if any(r.lora_int_id == lora_id for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter id {lora_id} is in use by unfinished requests")
+        del self.lora_requests[lora_id]
+        assert self.lora is not None
+        return self.lora.remove(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora_requests.values())
+
+    def lora_stats(self) -> LoRAStats:
+        """The adapters of the running and of the waiting requests (vLLM's lora_requests_info)."""
+        def names(reqs: Iterable[Request]) -> tuple[str, ...]:
+            return tuple(sorted({self.lora_requests[r.lora_int_id].lora_name for r in reqs
+                                 if r.lora_int_id in self.lora_requests}))
+        return LoRAStats(names(self.scheduler.running), names(self.scheduler.waiting), self.config.max_loras)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests as aborted and free their blocks at once."""

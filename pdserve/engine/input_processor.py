@@ -18,6 +18,7 @@ from typing import Any
 from pdserve.engine.request import Request
 from pdserve.engine.structured import StructuredOutputManager
 from pdserve.errors import ErrorCode, RequestRejected
+from pdserve.lora_request import LoRARequest
 from pdserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...], "prompt": text}
@@ -77,13 +78,14 @@ class InputProcessor:
 
     def make_requests(self, prompts: list[PromptType], params: SamplingParams, parent_id: str,
                       arrival_time: float | None = None, cache_salt: str | None = None, priority: int = 0,
-                      kv_transfer_params: dict[str, Any] | None = None) -> list[Request]:
+                      kv_transfer_params: dict[str, Any] | None = None,
+                      lora_request: LoRARequest | None = None) -> list[Request]:
         """Fan one API request out into its sequences: `params.n` samples of each prompt, ids
         `<parent_id>-<prompt index>-<sample index>`, sample j seeded with `seed + j`. The prefix cache shares the
         samples' prompt blocks. `cache_salt` (vLLM's request field): prefix-cache blocks are shared only with
         requests of the same salt. `kv_transfer_params` (PD disaggregation, one prompt and n=1): checked by this
         instance's KV transfer, ignored where there is none. Raises RequestRejected for the first child that can
-        never be served."""
+        never be served. `lora_request`: the LoRA adapter every child runs with (None: the base model)."""
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RequestRejected("cache_salt must be a non-empty string", "cache_salt", ErrorCode.INVALID_PARAMETER)
         kv_params = self._check_kv_transfer_params(kv_transfer_params, len(prompts), params)
@@ -95,6 +97,7 @@ class InputProcessor:
                 req = self.make_request(prompt, child, f"{parent_id}-{i}-{j}", arrival_time, priority)
                 req.parent_id, req.prompt_index, req.sample_index = parent_id, i, j
                 req.cache_salt = cache_salt  # set before the scheduler first looks the prompt up
+                req.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
                 req.kv_transfer_params = kv_params
                 reqs.append(req)
         return reqs

@@ -82,3 +82,12 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec: SpecDecodeStats | None = None  # speculative decoding's totals (None: off)
+    # with --enable-lora: the adapter names of the running and of the waiting requests, and --max-loras
+    lora: LoRAStats | None = None
+
+
+@dataclass(frozen=True)
+class LoRAStats:
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_loras: int

@@ -51,6 +51,7 @@ class Request:
         self.priority = priority  # lower runs first, under the scheduler's `priority` policy
         # prefix-cache isolation: blocks are shared only between requests with the same salt (BlockManager)
         self.cache_salt = cache_salt
+        self.lora_int_id = 0  # LoRA: the adapter it runs with (pdserve/lora_request.py); 0: the base model
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -315,7 +315,7 @@ class Scheduler:
         if self.spec is not None:
             num_sampling = sum(s.sample for s in out.scheduled_reqs)
             for (req, _), s in zip(order, out.scheduled_reqs):
-                if s.sample:
+                if s.sample and not req.lora_int_id:  # drafters know the base model only: no LoRA drafts
                     s.propose_drafts = self.spec.num_to_propose(req, num_sampling)
             out.draft_budget = max(budget, 0)
         return out
@@ -334,7 +334,8 @@ class Scheduler:
         c = req.num_computed_tokens
         s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new] + req.spec_token_ids, c,
                              self.block_manager.get_block_ids(req.request_id),
-                             c + num_new == req.num_tokens and not req.pooling, len(req.spec_token_ids))
+                             c + num_new == req.num_tokens and not req.pooling, len(req.spec_token_ids),
+                             lora_id=req.lora_int_id)
         if req.pooling:  # an embedding request: its rows are pooled (each position once), none sampled
             if req.num_pooled < c + num_new:
                 s.pool_offset = max(0, req.num_pooled - c)

@@ -30,6 +30,7 @@ class StepRecord:
     grammar_s: float  # structured output: filling the next-token bitmasks
     kv_wait_s: float  # PD roles: polling KV transfers (pulls landing, pins released) before scheduling
     model_s: float  # forward pass and sampling
+    lora_ids: tuple[int, ...] = ()  # with --enable-lora: the adapters with rows in the step (0: the base model)
 
 
 class StepLog:
@@ -43,9 +44,9 @@ class StepLog:
 
     def append(self, start: float, end: float, kind: str, num_decodes: int,
                prefill_chunks: tuple[tuple[str, int], ...], preempted: tuple[str, ...], grammar_s: float,
-               kv_wait_s: float, model_s: float) -> StepRecord:
+               kv_wait_s: float, model_s: float, lora_ids: tuple[int, ...] = ()) -> StepRecord:
         rec = StepRecord(self.num_steps, start, end, kind, num_decodes, prefill_chunks, preempted, grammar_s,
-                         kv_wait_s, model_s)
+                         kv_wait_s, model_s, lora_ids)
         with self._lock:
             self._steps.append(rec)
             self.num_steps += 1

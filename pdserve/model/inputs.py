@@ -47,6 +47,8 @@ class ScheduledRequest:
     pool_offset: int | None = None
     # speculative decoding: after this step, propose up to this many drafts for the request's next step (0: none)
     propose_drafts: int = 0
+    # LoRA: the adapter id its rows run with (pdserve/lora_request.py); 0: the base model
+    lora_id: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

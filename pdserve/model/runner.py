@@ -14,13 +14,14 @@ import torch
 
 from pdserve.config import ModelArchConfig
 from pdserve.model.architectures import build_loaded_model
-from pdserve.model.attention import AttentionMetadata, PrefillChunk
+from pdserve.model.attention import AttentionMetadata, ForwardContext, PrefillChunk
 from pdserve.model.cpu_linear import OneDNNWeight
 from pdserve.model.decode_graphs import DecodeGraphRunner
 from pdserve.model.input_batch import InputBatch
 from pdserve.model.inputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.model.kv_cache_dtype import kv_row_elements
 from pdserve.model.layers.linear import Embedding, Linear
+from pdserve.model.lora import LoRAManager
 from pdserve.model.native_ops import select_kernels
 from pdserve.model.packed_weights import StateDict
 from pdserve.model.sampler import Sampler, SamplerOutput, score_tokens
@@ -84,7 +85,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self._graphs_capture: bool | None = None  # set by enable_decode_graphs
         self._max_num_seqs = max_num_seqs
+        self.lora: LoRAManager | None = None  # LoRA adapters (enable_lora)
         self.allocate_kv_cache(num_blocks)
+
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAManager:
+        """Attach LoRA to every target Linear (model/lora.py): steps with adapter rows then add their deltas and
+        run the per-layer path; base-only steps run as before."""
+        dtype = torch.float32 if self.backend.name == "native" else self.dtype  # native activations are float32
+        self.lora = LoRAManager(self.model.layers, max_loras, max_lora_rank, dtype, self.device)
+        return self.lora
 
     def enable_decode_graphs(self, capture: bool | None = None) -> None:
         """Pure-decode steps go through a DecodeGraphRunner at padded batch sizes up to max_num_seqs: CUDA graphs
@@ -287,10 +296,19 @@ class ModelRunner:
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The final hidden states (None from decode graphs, which end at the logits) and the sampled rows'
         float32 logits (None: no row samples)."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
+        lora = self.lora if self.lora is not None and any(r.lora_id for r in sched.scheduled_reqs) else None
+        if lora is None and self.decode_graphs is not None and self.decode_graphs.can_run(sched):
             return None, self.decode_graphs.run(sched)
         inp = self.prepare(sched)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        if lora is None:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta)
+        else:  # adapter rows: the per-layer path, whose target Linears add the adapters' deltas
+            lora.mapping.set_rows([(r.lora_id, r.num_scheduled_tokens) for r in sched.scheduled_reqs], self.device)
+            try:
+                hidden = self.model.hidden_states(inp.input_ids, inp.positions, ForwardContext(self.kv_cache,
+                                                                                                inp.meta))
+            finally:
+                lora.mapping.clear()
         return hidden, self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
 
     def _collect(self, sampled: list[ScheduledRequest], res: SamplerOutput, out: ModelRunnerOutput) -> None:

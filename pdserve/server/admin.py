@@ -63,7 +63,8 @@ def admin_key(raw: Request) -> str:
 
 # the audit action of each changing route (by its handler's name)
 _ACTIONS = {"load_model": "load", "unload_model": "unload", "sleep_model": "sleep", "wake_model": "wake",
-            "set_alias": "switch", "rollback_alias": "rollback"}
+            "set_alias": "switch", "rollback_alias": "rollback", "load_lora_adapter": "load_lora",
+            "unload_lora_adapter": "unload_lora"}
 
 
 class AuditedRoute(APIRoute):
@@ -94,7 +95,7 @@ def _registry(raw: Request) -> ModelRegistry:
     return raw.app.state.registry  # type: ignore[no-any-return]
 
 
-def _check_names(raw: Request, action: str, kid: str, target: str, **names: str | None) -> None:
+def check_names(raw: Request, action: str, kid: str, target: str, **names: str | None) -> None:
     """400 invalid_model_name (audited under `target`, escaped by the JSON line) unless every name is valid."""
     for param, name in names.items():
         if name is None:
@@ -111,7 +112,7 @@ async def load_model(body: LoadModelRequest, raw: Request, wait: bool = False,
                      kid: str = Depends(admin_key)) -> JSONResponse:
     """Load in the background (202, progress in /v1/models); `?wait=true`: answer when loaded, or the failure."""
     registry = _registry(raw)
-    _check_names(raw, "load", kid, body.name, name=body.name, version=body.version)
+    check_names(raw, "load", kid, body.name, name=body.name, version=body.version)
     try:
         spec = ModelSpec(body.name, body.path, body.version, body.options)
     except ValueError as e:
@@ -146,7 +147,7 @@ async def wake_model(name: str, raw: Request, kid: str = Depends(admin_key)) -> 
 
 @admin_router.put("/aliases/{alias}")
 async def set_alias(alias: str, body: AliasRequest, raw: Request, kid: str = Depends(admin_key)) -> dict[str, Any]:
-    _check_names(raw, "switch", kid, alias, alias=alias)
+    check_names(raw, "switch", kid, alias, alias=alias)
     canary = body.canary.model_dump() if body.canary is not None else None
     return _registry(raw).set_alias(alias, body.model, canary, kid)
 

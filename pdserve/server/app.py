@@ -37,6 +37,7 @@ from pdserve.profiler.traces import ProfilerLimits
 from pdserve.server.admin import admin_router
 from pdserve.server.allocator import release_memory
 from pdserve.server.audit import AuditLog
+from pdserve.server.lora_admin import lora_router
 from pdserve.server.metrics import merged_registry
 from pdserve.server.model_registry import ModelRegistry
 from pdserve.server.model_routes import models_router
@@ -156,6 +157,7 @@ def create_registry_app(registry: ModelRegistry, cfg: ServerConfig) -> FastAPI:
     app.include_router(page_router)
     if cfg.admin_api_key:  # off: every /admin path is a 404
         app.include_router(admin_router)
+        app.include_router(lora_router)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter
     return app
 
 

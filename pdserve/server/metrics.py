@@ -8,12 +8,13 @@ chunk in the same step, a preemption) that a request's mean hides.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
-from pdserve.engine.client import SchedulerStats, SpecDecodeStats, StepStats
+from pdserve.engine.client import LoRAStats, SchedulerStats, SpecDecodeStats, StepStats
 from pdserve.outputs import RequestOutput
 from pdserve.roofline import DeviceSpec
 from pdserve.server.allocator import heap_in_use_bytes
@@ -117,6 +118,11 @@ class Metrics:
             "preemptions", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self.lora_info = Gauge("pdserve:lora_requests_info", "LoRA adapters of the running and of the waiting "
+                               "requests (comma-separated names; value: when they last changed, Unix seconds), as "
+                               "vLLM's lora_requests_info.", ["model_name", "running_lora_adapters",
+                                                              "waiting_lora_adapters", "max_lora"], registry=r)
+        self._last_lora: LoRAStats | None = None
 
     def observe_step(self, step: StepStats, sched: SchedulerStats) -> None:
         """A step (or an idle tick: only the gauges) and the scheduler's state after it (EngineClient's
@@ -148,6 +154,11 @@ class Metrics:
                               num_preemptions)
         if sched.spec is not None:
             self.observe_spec(sched.spec)
+        if sched.lora is not None and sched.lora != self._last_lora:
+            self._last_lora = lora = sched.lora
+            self.lora_info.clear()  # one series: the current adapters (vLLM's lora_requests_info), set to now
+            self.lora_info.labels(self.model_name, ",".join(lora.running), ",".join(lora.waiting),
+                                  str(lora.max_loras)).set(time.time())
 
     def _spec_counters(self, lbl: list[str], r: CollectorRegistry) -> None:
         # speculative decoding, vLLM's names (fed from the engine's SpecDecodeStats; zero while it is off)

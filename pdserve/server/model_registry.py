@@ -150,6 +150,8 @@ class ModelRegistry:
         alias = self._aliases.get(name) if name is not None else None
         target = alias.pick() if alias is not None else name or self._default_name()
         served = self._models.get(target) if target is not None else None
+        if served is None and name is not None:
+            served = self._lora_owner(name)  # a LoRA adapter's name: its base model serves it
         if served is None or served.state == "unloaded":
             served_names = ", ".join(repr(n) for n, m in self._models.items() if m.state != "unloaded")
             raise APIError(404, f"model {name!r} does not exist; this server serves {served_names or 'no model'}",
@@ -161,6 +163,20 @@ class ModelRegistry:
             raise APIError(503, f"model {served.name!r} is {served.state}; {hint.format(name=served.name)}",
                            "service_unavailable", param="model", code=f"model_{served.state}", kind="not_found")
         return served
+
+    def lora_owner(self, name: str) -> ServedModel | None:
+        """The loaded model serving the LoRA adapter `name`, if any."""
+        with self._lock:
+            return self._lora_owner(name)
+
+    def _lora_owner(self, name: str) -> ServedModel | None:
+        return next((m for m in self._models.values() if m.client is not None and m.state == "loaded"
+                     and m.client.lora_request(name) is not None), None)
+
+    def name_taken(self, name: str) -> bool:
+        """`name` is a model's, an alias's or a LoRA adapter's (served names are one namespace)."""
+        with self._lock:
+            return name in self._models or name in self._aliases or self._lora_owner(name) is not None
 
     def _default_name(self) -> str | None:
         return next((n for n, m in self._models.items() if m.state == "loaded"),
@@ -342,8 +358,8 @@ class ModelRegistry:
             raise APIError(400, f"model {spec.name!r}: {e}", param="options", code="invalid_model_spec") from e
         with self._lock:
             old = self._models.get(spec.name)
-            if spec.name in self._aliases:
-                raise APIError(409, f"{spec.name!r} is an alias", param="name", code="model_exists")
+            if spec.name in self._aliases or self._lora_owner(spec.name) is not None:
+                raise APIError(409, f"{spec.name!r} is an alias or a LoRA adapter", param="name", code="model_exists")
             if old is not None and old.state not in ("failed", "unloaded"):
                 raise APIError(409, f"model {spec.name!r} is {old.state}; unload it first or choose another name",
                                param="name", code="model_exists")

@@ -34,10 +34,21 @@ def model_entry(m: ServedModel, aliases: list[str]) -> dict[str, Any]:
     return entry
 
 
+def lora_entries(m: ServedModel) -> list[dict[str, Any]]:
+    """The /v1/models entries of a loaded model's adapters (vLLM's: `root` the adapter's path, `parent` the base)."""
+    if m.client is None:
+        return []
+    return [{"id": lr.lora_name, "object": "model", "created": m.created, "owned_by": "pdserve", "state": "loaded",
+             "version": None, "config_hash": m.config_hash, "aliases": [], "max_model_len": m.max_model_len,
+             "root": lr.lora_path, "parent": m.name} for lr in m.client.loras()]
+
+
 def list_models(registry: ModelRegistry) -> dict[str, Any]:
-    """OpenAI's model list, models in load order, then aliases (with their target's state and version)."""
+    """OpenAI's model list, models in load order (each followed by its LoRA adapters, with `parent`), then aliases
+    (with their target's state and version)."""
     aliases = registry.aliases()
-    data = [model_entry(m, sorted(a for a, al in aliases.items() if al.model == m.name)) for m in registry.models()]
+    data = [e for m in registry.models() for e in (
+        model_entry(m, sorted(a for a, al in aliases.items() if al.model == m.name)), *lora_entries(m))]
     by_name = {m["id"]: m for m in data}
     for alias, al in aliases.items():
         target = by_name.get(al.model, {"state": "unloaded", "version": None, "config_hash": None,

@@ -62,7 +62,9 @@ def _routed(raw: Request, body: Any) -> Iterator[ServedModel]:
     try:
         with registry.lease(body.model) as served:
             model = served.name
-            body.model = served.name  # routed: an alias resolved to its target
+            assert served.client is not None  # lease() routes to loaded models only
+            if served.client.lora_request(body.model) is None:  # a LoRA adapter's name stays: it picks the adapter
+                body.model = served.name  # routed: an alias resolved to its target
             yield served
     except (APIError, RequestRejected) as e:
         status = e.status if isinstance(e, APIError) else from_rejected(e).status

@@ -35,6 +35,8 @@ from pdserve.engine.client import (
     EngineClient,
     EngineDead,
     EngineRequest,
+    LoRANotLoaded,
+    LoRARequest,
     PromptType,
     QueueFull,
     RequestStream,
@@ -144,9 +146,13 @@ class OpenAIServing:
 
     # ---- validation and fan-out ----------------------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and self.client.lora_request(name) is None:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found", kind="not_found")
+
+    def served_name(self, name: str | None) -> str:
+        """The name a reply carries: the LoRA adapter's when the request named one, else the model's."""
+        return name if name is not None and self.client.lora_request(name) is not None else self.model_name
 
     def check_body(self, body: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
         """Checks that cost nothing, before any work: the model, fields that cannot be honoured, the fan-out
@@ -247,7 +253,7 @@ class OpenAIServing:
                     body: CompletionRequest | ChatCompletionRequest, ctx: RequestContext) -> Children:
         """Tokenize and validate the children (in a worker thread), then admit them all or none."""
         reqs = await self.in_thread(self.make_children, prompts, params, base_id, body.kv_transfer_params,
-                                    self.cache_salt(body, ctx), body.priority)
+                                    self.cache_salt(body, ctx), body.priority, self.client.lora_request(body.model))
         self.check_prompt_logprobs(reqs, params, "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs")
         return self.admit(reqs, ctx)
 
@@ -269,13 +275,15 @@ class OpenAIServing:
         try:
             streams = self.client.add_requests(reqs, on_finished=lambda out: self.on_finished(out, ctx, reserved),
                                                tenant=ctx.tenant)
-        except (QueueFull, ShuttingDown, EngineDead) as e:
+        except (QueueFull, ShuttingDown, EngineDead, LoRANotLoaded) as e:
             if ctx.quota is not None and reserved:
                 ctx.quota.settle(sum(reserved.values()), 0)  # none admitted: nothing used
             raise self._refusal(e, reqs, ctx) from e
         return Children(reqs, streams)
 
     def _refusal(self, e: Exception, reqs: list[EngineRequest], ctx: RequestContext) -> APIError:
+        if isinstance(e, LoRANotLoaded):  # unloaded between routing and admission
+            return APIError(404, str(e.args[0]), param="model", code="model_not_found", kind="not_found")
         if isinstance(e, QueueFull):
             return APIError(429, str(e), "rate_limit_error", code="too_many_requests", kind="rate_limited")
         if isinstance(e, ShuttingDown):
@@ -299,11 +307,11 @@ class OpenAIServing:
 
     def make_children(self, prompts: list[PromptType], params: SamplingParams, base_id: str,
                       kv_params: dict[str, Any] | None = None, cache_salt: str | None = None,
-                      priority: int = 0) -> list[EngineRequest]:
+                      priority: int = 0, lora_request: LoRARequest | None = None) -> list[EngineRequest]:
         """Tokenize and validate (no engine state touched: safe in a worker thread); RequestRejected when a child
-        can never be served."""
+        can never be served. `lora_request`: the adapter the request named in `model` (None: the base model)."""
         return self.client.process_inputs(prompts, params, base_id, cache_salt=cache_salt, priority=priority,
-                                          kv_transfer_params=kv_params)
+                                          kv_transfer_params=kv_params, lora_request=lora_request)
 
     # ---- running the children ------------------------------------------------------------------------------
     async def stream_all(self, children: Children) -> AsyncIterator[tuple[int, RequestOutput]]:

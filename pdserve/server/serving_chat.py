@@ -31,6 +31,7 @@ class ChatRun:
     created: int
     children: Children
     plan: ToolPlan
+    model: str  # the name replies carry: the model's, or the LoRA adapter's the request asked for
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -40,11 +41,11 @@ class OpenAIServingChat(OpenAIServing):
         run = await self.start_chat(body, ctx, f"chatcmpl-{uuid.uuid4().hex}")
         rid, children, plan = run.rid, run.children, run.plan
         if body.stream:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": run.created, "model": self.model_name}
+            base = {"id": rid, "object": "chat.completion.chunk", "created": run.created, "model": run.model}
             return self.sse_stream(self.chunks(body, children, base, plan), children)
         outs = await self.collect(children, ctx)
         choices = [self.choice(i, out.outputs[0], body, plan) for i, out in enumerate(outs)]
-        resp = {"id": rid, "object": "chat.completion", "created": run.created, "model": self.model_name,
+        resp = {"id": rid, "object": "chat.completion", "created": run.created, "model": run.model,
                 "choices": choices}
         if body.prompt_logprobs is not None:  # as vLLM: one list for the conversation, beside the choices
             resp["prompt_logprobs"] = self.prompt_logprobs(outs[0])
@@ -59,7 +60,7 @@ class OpenAIServingChat(OpenAIServing):
         self.constrain_tools(plan, params)
         prompt = await self.chat_prompt(body, plan)
         children = await self.start([prompt], params, rid, body, ctx)
-        return ChatRun(rid, int(time.time()), children, plan)
+        return ChatRun(rid, int(time.time()), children, plan, self.served_name(body.model))
 
     async def chat_prompt(self, body: ChatCompletionRequest, plan: ToolPlan) -> dict[str, Any]:
         """The conversation and its tools through the chat template, as a token-id prompt (also what

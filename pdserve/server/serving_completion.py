@@ -42,7 +42,8 @@ class OpenAIServingCompletion(OpenAIServing):
         rid = f"cmpl-{uuid.uuid4().hex}"
         children = await self.start(prompts, params, rid, body, ctx)
         reqs = children.reqs
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.served_name(body.model)}
         if body.stream:
             return self.sse_stream(self._chunks(body, children, base), children)
         outs = await self.collect(children, ctx)

@@ -54,6 +54,9 @@ class OpenAIServingEmbedding(OpenAIServing):
     async def create_embedding(self, body: EmbeddingRequest, ctx: RequestContext) -> dict[str, Any]:
         """Validate, run every input as a pooling request, and answer OpenAI's embedding list with `usage`."""
         self.check_model(body.model)
+        if self.client.lora_request(body.model) is not None:
+            raise APIError(400, f"{body.model!r} is a LoRA adapter; embeddings use the base model "
+                           f"{self.model_name!r}", param="model", code=ErrorCode.UNSUPPORTED_PARAMETER.value)
         self.log_unknown_fields(body.model_extra)
         if (name := refused_field(body.model_extra, EMBEDDING_REFUSED)) is not None:
             raise APIError(400, f"{name} is not supported by this server", param=name,

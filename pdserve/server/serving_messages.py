@@ -145,7 +145,7 @@ class ServingMessages:
         message = self.chat.choice(0, c, req, run.plan)
         reason, sequence = stop_reason(message["finish_reason"], c.stop_reason, body.stop_sequences)
         usage = self.chat.usage(run.children)
-        return {**self._shell(run.rid), "content": content_blocks(message["message"]), "stop_reason": reason,
+        return {**self._shell(run), "content": content_blocks(message["message"]), "stop_reason": reason,
                 "stop_sequence": sequence, "usage": {"input_tokens": usage["prompt_tokens"],
                                                      "output_tokens": usage["completion_tokens"]}}
 
@@ -157,8 +157,9 @@ class ServingMessages:
             prompt = await self.chat.chat_prompt(req, self.chat.tool_plan(req))
         return {"input_tokens": len(prompt["prompt_token_ids"])}
 
-    def _shell(self, rid: str) -> dict[str, Any]:
-        return {"id": rid, "type": "message", "role": "assistant", "model": self.chat.model_name}
+    @staticmethod
+    def _shell(run: ChatRun) -> dict[str, Any]:
+        return {"id": run.rid, "type": "message", "role": "assistant", "model": run.model}
 
     async def _lines(self, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         """The events as SSE (`event: <type>`); an error mid-stream ends it with an `error` event in Anthropic's
@@ -175,7 +176,7 @@ class ServingMessages:
                       body: MessagesRequest) -> AsyncIterator[dict[str, Any]]:
         children, plan = run.children, run.plan
         usage = {"input_tokens": len(children.reqs[0].prompt_token_ids), "output_tokens": 0}
-        yield {"type": "message_start", "message": {**self._shell(run.rid), "content": [], "stop_reason": None,
+        yield {"type": "message_start", "message": {**self._shell(run), "content": [], "stop_reason": None,
                                                     "stop_sequence": None, "usage": usage}}
         yield {"type": "ping"}
         blocks = BlockStream()

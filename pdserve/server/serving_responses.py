@@ -91,7 +91,7 @@ class OpenAIServingResponses:
         return {
             "id": run.rid, "object": "response", "created_at": run.created, "status": "in_progress", "error": None,
             "incomplete_details": None, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.chat.model_name, "output": [], "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "model": run.model, "output": [], "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "store": body.store is not False, "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": fmt}, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],

@@ -5,7 +5,8 @@ F.linear / F.embedding on it. `set_packed(w)` replaces it by a PackedMatrix (mod
 kernels' PackedWeight, oneDNN's reordered copy, the PyTorch path's int8) whose forward / rows the module then calls:
 which format a weight has is the loader's business, never the model's. With the native kernels the call goes through
 the model's NativeOps (so the whole-stack program can record it). The implementation is bound when the module is
-built and again when its weight is replaced, never chosen per call.
+built and again when its weight or its LoRA hook (model/lora.py, with `--enable-lora` only) is set, never chosen per
+call.
 """
 
 from __future__ import annotations
@@ -74,13 +75,30 @@ class _Matrix(nn.Module):
         return f"{self._shape}, {self.packed.type_name if self.packed is not None else 'float'}"
 
 
+# a LoRA hook: (the bound base product, x) -> y with the step's adapter deltas added (model/lora.py's LoRALinear)
+LoRAHook = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
 class Linear(_Matrix):
     """y = x @ W.T (+ bias), W [out_features, in_features]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, kernels: KernelSelection) -> None:
+        self.lora: LoRAHook | None = None
         super().__init__(out_features, in_features, kernels)
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def set_lora(self, hook: LoRAHook) -> None:
+        """Run `hook` around the base product from now on (LoRA adapters: `--enable-lora`)."""
+        self.lora = hook
+        self._impl = self._bind()
+
+    def _bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        base = super()._bind()
+        hook = self.lora
+        if hook is None:
+            return base
+        return lambda x: hook(base, x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
