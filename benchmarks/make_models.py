@@ -19,6 +19,7 @@ under ~1 GB. These files measure speed only; their text is noise.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import subprocess
@@ -90,8 +91,9 @@ def tensor_shapes(s: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "output.weight", (s.vocab_size, h)
 
 
+@functools.cache  # parsing the vocabulary and merges takes seconds; every shape written copies the same fields
 def tokenizer_fields(src: Path) -> list[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None]]:
-    """The tokenizer.* key-value pairs of a GGUF file, typed as stored."""
+    """The tokenizer.* key-value pairs of a GGUF file, typed as stored (read-only: one list per file)."""
     reader = gguf.GGUFReader(src)
     out = []
     for key, field in reader.fields.items():

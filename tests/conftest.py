@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
 
-from pdserve.launch import ServerProc, free_port  # noqa: E402
+from pdserve.launch import ServerProc, free_port, start_server  # noqa: E402
 
 # Tests never read or write the user's cache (~/.cache/pdserve: converted tokenizers, measured device peaks): one
 # directory for the whole session, set before anything runs so server subprocesses inherit it. The tokenizer is then
@@ -188,3 +188,63 @@ def start_all(*starts: Callable[[], ServerProc]) -> list[ServerProc]:
                 f.result().stop()
         raise failed[0]  # type: ignore[misc]
     return [f.result() for f in futures]
+
+
+# ---- servers shared by several modules ---------------------------------------------------------------------------
+# A `pdserve serve` start is mostly one process's imports (torch, transformers, FastAPI): ~10 s on a quiet 2-core
+# host, 30-45 s on a busy one. Modules that only send requests and check their own answers, counter deltas and the
+# KV pool back at baseline share one server per configuration for the session. A module that changes server state
+# (admin calls, aliases, shutdown, API keys, other engine options) starts its own. `--device-peaks off` where no
+# user checks MFU/MBU: on a busy host every start measures the machine again (~2 s quiet, ~8 s busy).
+TINY_SERVER_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1",
+                    "--device-peaks", "off")
+REAL_SERVER_ARGS = ("--kv-cache-memory", "256MiB", "--max-model-len", "2048")
+
+
+def _shared_server(log_dir: Any, *args: str) -> Any:
+    srv = start_server(log_dir, *args)
+    yield srv
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal: -15 is a clean exit
+    assert srv.stop() in (0, -15)
+    assert "Finished server process" in srv.log()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Any) -> Any:
+    """The tiny model served (fp32, 256 KV blocks, max_model_len 2048, one thread), shared by read-only modules."""
+    yield from _shared_server(tmp_path_factory.mktemp("tiny-server"), "--model", str(tiny_dir), *TINY_SERVER_ARGS)
+
+
+@pytest.fixture(scope="session")
+def real_server_fp32(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The default model served in float32 (256 MiB of KV, max_model_len 2048), shared by read-only modules."""
+    yield from _shared_server(tmp_path_factory.mktemp("real-fp32"), "--dtype", "float32", *REAL_SERVER_ARGS,
+                              "--device-peaks", "off")
+
+
+@pytest.fixture(scope="session")
+def real_server_bf16(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The default model served in bfloat16 (256 MiB of KV, max_model_len 2048, bodies up to 200000 bytes, peaks
+    measured or cached: test_server checks the live MFU), shared by read-only modules."""
+    yield from _shared_server(tmp_path_factory.mktemp("real-bf16"), "--dtype", "bfloat16", *REAL_SERVER_ARGS,
+                              "--max-body-bytes", "200000")
+
+
+@pytest.fixture(scope="session")
+def shared_once() -> Any:
+    """`shared_once(key, start)`: the first call runs `start()` -> (value, stop) and returns value; later calls with
+    the same key, from any module, return the same value; every stop runs at the end of the session (last started,
+    first stopped). For a set-up two modules need as it is (e.g. a PD deployment a module-scoped fixture of each
+    builds), where their tests read counters as deltas rather than from zero."""
+    made: dict[str, Any] = {}
+    stops: list[Callable[[], Any]] = []
+
+    def get(key: str, start: Callable[[], tuple[Any, Callable[[], Any]]]) -> Any:
+        if key not in made:
+            made[key], stop = start()
+            stops.append(stop)
+        return made[key]
+
+    yield get
+    for stop in reversed(stops):
+        stop()

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from pdserve.launch import ServerProc, start_server
+from pdserve.launch import ServerProc
 
 pytestmark = pytest.mark.slow
 VOCAB = 49152  # the tiny model's vocabulary (SmolLM2's)
@@ -26,11 +25,10 @@ GOOD = ["The quick brown fox jumps over the lazy dog.", "你好，世界！请�
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Any) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("abuse-srv"), "--model", str(tiny_dir), "--dtype", "float32",
-                       "--num-kv-blocks", "256", "--num-threads", "1")
-    yield srv
-    srv.stop()
+def server(tiny_server: ServerProc) -> ServerProc:
+    """The session's tiny server (conftest): this module only sends requests and checks its own answers and the
+    pool back at baseline."""
+    return tiny_server
 
 
 def _good_body(prompt: str) -> dict[str, Any]:

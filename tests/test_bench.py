@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from pdserve.bench.datasets import (
 from pdserve.bench.report import BenchResult, compute_metrics, format_result
 from pdserve.bench.runner import arrival_times, run_benchmark
 from pdserve.bench.server_metrics import histogram_quantile, parse_metrics, server_deltas
-from pdserve.launch import ServerProc, start_server
+from pdserve.launch import ServerProc
 
 
 def rec(i: int, ttft: float, itl: list[float], e2el: float, out: int, prompt: int = 10, ok: bool = True,
@@ -359,11 +358,10 @@ def request_log(srv: ServerProc, ids: set[str], timeout: float = 10.0) -> dict[s
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("bench-srv"), "--dtype", "float32", "--kv-cache-memory", "256MiB",
-                       "--max-model-len", "2048")
-    yield srv
-    srv.stop()
+def server(real_server_fp32: ServerProc) -> ServerProc:
+    """The session's fp32 default-model server (conftest), shared with tests/test_client_timings.py: the bench
+    reads counter deltas around its own run and finds its requests in the log by id."""
+    return real_server_fp32
 
 
 @pytest.fixture(scope="module")

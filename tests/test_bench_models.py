@@ -21,16 +21,26 @@ from pdserve.model.loader import resolve_model_path  # noqa: E402
 TINY = {tied: Shape(64, 2, 4, 2, 128, 49152, tied, 130000.0, 512) for tied in (True, False)}
 
 
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    """Both tiny GGUFs, written once for the module: each write parses the default model's GGUF for its tokenizer
+    fields in pure Python (~10 s on a busy host); the tests only read the files."""
+    d = tmp_path_factory.mktemp("bench-models")
+    paths = {tied: d / f"tiny-{'tied' if tied else 'untied'}.F16.gguf" for tied in TINY}
+    for tied, path in paths.items():
+        write_f16(path, "tiny", TINY[tied], Path(resolve_model_path(None)), seed=0, pool_size=1 << 16)
+    return paths
+
+
 @pytest.mark.parametrize("tied", [True, False])
-def test_random_gguf_loads_and_generates(tmp_path: Path, tied: bool) -> None:
-    path = tmp_path / "tiny.F16.gguf"
-    write_f16(path, "tiny", TINY[tied], Path(resolve_model_path(None)), seed=0, pool_size=1 << 16)
+def test_random_gguf_loads_and_generates(tiny_ggufs: dict[bool, Path], tied: bool) -> None:
+    path = tiny_ggufs[tied]
     reader = gguf.GGUFReader(path)
     assert [t.name for t in reader.tensors] == [n for n, _ in tensor_shapes(TINY[tied])]
     assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
     w = np.asarray(reader.tensors[2].data, dtype=np.float32)  # blk.0.attn_q
     assert 0.015 < float(w.std()) < 0.025
-    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="64MiB", max_model_len=512, device_peaks="off")
     out = llm.generate(["The capital of France is", "北京是"], SamplingParams(max_tokens=8, temperature=0,
                                                                             ignore_eos=True, logprobs=1))
     for o in out:
@@ -41,11 +51,9 @@ def test_random_gguf_loads_and_generates(tmp_path: Path, tied: bool) -> None:
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_floor_counts_the_weights_a_step_reads(tmp_path: Path, tied: bool) -> None:
+def test_floor_counts_the_weights_a_step_reads(tiny_ggufs: dict[bool, Path], tied: bool) -> None:
     s = TINY[tied]
-    path = tmp_path / "tiny.F16.gguf"
-    write_f16(path, "tiny", s, Path(resolve_model_path(None)), seed=0, pool_size=1 << 16)
-    info = weight_bytes_per_token(str(path))
+    info = weight_bytes_per_token(str(tiny_ggufs[tied]))
     layer = 2 * (2 * s.hidden_size * s.hidden_size + 2 * s.hidden_size * 32 + 3 * s.hidden_size * 128)
     head = 2 * s.vocab_size * s.hidden_size  # the output matrix; the embedding (untied) is one row a step
     norms = 4 * s.hidden_size * (2 * s.num_hidden_layers + 1)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from pdserve.launch import ServerProc, start_server
+from pdserve.launch import ServerProc
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -32,11 +31,10 @@ SLACK_S = 3.0  # client TTFT <= server TTFT + SLACK_S: HTTP, JSON and a loaded 2
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("timings"), "--dtype", "float32", "--kv-cache-memory", "256MiB",
-                       "--max-model-len", "2048")
-    yield srv
-    srv.stop()
+def server(real_server_fp32: ServerProc) -> ServerProc:
+    """The session's fp32 default-model server (conftest), shared with tests/test_bench.py: these tests compare
+    each request's client timings with its own server timings."""
+    return real_server_fp32
 
 
 def long_prompt(tag: int) -> str:

@@ -128,14 +128,23 @@ needs_real = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_ggu
 
 @pytest.fixture(scope="module")
 def real_reference() -> dict[str, Any]:
-    """transformers' greedy tokens on the same GGUF (its own GGUF loader, dequantized to fp32)."""
-    from pdserve.model.loader import resolve_model_path
+    """transformers' greedy tokens on the same GGUF (its own GGUF loader, dequantized to fp32), and transformers'
+    tokenizer built from the GGUF (`hf_tokenizer`). Building it parses the 262k-token vocabulary in pure Python
+    (~15 s of CPU each time), so it is built once: load_tokenizer's first call on this session's empty cache is that
+    conversion (it caches a copy and returns the converted tokenizer itself); only if the cache is already filled is
+    transformers asked again."""
+    from pdserve.model.loader import resolve_model_path, tokenizer_cache_dir
 
     path = Path(resolve_model_path("gemma3-270m"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tok = load_tokenizer(str(path))
-    ids = [tok.encode(p) for p in REAL_PROMPTS]
-    return {"path": str(path), "ids": ids, "tokens": [hf_greedy(hf.eval(), p, NEW) for p in ids]}
+    if (tokenizer_cache_dir(str(path)) / ".complete").is_file():
+        hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        hf_tok = load_tokenizer(str(path))
+    assert (tokenizer_cache_dir(str(path)) / ".complete").is_file()
+    ids = [hf_tok.encode(p) for p in REAL_PROMPTS]
+    return {"path": str(path), "ids": ids, "tokens": [hf_greedy(hf.eval(), p, NEW) for p in ids],
+            "hf_tokenizer": hf_tok}
 
 
 @pytest.mark.slow
@@ -171,9 +180,9 @@ def test_real_270m_matches_transformers(real_reference: dict[str, Any], kernels_
 def test_real_270m_tokenizer_and_missing_chat_template(real_reference: dict[str, Any]) -> None:
     """The tokenizer built from the GGUF is transformers' (Chinese included); this base model's GGUF carries no
     chat template, so chat is refused with the template named rather than guessed."""
-    tok = load_tokenizer(real_reference["path"])
-    ref = transformers.AutoTokenizer.from_pretrained(Path(real_reference["path"]).parent,
-                                                     gguf_file=Path(real_reference["path"]).name)
+    tok = load_tokenizer(real_reference["path"])  # the cached copy, read back
+    ref = real_reference["hf_tokenizer"]  # transformers' own conversion
+    assert tok is not ref
     for text in REAL_PROMPTS:
         assert tok.encode(text) == ref.encode(text)
         assert tok.decode(tok.encode(text), skip_special_tokens=True) == text

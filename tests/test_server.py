@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +21,11 @@ MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("srv"), "--dtype", "bfloat16", "--kv-cache-memory", "256MiB",
-                       "--max-model-len", "2048", "--max-body-bytes", "200000")
-    yield srv
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal: -15 is a clean exit
-    assert srv.stop() in (0, -15)
-    assert "Finished server process" in srv.log()
+def server(real_server_bf16: ServerProc) -> ServerProc:
+    """The session's bf16 default-model server (conftest; --max-body-bytes 200000, peaks measured), shared with
+    tests/test_tool_calling.py; its teardown checks the clean SIGTERM exit. Metrics are read as deltas, log lines
+    by tenant."""
+    return real_server_bf16
 
 
 @pytest.fixture(scope="module")

@@ -237,12 +237,22 @@ def _run(llm: Any, prompts: list[list[int]], params: SamplingParams | list[Sampl
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
 
 
+@pytest.fixture(scope="module")
+def plain_runs() -> dict[tuple[Any, ...], Any]:
+    """The plain (no speculation) engine's outputs, computed once per test and engine options and compared with
+    every proposer and policy: they depend on neither (each test below checks its plain run on first use)."""
+    return {}
+
+
 @pytest.mark.parametrize("policy", ["always", "auto"])
 def test_greedy_equal_in_mixed_batches(make_llm: Any, tokenizer: Any, kernels: str, spec: dict[str, Any],
-                                       policy: str) -> None:
-    base = make_llm(kernels=kernels, max_num_batched_tokens=96)
-    prompts = _texts(tokenizer) + [_repetitive(base, tokenizer)]
-    want = _run(base, prompts, GREEDY)
+                                       policy: str, plain_runs: dict[tuple[Any, ...], Any]) -> None:
+    key = ("mixed", kernels)
+    if key not in plain_runs:
+        base = make_llm(kernels=kernels, max_num_batched_tokens=96)
+        prompts = _texts(tokenizer) + [_repetitive(base, tokenizer)]
+        plain_runs[key] = prompts, _run(base, prompts, GREEDY)
+    prompts, want = plain_runs[key]
     llm = make_llm(kernels=kernels, max_num_batched_tokens=96, speculative_config={**spec, "policy": policy})
     assert _run(llm, prompts, GREEDY) == want
     stats = llm.engine.spec.stats
@@ -282,13 +292,16 @@ def test_greedy_equal_with_stops_max_tokens_n_logprobs(make_llm: Any, tokenizer:
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_greedy_equal_under_preemption(make_llm: Any, tokenizer: Any, kernels: str, prefix_caching: bool,
-                                      spec: dict[str, Any]) -> None:
+                                      spec: dict[str, Any], plain_runs: dict[tuple[Any, ...], Any]) -> None:
     opts = dict(kernels=kernels, num_kv_blocks=24, max_num_batched_tokens=64, enable_prefix_caching=prefix_caching)
-    base = make_llm(**opts)
-    rep = _repetitive(base, tokenizer)
-    prompts = [rep, rep[:30], rep + rep[:10], *_texts(tokenizer)[:3]]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    want = _run(base, prompts, params)
+    key = ("preemption", kernels, prefix_caching)
+    if key not in plain_runs:
+        base = make_llm(**opts)
+        rep = _repetitive(base, tokenizer)
+        prompts = [rep, rep[:30], rep + rep[:10], *_texts(tokenizer)[:3]]
+        plain_runs[key] = prompts, _run(base, prompts, params)
+    prompts, want = plain_runs[key]
     llm = make_llm(**opts, speculative_config=spec)
     assert _run(llm, prompts, params) == want
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.spec.stats.num_accepted_tokens > 0

@@ -271,7 +271,7 @@ def test_temperature_keeps_the_distribution(make_llm: Any, tokenizer: Any, draft
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[ServerProc]:
     srv = start_server(tmp_path_factory.mktemp("spec-draft"), "--model", str(tiny_dir), "--dtype", "float32",
                        "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1",
-                       "--speculative-config", json.dumps(_spec(str(tiny_dir))))
+                       "--speculative-config", json.dumps(_spec(str(tiny_dir))), "--device-peaks", "off")
     yield srv
     srv.stop()
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -19,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from pdserve.errors import ErrorCode, RequestRejected
-from pdserve.launch import ServerProc, start_server
+from pdserve.launch import ServerProc
 from pdserve.sampling_params import SamplingParams, StructuredOutputs
 
 SCHEMAS: list[dict[str, Any]] = [
@@ -158,11 +156,10 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("structured"), "--model", str(tiny_dir), "--dtype", "float32",
-                       "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1")
-    yield srv
-    assert srv.stop() in (0, -15)
+def server(tiny_server: ServerProc) -> ServerProc:
+    """The session's tiny server (conftest): this module only sends requests and checks its own answers and the
+    pool back at baseline."""
+    return tiny_server
 
 
 def wait_idle(srv: ServerProc, timeout: float = 10.0) -> None:

@@ -23,7 +23,7 @@ from pdserve.launch import ServerProc, start_server
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Any) -> Iterator[ServerProc]:
     srv = start_server(tmp_path_factory.mktemp("surface"), "--model", str(tiny_dir), "--dtype", "float32",
                        "--num-kv-blocks", "128", "--max-model-len", "512", "--num-threads", "1",
-                       "--max-num-batched-tokens", "32")
+                       "--max-num-batched-tokens", "32", "--device-peaks", "off")  # no MFU checked here
     yield srv
     assert srv.stop() in (0, -15)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,14 +228,14 @@ def test_a_template_that_knows_tools_gets_them(tokenizer: Any) -> None:
 # ---- against a real server, with the official openai client -----------------------------------------------------
 def _server(tmp: Path, tiny_dir: Path, *extra: str) -> ServerProc:
     return start_server(tmp, "--model", str(tiny_dir), "--dtype", "float32", "--num-kv-blocks", "256",
-                        "--max-model-len", "2048", "--num-threads", "1", *extra)
+                        "--max-model-len", "2048", "--num-threads", "1", "--device-peaks", "off", *extra)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[ServerProc]:
-    srv = _server(tmp_path_factory.mktemp("tools"), tiny_dir)
-    yield srv
-    assert srv.stop() in (0, -15)
+def server(tiny_server: ServerProc) -> ServerProc:
+    """The session's tiny server (conftest; `_server`'s options): this module only sends requests and checks its own
+    answers and the pool back at baseline. A server with other options (--tool-call-parser) starts its own."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -395,11 +394,9 @@ def test_json_parser_server(tmp_path: Path, tiny_dir: Path) -> None:
 
 # ---- the real model ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = start_server(tmp_path_factory.mktemp("tools-real"), "--dtype", "bfloat16", "--kv-cache-memory", "256MiB",
-                       "--max-model-len", "2048")
-    yield srv
-    assert srv.stop() in (0, -15)
+def real_server(real_server_bf16: ServerProc) -> ServerProc:
+    """The session's bf16 default-model server (conftest), shared with tests/test_server.py."""
+    return real_server_bf16
 
 
 @pytest.mark.slow
