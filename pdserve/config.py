@@ -82,6 +82,18 @@ def parse_size(value: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # rope scaling kinds (model/layers/rotary.py)
+
+
+def unsupported_rope_message(kind: str) -> str:
+    """Why rope scaling `kind` is refused (what to say to the user)."""
+    if kind == "dynamic":
+        return ("rope scaling type 'dynamic' (dynamic NTK) is not supported: transformers recomputes its frequencies "
+                "from the length of each forward call, so a cached key's rotation would depend on how its sequence "
+                f"was split into steps; supported: {', '.join(ROPE_TYPES)}")
+    return f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Shape of a Llama-family decoder, in Hugging Face config.json terms."""
@@ -123,6 +135,10 @@ class ModelArchConfig:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a positive sliding_window")
+        scaling = self.rope_scaling or {}
+        kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+        if kind not in ROPE_TYPES and kind != "su":  # "su": LongRoPE's old name
+            raise ValueError(unsupported_rope_message(kind))
 
     def layer_window(self, layer: int) -> int:
         """Keys layer `layer`'s queries see (their own included); 0: all earlier keys (a global layer)."""
@@ -150,6 +166,7 @@ class ModelArchConfig:
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        rope_scaling = _yarn_defaults(cfg, rope_scaling)
         phi3 = _phi3_fields(cfg, arch, rope_params, rope_scaling)
         return cls(
             architecture=arch,
@@ -178,6 +195,18 @@ class ModelArchConfig:
         """2 (K and V) x layers x kv_heads x head_dim x element size."""
         elt = dtype.itemsize
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elt
+
+
+def _yarn_defaults(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """YaRN's dict completed as transformers completes it: the original length from the top level (or
+    max_position_embeddings), the factor from the lengths' ratio when null."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return scaling
+    orig = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings", 4096)  # transformers prefers the top-level value (Phi-3's habit)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", orig) / orig
+    kept = {k: v for k, v in scaling.items() if k != "type"}
+    return {**kept, "rope_type": "yarn", "original_max_position_embeddings": orig, "factor": factor}
 
 
 def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

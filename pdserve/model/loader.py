@@ -262,15 +262,29 @@ def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta
     if stype == "linear":
         return out
     if stype == "yarn":
-        out["original_max_position_embeddings"] = int(meta.get("{arch}.rope.scaling.original_context_length",
-                                                               round(ctx / factor)))
-        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                                 ("attn_factor", "attention_factor")):
-            value = meta.get("{arch}.rope.scaling." + gguf_key)
-            if value is not None:
-                out[hf_key] = round_f32(value)
-        return out
+        return _yarn_from_gguf(meta, out, ctx)
     raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
+
+
+_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor",
+              "attn_factor": "attention_factor"}  # llama.cpp's rope.scaling.* -> Hugging Face's yarn keys
+
+
+def _yarn_from_gguf(meta: GGUFFile, out: dict[str, Any], ctx: int) -> dict[str, Any]:
+    """YaRN as llama.cpp's converter writes it (from Hugging Face's factor, original length, beta_fast/slow and
+    attention_factor); the two keys with no Hugging Face counterpart are refused unless neutral."""
+    out["original_max_position_embeddings"] = int(meta.get("{arch}.rope.scaling.original_context_length",
+                                                           round(ctx / out["factor"])))
+    for gguf_key, hf_key in _YARN_KEYS.items():
+        value = meta.get("{arch}.rope.scaling." + gguf_key)
+        if value is not None:
+            out[hf_key] = round_f32(value)
+    for key, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        value = meta.get("{arch}.rope.scaling." + key)
+        if value is not None and float(value) != neutral:
+            raise ValueError(f"{meta.path}: YaRN with {meta.arch}.rope.scaling.{key} = {round_f32(value)} is not "
+                             f"supported (only {neutral}, as the Hugging Face YaRN of Qwen/Llama checkpoints has it)")
+    return out
 
 
 def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, Any]:
