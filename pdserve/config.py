@@ -98,7 +98,7 @@ def unsupported_rope_message(kind: str) -> str:
 class ModelArchConfig:
     """Shape of a Llama-family decoder, in Hugging Face config.json terms."""
 
-    architecture: str = "LlamaForCausalLM"  # or Mistral-, Qwen2-, Qwen3-, Gemma3-, Phi3ForCausalLM
+    architecture: str = "LlamaForCausalLM"  # or Mistral-, Qwen2-, Qwen3-, Gemma2-, Gemma3-, Phi3ForCausalLM
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -116,12 +116,15 @@ class ModelArchConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # Gemma 3: local (sliding-window) and global layers, the local ones with their own rope base
+    # Gemma 2/3: local (sliding-window) and global layers, Gemma 3's local ones with their own rope base
     layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention" | "full_attention"; None: all full
     sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
-    rope_local_theta: float | None = None  # rope base of the sliding layers (unscaled); None: rope_theta
+    rope_local_theta: float | None = None  # rope base of the sliding layers (unscaled); None: the global rope
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim ** -0.5
     partial_rotary_factor: float = 1.0  # Phi-4-mini: rope rotates the first head_dim * this dims of each head
+    # Gemma 2: score s -> c * tanh(s / c) before the softmax (attention) and on the final logits; 0: none
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     @property
     def rotary_dim(self) -> int:
@@ -149,7 +152,8 @@ class ModelArchConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                   "gemma2": "Gemma2ForCausalLM"}
         archs = cfg.get("architectures") or [by_type.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")]
         arch = archs[0]
         n_heads = cfg["num_attention_heads"]
@@ -210,22 +214,28 @@ def _yarn_defaults(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[
 
 
 def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Gemma 3's ModelArchConfig fields from a config.json (transformers 4's keys or 5's rope_parameters)."""
-    if arch != "Gemma3ForCausalLM":
+    """Gemma 2/3's ModelArchConfig fields from a config.json (transformers 4's keys or 5's rope_parameters). Gemma 2:
+    one rope for every layer, even layers local; soft-capping where the config sets it (Gemma 2; Gemma 3 has none)."""
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
-    if types is None:  # older configs: every `pattern`-th layer is global
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+    if types is None:  # older configs: every `pattern`-th layer is global (Gemma 2: every 2nd)
+        pattern = 2 if arch == "Gemma2ForCausalLM" else \
+            int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    common = {"layer_types": tuple(types), "sliding_window": cfg.get("sliding_window"),
+              "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
+              "attn_logit_softcapping": float(cfg.get("attn_logit_softcapping") or 0.0),
+              "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0)}
+    if arch == "Gemma2ForCausalLM":
+        return common
     local = cfg.get("rope_local_base_freq", 10000.0)
     rope_params = cfg.get("rope_parameters")
     if isinstance(rope_params, dict) and isinstance(rope_params.get("sliding_attention"), dict):
         local = rope_params["sliding_attention"].get("rope_theta", local)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return {"layer_types": tuple(types), "sliding_window": cfg.get("sliding_window"),
-            "rope_local_theta": float(local), "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar")
-                                                                              or head_dim)}
+    return {**common, "rope_local_theta": float(local)}
 
 
 def _phi3_fields(cfg: dict[str, Any], arch: str, rope_params: Any,

@@ -165,6 +165,7 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
 }
@@ -391,7 +392,7 @@ def _packable_types() -> frozenset[int]:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
               progress: ProgressFn | None = None) -> LoadedModel:
-    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma3 / phi3), dequantizing every tensor to
+    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3 / phi3), dequantizing every tensor to
     `dtype`, or with `keep_quantized` keeping every matrix of a type the native kernels read as stored (pack_gguf:
     Q4_0 ... Q8_0, K-quants, IQ4_NL/XS) as a `GGUFMatrix`, a view into the file (packed when the model takes it, no
     float copy); other types and 1-D tensors (norms) still dequantize."""
@@ -461,7 +462,7 @@ def _expected_param_names(cfg: dict[str, Any]) -> set[str]:
                  "input_layernorm.weight", "post_attention_layernorm.weight"]
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch in gemma_gguf.GEMMA_GGUF_ARCHS.values():
-        per_layer = gemma_gguf.gemma_layer_names()
+        per_layer = gemma_gguf.gemma_layer_names(arch)
     if arch in phi3_gguf.PHI3_GGUF_ARCHS.values():
         per_layer = phi3_gguf.phi3_layer_names()
     if arch == "Qwen3ForCausalLM":
