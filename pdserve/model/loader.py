@@ -31,7 +31,7 @@ import torch
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
 from pdserve.model import gemma_gguf, phi3_gguf
-from pdserve.model.file_errors import ModelFileError
+from pdserve.model.file_errors import ModelFileError, ModelFileErrorCode
 from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
 from pdserve.model.gguf_split import read_gguf_parts, split_parts
 from pdserve.model.load_progress import LoadProgress, ProgressFn
@@ -388,6 +388,37 @@ def _dequantize(t: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
+def check_servable(meta: GGUFFile, packable: frozenset[int]) -> None:
+    """Raise ModelFileError naming what `meta` holds that cannot be served, before any tensor is read: an unknown
+    architecture, tensors the architecture does not have, or tensor types that are neither read as stored
+    (`packable`, 2-D) nor dequantizable by the `gguf` package (probed on one row of each such type)."""
+    import gguf
+
+    if meta.arch not in GGUF_ARCHS:
+        raise ModelFileError(f"unsupported GGUF architecture {meta.arch!r} in {meta.path}; supported: "
+                             f"{sorted(GGUF_ARCHS)}", ModelFileErrorCode.UNSUPPORTED_ARCHITECTURE)
+    tensors = meta.tensors
+    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch) is None)
+    if unknown:
+        raise ModelFileError(f"unsupported tensors for architecture {meta.arch!r} in {meta.path}: {unknown[:8]}"
+                             f"{' ...' if len(unknown) > 8 else ''}", ModelFileErrorCode.UNSUPPORTED_TENSORS)
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    probed: dict[Any, bool] = {}
+    for t in tensors.values():
+        if t.qtype in plain or (int(t.qtype) in packable and len(t.ne) == 2):
+            continue
+        if t.qtype not in probed:
+            try:
+                gguf.quants.dequantize(np.asarray(t.data).reshape(-1, t.data.shape[-1])[:1], t.qtype)
+                probed[t.qtype] = True
+            except NotImplementedError:
+                probed[t.qtype] = False
+        if not probed[t.qtype]:
+            raise ModelFileError(f"GGUF tensor {t.name} in {meta.path} is {t.qtype.name}, a type pdserve cannot "
+                                 f"read (neither its kernels nor the gguf package)",
+                                 ModelFileErrorCode.UNSUPPORTED_TENSOR_TYPE)
+
+
 def _packable_types() -> frozenset[int]:
     """The ggml types the native kernels read as stored (pack_gguf); none when they are not built."""
     from pdserve import kernels
@@ -408,12 +439,9 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     meta = GGUFFile(path)
     path = meta.path  # a split GGUF's first part: its metadata and tokenizer
-    if meta.arch not in GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {meta.arch!r} in {path}; supported: {sorted(GGUF_ARCHS)}")
+    packable = _packable_types() if keep_quantized else frozenset()
+    check_servable(meta, packable)
     tensors = meta.tensors
-    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch) is None)
-    if unknown:
-        raise ValueError(f"unsupported tensors in {path}: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
     rope_freqs = None
     if "rope_freqs.weight" in tensors:
         rope_freqs = _dequantize(tensors["rope_freqs.weight"]).float().numpy()
@@ -421,8 +449,6 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     permuted = meta.arch in _PERMUTED_QK_ARCHS
     arch, norm_shift = meta.arch, gemma_gguf.GGUF_NORM_SHIFT.get(meta.arch, 0.0)
-
-    packable = _packable_types() if keep_quantized else frozenset()
 
     def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | GGUFMatrix]:
         name = gguf_to_hf_name(t.name, arch)
