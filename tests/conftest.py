@@ -165,6 +165,16 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
     return out[0, len(prompt_ids):].tolist()
 
 
+def generate_twice(llm: Any, prompts: list[list[int]], params: Any, ref: list[list[int]]) -> list[Any]:
+    """Generate `prompts` twice (the second time their full blocks come from the prefix cache, when it is on): both
+    times each output's tokens are `ref`'s, and the KV pool is back at baseline. The second run's outputs."""
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.block_manager.is_at_baseline()
+    return list(outs)
+
+
 def serve_app(app: Any) -> tuple[str, Callable[[], None]]:
     """Serve a FastAPI app with uvicorn in a thread; (base URL once /health answers 200, stop)."""
     port = free_port()

@@ -24,7 +24,7 @@ from pdserve.config import ModelArchConfig
 from pdserve.model.loader import load_gguf
 from pdserve.model.runner import ModelRunner
 
-from conftest import SOFTCAP_ATTN, SOFTCAP_FINAL, hf_greedy, loaded_from_hf, make_tiny_hf_model
+from conftest import SOFTCAP_ATTN, SOFTCAP_FINAL, generate_twice, hf_greedy, loaded_from_hf, make_tiny_hf_model
 
 NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -90,11 +90,7 @@ def test_greedy_matches_hf_batched_chunked_and_cached(tokenizer: Any, make_llm: 
     ref = [hf_greedy(hf, p, NEW) for p in prompts]
     llm = make_llm(hf_model=hf, kernels=kernels_choice, attention_backend=attention, max_num_batched_tokens=64,
                    enable_prefix_caching=True)
-    for _ in range(2):
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == ref
-    assert outs[2].num_cached_tokens > 0
-    assert llm.engine.block_manager.is_at_baseline()
+    assert generate_twice(llm, prompts, GREEDY, ref)[2].num_cached_tokens > 0
 
 
 @pytest.mark.skipif(not kernels.available(), reason="native kernels are not built")

@@ -21,7 +21,7 @@ from pdserve.model.layers.rotary import rope_inv_freq
 from pdserve.model.loader import load_gguf
 from pdserve.model.runner import ModelRunner
 
-from conftest import hf_greedy, loaded_from_hf, make_tiny_hf_model
+from conftest import generate_twice, hf_greedy, loaded_from_hf, make_tiny_hf_model
 
 ORIG = 64  # original_max_position_embeddings of the tiny configs; the prompts run to ~150
 NEW = 24
@@ -118,11 +118,7 @@ def test_greedy_matches_hf_past_the_original_length(tokenizer: Any, make_llm: An
     ref = [hf_greedy(hf, p, NEW) for p in ps]
     llm = make_llm(hf_model=hf, kernels=kernels_choice, attention_backend="sdpa" if kernels_choice == "torch"
                    else "auto", max_num_batched_tokens=32, max_model_len=4 * ORIG, enable_prefix_caching=True)
-    for _ in range(2):
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == ref
-    assert outs[0].num_cached_tokens >= ORIG
-    assert llm.engine.block_manager.is_at_baseline()
+    assert generate_twice(llm, ps, GREEDY, ref)[0].num_cached_tokens >= ORIG
 
 
 def test_dynamic_ntk_is_refused_by_name() -> None:
