@@ -107,11 +107,23 @@ def parse_size(value: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # rope scaling kinds (model/layers/rotary.py)
+
+
+def unsupported_rope_message(kind: str) -> str:
+    """Why rope scaling `kind` is refused (what to say to the user)."""
+    if kind == "dynamic":
+        return ("rope scaling type 'dynamic' (dynamic NTK) is not supported: transformers recomputes its frequencies "
+                "from the length of each forward call, so a cached key's rotation would depend on how its sequence "
+                f"was split into steps; supported: {', '.join(ROPE_TYPES)}")
+    return f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}"
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Shape of a Llama-family decoder, in Hugging Face config.json terms."""
 
-    architecture: str = "LlamaForCausalLM"  # or Mistral-, Qwen2-, Qwen3-, Gemma3-, Phi3ForCausalLM
+    architecture: str = "LlamaForCausalLM"  # or Mistral-, Qwen2-, Qwen3-, Gemma2-, Gemma3-, Phi3ForCausalLM
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -129,12 +141,15 @@ class ModelArchConfig:
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # Gemma 3: local (sliding-window) and global layers, the local ones with their own rope base
+    # Gemma 2/3: local (sliding-window) and global layers, Gemma 3's local ones with their own rope base
     layer_types: tuple[str, ...] | None = None  # per layer "sliding_attention" | "full_attention"; None: all full
     sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
-    rope_local_theta: float | None = None  # rope base of the sliding layers (unscaled); None: rope_theta
+    rope_local_theta: float | None = None  # rope base of the sliding layers (unscaled); None: the global rope
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim ** -0.5
     partial_rotary_factor: float = 1.0  # Phi-4-mini: rope rotates the first head_dim * this dims of each head
+    # Gemma 2: score s -> c * tanh(s / c) before the softmax (attention) and on the final logits; 0: none
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     @property
     def rotary_dim(self) -> int:
@@ -148,6 +163,10 @@ class ModelArchConfig:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a positive sliding_window")
+        scaling = self.rope_scaling or {}
+        kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+        if kind not in ROPE_TYPES and kind != "su":  # "su": LongRoPE's old name
+            raise ValueError(unsupported_rope_message(kind))
 
     def layer_window(self, layer: int) -> int:
         """Keys layer `layer`'s queries see (their own included); 0: all earlier keys (a global layer)."""
@@ -158,7 +177,8 @@ class ModelArchConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                   "gemma2": "Gemma2ForCausalLM"}
         archs = cfg.get("architectures") or [by_type.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")]
         arch = archs[0]
         n_heads = cfg["num_attention_heads"]
@@ -175,6 +195,7 @@ class ModelArchConfig:
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        rope_scaling = _yarn_defaults(cfg, rope_scaling)
         phi3 = _phi3_fields(cfg, arch, rope_params, rope_scaling)
         return cls(
             architecture=arch,
@@ -206,23 +227,41 @@ class ModelArchConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * kv_row_bytes(name, self.head_dim)
 
 
+def _yarn_defaults(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """YaRN's dict completed as transformers completes it: the original length from the top level (or
+    max_position_embeddings), the factor from the lengths' ratio when null."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return scaling
+    orig = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings", 4096)  # transformers prefers the top-level value (Phi-3's habit)
+    factor = scaling.get("factor") or cfg.get("max_position_embeddings", orig) / orig
+    kept = {k: v for k, v in scaling.items() if k != "type"}
+    return {**kept, "rope_type": "yarn", "original_max_position_embeddings": orig, "factor": factor}
+
+
 def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Gemma 3's ModelArchConfig fields from a config.json (transformers 4's keys or 5's rope_parameters)."""
-    if arch != "Gemma3ForCausalLM":
+    """Gemma 2/3's ModelArchConfig fields from a config.json (transformers 4's keys or 5's rope_parameters). Gemma 2:
+    one rope for every layer, even layers local; soft-capping where the config sets it (Gemma 2; Gemma 3 has none)."""
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
-    if types is None:  # older configs: every `pattern`-th layer is global
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+    if types is None:  # older configs: every `pattern`-th layer is global (Gemma 2: every 2nd)
+        pattern = 2 if arch == "Gemma2ForCausalLM" else \
+            int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    common = {"layer_types": tuple(types), "sliding_window": cfg.get("sliding_window"),
+              "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or head_dim),
+              "attn_logit_softcapping": float(cfg.get("attn_logit_softcapping") or 0.0),
+              "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0)}
+    if arch == "Gemma2ForCausalLM":
+        return common
     local = cfg.get("rope_local_base_freq", 10000.0)
     rope_params = cfg.get("rope_parameters")
     if isinstance(rope_params, dict) and isinstance(rope_params.get("sliding_attention"), dict):
         local = rope_params["sliding_attention"].get("rope_theta", local)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return {"layer_types": tuple(types), "sliding_window": cfg.get("sliding_window"),
-            "rope_local_theta": float(local), "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar")
-                                                                              or head_dim)}
+    return {**common, "rope_local_theta": float(local)}
 
 
 def _phi3_fields(cfg: dict[str, Any], arch: str, rope_params: Any,

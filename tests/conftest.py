@@ -70,11 +70,14 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     }[arch]
     if arch == "qwen3":
         kw.setdefault("head_dim", 16)
     if arch == "gemma3":  # local layers with a window shorter than the test prompts, each rope base its own
         kw = {**kw, **GEMMA3_TINY, **overrides}
+    if arch == "gemma2":  # local layers with a window shorter than the test prompts, soft-capping that bites
+        kw = {**kw, **GEMMA2_TINY, **overrides}
     cfg = cls_cfg(**kw)
     torch.manual_seed(seed)
     model = cls_model(cfg).eval()
@@ -84,10 +87,12 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
                 p.normal_(0, 0.35 if "embed" in name else 0.25)
             elif "bias" in name:
                 p.normal_(0, 0.1)
-            elif "norm" in name and arch == "gemma3":  # Gemma's norms scale by 1 + w, w initialised to 0
+            elif "norm" in name and arch in ("gemma2", "gemma3"):  # Gemma's norms scale by 1 + w, w initialised to 0
                 p.normal_(0, 0.2)
     return model
 
+
+SOFTCAP_ATTN, SOFTCAP_FINAL = 5.0, 8.0  # the tiny Gemma 2's caps: below its largest scores and logits
 
 GEMMA3_TINY: dict[str, Any] = dict(
     num_hidden_layers=3, head_dim=32, query_pre_attn_scalar=24, sliding_window=24, rms_norm_eps=1e-6,
@@ -95,6 +100,12 @@ GEMMA3_TINY: dict[str, Any] = dict(
     layer_types=["sliding_attention", "full_attention", "sliding_attention"], hidden_activation="gelu_pytorch_tanh",
     rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+GEMMA2_TINY: dict[str, Any] = dict(
+    num_hidden_layers=3, head_dim=64, query_pre_attn_scalar=48, sliding_window=24, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, hidden_activation="gelu_pytorch_tanh", rope_theta=10000.0,
+    attn_logit_softcapping=SOFTCAP_ATTN, final_logit_softcapping=SOFTCAP_FINAL)  # layers: local, global, local
 
 
 def loaded_from_hf(model: Any) -> Any:
@@ -152,6 +163,16 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[in
                              max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def generate_twice(llm: Any, prompts: list[list[int]], params: Any, ref: list[list[int]]) -> list[Any]:
+    """Generate `prompts` twice (the second time their full blocks come from the prefix cache, when it is on): both
+    times each output's tokens are `ref`'s, and the KV pool is back at baseline. The second run's outputs."""
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.block_manager.is_at_baseline()
+    return list(outs)
 
 
 def serve_app(app: Any) -> tuple[str, Callable[[], None]]:

@@ -1,6 +1,6 @@
 """Native paged attention and reshape_and_cache against float64 references and the SDPA backend, on every ISA level
 this CPU has: ragged batches, block sizes 1/16/32, non-contiguous block tables, GQA, f32 and bf16 caches, head_dim
-40/64/128/256, sliding windows."""
+40/64/128/256, sliding windows, soft-capped scores (Gemma 2)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class Case:
     seq_lens: torch.Tensor  # int32 [S]
     scale: float
     window: int = 0  # sliding window (0: none)
+    softcap: float = 0.0  # scores s -> softcap * tanh(s / softcap) (0: none)
 
 
 def make_case(ctx: list[int], qlen: list[int], bs: int, hkv: int, group: int, d: int, dtype: torch.dtype,
@@ -65,6 +66,8 @@ def reference(c: Case) -> torch.Tensor:
         blocks = c.block_table[s, :math.ceil(n / bs)].long()
         k, v = (c.kv[i, blocks].reshape(-1, hkv, d)[:n].double().repeat_interleave(group, 1) for i in (0, 1))
         scores = torch.einsum("qhd,khd->hqk", c.q[q0:q1].double(), k) * c.scale
+        if c.softcap:
+            scores = torch.tanh(scores / c.softcap) * c.softcap
         pos = n - (q1 - q0) + torch.arange(q1 - q0)
         key = torch.arange(n)[None, None, :]
         scores.masked_fill_(key > pos[None, :, None], float("-inf"))
@@ -76,7 +79,7 @@ def reference(c: Case) -> torch.Tensor:
 
 def run_kernel(mod: Any, c: Case) -> torch.Tensor:
     out = torch.full(c.q.shape, float("nan"))
-    mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale, c.window)
+    mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale, c.window, c.softcap)
     return out
 
 
@@ -109,6 +112,33 @@ def test_sliding_window(isa: Any, data: st.DataObject, bs: int, group: int, d: i
     c = make_case(ctx, qlen, bs, 2, group, d, dtype, seed)
     c.window = window
     check(isa, c)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), bs=st.sampled_from([1, 16]), group=st.sampled_from([1, 4]), d=st.sampled_from([40, 64, 256]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=st.sampled_from([0, 7, 300]),
+       softcap=st.sampled_from([0.5, 2.0, 50.0]), nseq=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_softcap(isa: Any, data: st.DataObject, bs: int, group: int, d: int, dtype: torch.dtype,  # noqa: F811
+                 window: int, softcap: float, nseq: int, seed: int) -> None:
+    """Gemma 2's attention logit soft-capping, with and without its sliding window, decodes and chunks with context
+    (partitions folded)."""
+    ctx = data.draw(st.lists(st.integers(0, 600), min_size=nseq, max_size=nseq))
+    qlen = data.draw(st.lists(st.sampled_from([1, 2, 17, 70]), min_size=nseq, max_size=nseq))
+    c = make_case(ctx, qlen, bs, 2, group, d, dtype, seed)
+    c.q.mul_(2.0)  # scores of a few units: the caps 0.5 and 2 bite, 50 barely does
+    c.window, c.softcap = window, softcap
+    check(isa, c)
+
+
+def test_softcap_changes_the_result(isa: Any) -> None:  # noqa: F811
+    c = make_case([200], [20], 16, 2, 4, 64, torch.float32, 15)
+    c.q.mul_(4.0)
+    plain = run_kernel(isa, c)
+    c.softcap = 1.0
+    assert not torch.allclose(run_kernel(isa, c), plain, atol=1e-3)
+    with pytest.raises(RuntimeError, match="softcap"):
+        c.softcap = -1.0
+        run_kernel(isa, c)
 
 
 def test_sliding_window_changes_only_rows_past_it(isa: Any) -> None:  # noqa: F811

@@ -71,6 +71,19 @@ def test_f32_cache_keeps_f32_kernels(level: str) -> None:
 
 
 @pytest.mark.parametrize("level", BF16_LEVELS)
+def test_softcap_takes_the_f32_kernels(level: str) -> None:
+    """Soft-capped scores (Gemma 2) on a bf16 cache at a group the bf16 kernels would take: the fp32 kernels run
+    (f32 tolerances), as they are the ones that apply the cap."""
+    for mod in lowered(module(), level):
+        c = make_case([300], [20], 16, 2, 4, 64, torch.bfloat16, 16)
+        c.q.mul_(4.0)
+        c.softcap = 2.0
+        out = torch.full(c.q.shape, float("nan"))
+        mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale, 0, c.softcap)
+        torch.testing.assert_close(out.double(), reference(c), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("level", BF16_LEVELS)
 def test_min_group_chooses_the_kernel(level: str) -> None:
     """Below the group threshold a bf16 cache runs the fp32 kernel (f32 tolerances); at it, bf16 dot products."""
     for mod in lowered(module(), level):

@@ -85,14 +85,15 @@ _HF_TO_GGUF = {
 }
 
 
-_GEMMA3_TO_GGUF = {  # llama.cpp's gemma3 names of the sandwich norms
+_GEMMA3_TO_GGUF = {  # llama.cpp's gemma2/gemma3 names of the sandwich norms
     "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm"}
 _PHI3_TO_GGUF = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # the checkpoint's fused matrices
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:
-    names = {**_HF_TO_GGUF, **{"gemma3": _GEMMA3_TO_GGUF, "phi3": _PHI3_TO_GGUF}.get(arch, {})}
+    arch_names = {"gemma2": _GEMMA3_TO_GGUF, "gemma3": _GEMMA3_TO_GGUF, "phi3": _PHI3_TO_GGUF}
+    names = {**_HF_TO_GGUF, **arch_names.get(arch, {})}
     base, suffix = hf.rsplit(".", 1)
     if base in names:
         return f"{names[base]}.{suffix}"
@@ -162,7 +163,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
     w.add_head_count_kv(cfg.num_key_value_heads)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
     w.add_rope_freq_base(rope["rope_theta"])
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch in ("llama", "mistral"):
@@ -194,7 +195,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
             data = _llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch in ("llama", "mistral") and ".k_proj." in name:
             data = _llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
-        elif arch == "gemma3" and name.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp stores Gemma's norms as 1 + w
         qt = qtype(name, data) if data.ndim == 2 else Q.F32  # llama.cpp keeps 1-D tensors in F32
         chosen[name] = qt

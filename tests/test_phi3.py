@@ -31,7 +31,7 @@ from pdserve.model.loader import load_gguf
 from pdserve.model.native_ops import KernelSelection
 from pdserve.model.runner import ModelRunner
 
-from conftest import loaded_from_hf
+from conftest import generate_twice, loaded_from_hf
 
 ORIG = 32  # original_max_position_embeddings of the tiny configs
 NEW = 24
@@ -159,11 +159,7 @@ def test_greedy_matches_hf_batched_and_chunked(tokenizer: Any, make_llm: Any, na
     ref = [hf_reference(hf, p, NEW)[1] for p in ps]
     llm = make_llm(hf_model=hf, kernels=kernels_choice, attention_backend="sdpa" if kernels_choice == "torch"
                    else "auto", max_num_batched_tokens=16, max_model_len=4 * ORIG, enable_prefix_caching=True)
-    for _ in range(2):
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == ref
-    assert outs[1].num_cached_tokens >= ORIG
-    assert llm.engine.block_manager.is_at_baseline()
+    assert generate_twice(llm, ps, GREEDY, ref)[1].num_cached_tokens >= ORIG
 
 
 @pytest.mark.skipif(not kernels.available(), reason="native kernels are not built")

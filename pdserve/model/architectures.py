@@ -14,18 +14,20 @@ import torch
 from pdserve.config import ModelArchConfig
 from pdserve.model.causal_lm import CausalLM
 from pdserve.model.cpu_linear import pack_model_linears, use_onednn
-from pdserve.model.gemma import Gemma3ForCausalLM
+from pdserve.model.gemma import GemmaForCausalLM
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.native_ops import KernelSelection
 from pdserve.model.packed_weights import StateDict, pack_float_weights
 from pdserve.model.quant import quantize_model
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[GemmaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v bias: ModelArchConfig.attention_bias
     "Qwen3ForCausalLM": LlamaForCausalLM,  # q/k norm per head: ModelArchConfig.qk_norm
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,  # text only; local/global layers: ModelArchConfig.layer_types
+    "Gemma3ForCausalLM": GemmaForCausalLM,  # text only; local/global layers: ModelArchConfig.layer_types
+    # even layers local, no q/k norm; attention and final logit soft-capping: ModelArchConfig
+    "Gemma2ForCausalLM": GemmaForCausalLM,
     # Phi-3/3.5/4-mini: fused qkv/gate_up as stored; LongRoPE, partial rotary, sliding window: ModelArchConfig
     "Phi3ForCausalLM": LlamaForCausalLM,
 }

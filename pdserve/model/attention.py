@@ -70,10 +70,30 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D], layer_cache [2, num_blocks, block_size, Hkv, D] -> out [T, Hq, D].
-        `sliding_window` > 0: the query at position p sees keys p - sliding_window < j <= p only."""
+        `sliding_window` > 0: the query at position p sees keys p - sliding_window < j <= p only. `softcap` > 0
+        (Gemma 2): each score s (scale included) becomes softcap * tanh(s / softcap) before the softmax."""
         ...
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+         is_causal: bool = False, softcap: float = 0.0) -> torch.Tensor:
+    """scaled_dot_product_attention (q [B, Hq, L, D], k/v [B, Hkv, S, D], GQA; `mask` bool, True = attend), or with
+    `softcap` > 0 its math spelled out as transformers' eager Gemma 2 attention does it: scores = q k^T scale,
+    softcap * tanh(scores / softcap), masked, softmax in float32, times v."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    if is_causal:  # query i of L sees keys 0 .. S - L + i
+        length, keys = q.shape[-2], k.shape[-2]
+        mask = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril(keys - length)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -99,7 +119,7 @@ class SDPABackend:
         pass
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         write_kv(layer_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -111,7 +131,7 @@ class SDPABackend:
             if sliding_window:  # the valid keys are a prefix 0..position: keep the last sliding_window of them
                 last = mask.sum(-1, keepdim=True) - 1
                 mask = mask & (torch.arange(mask.shape[-1], device=q.device) > last - sliding_window)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
+            od = sdpa(qd, kd, vd, scale, mask, softcap=softcap)
             out[:nd] = od.squeeze(2)
         for chunk in meta.prefills:
             s, n = chunk.start, chunk.num_tokens
@@ -120,8 +140,7 @@ class SDPABackend:
             if chunk.num_context == 0 and not sliding_window and not is_quantized(layer_cache.dtype):
                 kp = k[s:s + n].transpose(0, 1).unsqueeze(0)
                 vp = v[s:s + n].transpose(0, 1).unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), is_causal=True,
-                                                    scale=scale, enable_gqa=True)
+                op = sdpa(qp, kp.to(q.dtype), vp.to(q.dtype), scale, is_causal=True, softcap=softcap)
             else:
                 total = chunk.num_context + n
                 kp, vp = self._gather(layer_cache, chunk.block_ids.unsqueeze(0), total, q.dtype)
@@ -129,7 +148,7 @@ class SDPABackend:
                 qpos = torch.arange(chunk.num_context, total, device=q.device).unsqueeze(1)
                 key = torch.arange(total, device=q.device).unsqueeze(0)
                 mask = (key <= qpos) & (key > qpos - sliding_window) if sliding_window else key <= qpos
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+                op = sdpa(qp, kp, vp, scale, mask, softcap=softcap)
             out[s:s + n] = op.squeeze(0).transpose(0, 1)
         return out
 
@@ -169,10 +188,10 @@ class NativeBackend:
         pass
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         assert meta.block_table is not None and meta.query_start_loc is not None and meta.seq_lens is not None
         self.lib.reshape_and_cache(k, v, layer_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
         self.lib.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,
-                                 sliding_window)
+                                 sliding_window, softcap)
         return out

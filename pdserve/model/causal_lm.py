@@ -74,7 +74,9 @@ class CausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits  # Gemma 2's final soft-capping
 
     def build_native_program(self) -> bool:
         """Record `hidden_states` into a NativeProgram that `forward` runs from then on (native kernels only).

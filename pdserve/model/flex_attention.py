@@ -25,9 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from pdserve.model.attention import AttentionMetadata, write_kv
+from pdserve.model.attention import AttentionMetadata, sdpa, write_kv
 from pdserve.model.kv_cache_dtype import dequantize_kv, is_quantized, kv_bytes
 
 Q_BLOCK = 16  # query rows per sparse tile: a decode tile spans at most 16 sequences' blocks
@@ -79,6 +78,13 @@ def build_block_mask(block_table: torch.Tensor, query_start_loc: torch.Tensor, s
                                     compute_q_blocks=False)
 
 
+def _softcap_mod(softcap: float) -> Any:
+    """flex's score_mod for attention logit soft-capping (Gemma 2): on the scaled score, before the mask."""
+    def score_mod(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> torch.Tensor:
+        return torch.tanh(score / softcap) * softcap
+    return score_mod
+
+
 FLEX_MODES = ("compiled", "eager", "dense")
 
 
@@ -122,7 +128,7 @@ class FlexBackend:
         return block_mask, create_mask(block_mask.mask_mod, None, None, t, slots, device=positions.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         write_kv(layer_cache, k, v, meta.slot_mapping)
         block_mask, dense_mask = meta.block_mask, meta.dense_mask
         if sliding_window:  # one mask per window and step, shared by the layers of that window
@@ -138,9 +144,9 @@ class FlexBackend:
         vc = cache[1].view(1, nb * bs, h, d).transpose(1, 2)
         qf = q.to(cache.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
         if self.mode == "dense":
-            out = F.scaled_dot_product_attention(qf, kc, vc, attn_mask=dense_mask, scale=scale, enable_gqa=True)
+            out = sdpa(qf, kc, vc, scale, dense_mask, softcap=softcap)
         else:
             opts = {"BLOCK_M": Q_BLOCK, "BLOCK_N": bs, "FORCE_USE_FLEX_ATTENTION": True} if self._on_cuda else None
             out = self._attn(qf, kc, vc, block_mask=block_mask, scale=scale, enable_gqa=True,
-                             kernel_options=opts)
+                             kernel_options=opts, score_mod=_softcap_mod(softcap) if softcap else None)
         return out[0].transpose(0, 1).to(q.dtype)

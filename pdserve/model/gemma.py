@@ -1,10 +1,14 @@
-"""Gemma 3 decoder (text): the one definition of its layers.
+"""Gemma 2 and Gemma 3 decoders (text): the one definition of their layers.
 
 Against the Llama family: the embedding is scaled by sqrt(hidden); every RMSNorm multiplies by (1 + w) (the loader
 adds the 1 to the weight, so the norm modules are the usual ones); each layer has four norms (input, post-attention,
 pre- and post-feedforward: a "sandwich"); q and k get a per-head norm; the MLP is GeGLU (gelu_pytorch_tanh); the
 attention scale is query_pre_attn_scalar ** -0.5; and the layers alternate local ones (sliding window, their own
 rope base `rope_local_theta`, unscaled) with global ones (rope_theta and rope_scaling), per `layer_types`.
+
+Gemma 2 is the same layer without the q/k norms and with one rope for all layers (even layers local); it adds
+attention logit soft-capping (in every attention backend: layers/paged_attention.py) and final logit soft-capping
+(CausalLM.compute_logits), both from the config.
 
 In vLLM's residual form a layer is: input norm with the residual add fused in, attention, a plain post-attention
 norm, the pre-feedforward norm with the residual add fused in, the MLP, a plain post-feedforward norm.
@@ -27,7 +31,7 @@ from pdserve.model.packed_weights import StateDict
 NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + w): the module's weight is the checkpoint's w + 1
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
                  kernels: KernelSelection) -> None:
         super().__init__()
@@ -50,24 +54,27 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden, residual
 
 
-class Gemma3ForCausalLM(CausalLM):
+class GemmaForCausalLM(CausalLM):
+    """Gemma2ForCausalLM and Gemma3ForCausalLM (architectures.py)."""
+
     def __init__(self, cfg: ModelArchConfig, kernels: KernelSelection, max_positions: int | None = None) -> None:
         super().__init__(cfg, kernels)
         positions = max_positions or cfg.max_position_embeddings
         global_rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling, kernels)
-        local_rope = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta or cfg.rope_theta, None, kernels)
-        self.build([Gemma3DecoderLayer(cfg, i, local_rope if cfg.layer_window(i) else global_rope, kernels)
+        local_rope = global_rope if cfg.rope_local_theta is None else \
+            RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, None, kernels)
+        self.build([GemmaDecoderLayer(cfg, i, local_rope if cfg.layer_window(i) else global_rope, kernels)
                     for i in range(cfg.num_hidden_layers)], embed_scale=cfg.hidden_size ** 0.5)
 
     @torch.no_grad()
     def load_hf_state_dict(self, sd: StateDict) -> None:
-        """Copy Hugging Face-named weights in (Gemma3ForCausalLM's names), fusing q/k/v and gate/up; every norm
+        """Copy Hugging Face-named weights in (Gemma2/3ForCausalLM's names), fusing q/k/v and gate/up; every norm
         weight gets its 1 added. Raises on missing or unexpected names."""
         load = WeightLoader(sd)
         load_embeddings(self, load)
         load.copy(self.norm.weight, "model.norm.weight", NORM_OFFSET)
         for i, layer in enumerate(self.layers):
-            assert isinstance(layer, Gemma3DecoderLayer)
+            assert isinstance(layer, GemmaDecoderLayer)
             p = f"model.layers.{i}."
             load_attention(load, layer.self_attn, p + "self_attn.", self.cfg.attention_bias, NORM_OFFSET)
             load_mlp(load, layer.mlp, p + "mlp.")

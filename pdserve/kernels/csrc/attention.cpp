@@ -16,6 +16,9 @@
 // Its group holds that one token (its G query heads), so the window's first key is the group's k0 and no kernel
 // needs a per-row lower bound; partitions still sit at multiples of kPartition (the first starts at k0), so a
 // row's arithmetic stays independent of the batch.
+//
+// Soft-capping (Gemma 2, softcap = c > 0): each score s (scale included) becomes c * tanh(s / c) before the softmax,
+// in the fp32 kernels (generic, avx2, avx512); a soft-capped call never takes the bf16 dot-product kernels.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -58,7 +61,7 @@ std::atomic<int64_t> g_bf16_min_group{4};
 
 // Quantized caches (int8, fp8) run the fp32 kernels (rows dequantized per key tile): the bf16 dot-product levels
 // (avx512_bf16, amx) take bf16 caches only, so on those CPUs int8/fp8 dispatch to the avx512 kernel.
-AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group) {
+AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
   static const IsaTable<AttnFn> f32 = {
       {Isa::kGeneric, attn_item_generic},
       PDSERVE_X86({Isa::kAvx2, attn_item_avx2}, {Isa::kAvx512, attn_item_avx512})};
@@ -68,7 +71,8 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group) {
                   {Isa::kAvx512Bf16, attn_item_avx512bf16}, {Isa::kAmx, attn_item_amx})};
   if (d == 256) return f32.pick();                     // Gemma: the fp32 kernels (bf16 caches widened per tile)
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
-  const bool dot = fmt == KVFormat::kBF16 && group >= g_bf16_min_group.load(std::memory_order_relaxed);
+  // soft-capped scores (Gemma 2): the fp32 kernels, which apply the cap to each tile's scores
+  const bool dot = fmt == KVFormat::kBF16 && !softcap && group >= g_bf16_min_group.load(std::memory_order_relaxed);
   return dot ? bf16.pick() : f32.pick();
 }
 
@@ -241,7 +245,7 @@ void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
 
 void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::vector<Task>& tasks,
                int64_t nthreads) {
-  const AttnFn fn = pick_kernel(a.d, a.kv_format, a.hq / a.hkv);
+  const AttnFn fn = pick_kernel(a.d, a.kv_format, a.hq / a.hkv, a.softcap > 0.f);
   std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
   for (size_t i = 0; i < groups.size(); ++i) left[i].store(groups[i].nparts, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
@@ -272,8 +276,9 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window) {
+                     int64_t sliding_window, double softcap) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3, "q must be [T, Hq, D], got ", q.sizes());
   const int64_t t = q.size(0), hkv = kv.dim() == 5 ? kv.size(3) : 1, d = q.size(2), hq = q.size(1);
   const KVFormat fmt = check_kv(kv, d);
@@ -288,7 +293,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
   check_i32(seq_lens, "seq_lens", nseq);
   const AttnArgs a{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), kv.data_ptr(),
                    fmt == KVFormat::kBF16, fmt, kv.size(1), kv.size(2), hkv, hq, d,
-                   block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale)};
+                   block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale),
+                   static_cast<float>(softcap)};
   std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                           nseq, t, block_table.size(1), sliding_window);
   const int64_t nthreads = num_threads();
@@ -341,9 +347,10 @@ void register_attention(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("paged_attention", &paged_attention,
         "causal attention of the step's query rows over the paged KV cache, written into out [T, Hq, D]; "
-        "sliding_window > 0: the row at position p sees keys p - sliding_window < j <= p only",
+        "sliding_window > 0: the row at position p sees keys p - sliding_window < j <= p only; softcap > 0: "
+        "each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)",
         py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
   m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
         "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels)");
   m.def("set_attention_bf16_min_group", [](int64_t g) {

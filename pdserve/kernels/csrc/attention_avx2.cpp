@@ -169,8 +169,16 @@ void run(const AttnArgs& a, const AttnItem& it) {
     for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
       const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
       for (int64_t r = t * g; r < (t + 1) * g; ++r) {
-        const __m256 lo = scores8<D>(qs + r * D, kp);
-        const __m256 hi = nvalid > 8 ? scores8<D>(qs + r * D, kp + 8) : _mm256_setzero_ps();
+        __m256 lo = scores8<D>(qs + r * D, kp);
+        __m256 hi = nvalid > 8 ? scores8<D>(qs + r * D, kp + 8) : _mm256_setzero_ps();
+        if (a.softcap > 0.f) {
+          alignas(32) float sb[16];
+          _mm256_store_ps(sb, lo);
+          _mm256_store_ps(sb + 8, hi);
+          softcap_scores(sb, 16, a.softcap);
+          lo = _mm256_load_ps(sb);
+          hi = _mm256_load_ps(sb + 8);
+        }
         row_step<D>(lo, hi, nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
       }
     }

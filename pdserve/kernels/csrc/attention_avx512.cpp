@@ -172,8 +172,16 @@ void run(const AttnArgs& a, const AttnItem& it) {
     locate_tile<D>(a, it, kt, n, kp, vp, kbuf, vbuf);
     for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
       const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
-      for (int64_t r = t * g; r < (t + 1) * g; ++r)
-        row_step<D>(scores16<D>(qs + r * D, kp), nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
+      for (int64_t r = t * g; r < (t + 1) * g; ++r) {
+        __m512 s = scores16<D>(qs + r * D, kp);
+        if (a.softcap > 0.f) {
+          alignas(64) float sb[16];
+          _mm512_store_ps(sb, s);
+          softcap_scores(sb, 16, a.softcap);
+          s = _mm512_load_ps(sb);
+        }
+        row_step<D>(s, nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

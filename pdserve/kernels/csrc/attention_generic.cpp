@@ -41,6 +41,7 @@ void attn_item_generic(const AttnArgs& a, const AttnItem& it) {
       float s = 0.f;
       for (int64_t i = 0; i < d; ++i) s += q[i] * k[i];
       s *= a.scale;
+      if (a.softcap > 0.f) softcap_scores(&s, 1, a.softcap);
       const float mn = std::max(m[r], s), alpha = std::exp(m[r] - mn), p = std::exp(s - mn);
       float* o = acc.data() + r * d;
       for (int64_t i = 0; i < d; ++i) o[i] = o[i] * alpha + p * v[i];

@@ -5,6 +5,7 @@
 // block_table[s][i / block_size] * block_size + i % block_size.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common.h"
@@ -24,7 +25,14 @@ struct AttnArgs {
   const int32_t* block_table;  // [S][bt_stride]
   int64_t bt_stride;
   float scale;
+  float softcap;  // > 0: every score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)
 };
+
+// Attention logit soft-capping of n scores in place (softcap_scores(s, n, a.softcap) when a.softcap > 0). The
+// bf16 dot-product kernels do not apply it: pick_kernel (attention.cpp) sends soft-capped calls to the fp32 ones.
+inline void softcap_scores(float* s, int n, float cap) {
+  for (int i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
 
 // One unit of work: the query rows [t0, t1) of one sequence against its keys [k0, k1) for the query heads of one
 // KV head (G = hq / hkv of them; row (t, g) is token t, query head kvh * G + g). Row t0 sits at position pos0 and

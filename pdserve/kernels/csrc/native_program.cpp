@@ -32,8 +32,8 @@ enum class Op : int64_t {
   kAddRmsNorm,   // in [x, residual]; ints [w const]; floats [eps]: residual += x; x = rms_norm(residual) (in place)
   kHeadRmsNorm,  // in [x]; ints [w const]; floats [eps]: each head of x rms-normed in place
   kRotary,       // in [positions, q, k]; ints [cos const, sin const, head_dim]: q and k rotated in place
-  kAttention,    // in [q, k, v]; ints [layer, Hq, Hkv, D, sliding window]; floats [scale] -> new (slot): KV write +
-                 // paged attention
+  kAttention,    // in [q, k, v]; ints [layer, Hq, Hkv, D, sliding window]; floats [scale, softcap] -> new (slot):
+                 // KV write + paged attention
   kSiluMul,      // in [x]; -> new (slot) silu(x[:, :I]) * x[:, I:]
   kGeluMul,      // in [x]; -> new (slot) gelu_tanh(x[:, :I]) * x[:, I:]
   kScale,        // in [x]; floats [factor]: x *= factor in place
@@ -63,7 +63,7 @@ Arity arity(Op op) {
     case Op::kAddRmsNorm: return {2, 1, 1, false};
     case Op::kHeadRmsNorm: return {1, 1, 1, false};
     case Op::kRotary: return {3, 3, 0, false};
-    case Op::kAttention: return {3, 5, 1, true};
+    case Op::kAttention: return {3, 5, 2, true};
     case Op::kSiluMul: return {1, 0, 0, true};
     case Op::kGeluMul: return {1, 0, 0, true};
     case Op::kScale: return {1, 0, 1, false};
@@ -193,7 +193,7 @@ class NativeProgram {
         reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, slot_mapping);
         at::Tensor o = out.view({t, hq, d});
         paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, block_table, query_start_loc, seq_lens,
-                        I.floats[0], n[4]);
+                        I.floats[0], n[4], I.floats[1]);
         break;
       }
       case Op::kSiluMul: silu_and_mul(out, v[I.in[0]]); break;
