@@ -367,9 +367,8 @@ def test_chat_template_kwargs_reach_the_template(tokenizer: Any) -> None:
         assert e.value.param == "chat_template_kwargs" and e.value.code == ErrorCode.INVALID_PARAMETER
 
 
-def test_chat_request_passes_chat_template_kwargs(aengine: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chat endpoint accepts chat_template_kwargs (vLLM's field), hands them to the template renderer, and
-    refuses reserved keys with a coded 400 before anything is scheduled."""
+def spy_template_kwargs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any] | None]:
+    """The template_kwargs of every render_chat call the serving layer makes, in order."""
     import pdserve.server.serving as serving_mod
 
     seen: list[dict[str, Any] | None] = []
@@ -381,6 +380,13 @@ def test_chat_request_passes_chat_template_kwargs(aengine: EngineClient, monkeyp
         return real(tok, msgs, agp, tools, template_kwargs)
 
     monkeypatch.setattr(serving_mod, "render_chat", spy)
+    return seen
+
+
+def test_chat_request_passes_chat_template_kwargs(aengine: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chat endpoint accepts chat_template_kwargs (vLLM's field), hands them to the template renderer, and
+    refuses reserved keys with a coded 400 before anything is scheduled."""
+    seen = spy_template_kwargs(monkeypatch)
     serving = OpenAIServingChat(aengine, MODEL)
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "你好"}], max_tokens=3, ignore_eos=True,
                                  chat_template_kwargs={"enable_thinking": False})
@@ -402,19 +408,10 @@ def test_default_chat_template_kwargs_sit_under_the_request_s(aengine: EngineCli
     name wins. The flag refuses what is not a JSON object and what the renderer sets itself."""
     import argparse
 
-    import pdserve.server.serving as serving_mod
     from pdserve.cli import _template_kwargs_arg
     from pdserve.server.serving import ServingOptions
 
-    seen: list[dict[str, Any] | None] = []
-    real = serving_mod.render_chat
-
-    def spy(tok: Any, msgs: list[dict[str, Any]], agp: bool = True, tools: Any = None,
-            template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
-        seen.append(template_kwargs)
-        return real(tok, msgs, agp, tools, template_kwargs)
-
-    monkeypatch.setattr(serving_mod, "render_chat", spy)
+    seen = spy_template_kwargs(monkeypatch)
     defaults = _template_kwargs_arg('{"enable_thinking": false, "风格": "简洁"}')
     serving = OpenAIServingChat(aengine, MODEL, options=ServingOptions(default_chat_template_kwargs=defaults))
     for own in (None, {"enable_thinking": True}):
