@@ -218,6 +218,20 @@ def _app_configs(tiny_dir: Path) -> dict[str, dict[str, Any]]:
     }
 
 
+def _wait_proxy(base: str, timeout: float = 180.0) -> None:
+    """Until the head node's Serve HTTP proxy answers: the controller may start it after the applications report
+    RUNNING (a request sent at once is refused)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(base + "/-/routes", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"the Serve proxy at {base} did not answer within {timeout:.0f} s"
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("ray")
@@ -232,6 +246,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
                 out = _in_ns(head, sys.executable, "-m", "pdserve.cli", "ray-serve", str(path), "--address",
                              f"{head_ip}:{GCS_PORT}", "--detach", timeout=600)
                 assert f"application {name!r} RUNNING" in out
+            _wait_proxy(f"http://{head_ip}:8000")
             print(f"two-node cluster and both applications up in {time.monotonic() - t0:.1f} s")
             yield Cluster(head, worker, head_ip, worker_ip, ref)
         finally:
