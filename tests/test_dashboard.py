@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,9 @@ class PD:
     router: ServerProc
 
 
-def _start_pd(tmp: Path, tiny_dir: Path) -> tuple[PD, Callable[[], None]]:
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[PD]:
+    tmp = tmp_path_factory.mktemp("dash-pd")
     m = ["--model", str(tiny_dir), *TINY]
     pre, dec = start_all(lambda: start_server(tmp, *m, "--role", "prefill"),
                          lambda: start_server(tmp, *m, "--role", "decode"))
@@ -137,49 +139,29 @@ def _start_pd(tmp: Path, tiny_dir: Path) -> tuple[PD, Callable[[], None]]:
     router = start_pdserve(tmp, "router", ["router", "--port", str(port), "--prefill", pre.base_url, "--decode",
                                            dec.base_url, "--poll-interval", "0.2"], f"http://127.0.0.1:{port}", 60,
                            env={"PDSERVE_INSTANCE_API_KEY": KEY})  # its /metrics polls need the instances' key
-
-    def stop() -> None:
-        for s in (router, pre, dec):
-            s.stop()
-
-    return PD(pre, dec, router), stop
-
-
-@pytest.fixture(scope="module")
-def pd(shared_once: Any, tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> PD:
-    """Prefill + decode + router, one deployment for this module and tests/test_dashboard_browser.py (which imports
-    this fixture; three processes start in ~20 s quiet, ~80 s busy): both read the router's counts as deltas."""
-    return shared_once("dashboard-pd", lambda: _start_pd(tmp_path_factory.mktemp("dash-pd"), tiny_dir))
+    yield PD(pre, dec, router)
+    for s in (router, pre, dec):
+        s.stop()
 
 
 def test_router_stats_show_the_instances_side_by_side(pd: PD) -> None:
     assert httpx.get(pd.router.base_url + "/dashboard").status_code == 200
     assert httpx.get(pd.router.base_url + "/v1/stats").status_code == 401  # the instances' key, passed through
-
-    def stats() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        body = httpx.get(pd.router.base_url + "/v1/stats", params={"window": 900}, headers=AUTH).json()
-        assert body["role"] == "router" and body["healthy"] is True
-        rows = {row["role"]: row for row in body["instances"]}
-        assert set(rows) == {"prefill", "decode"} and all(r["status"] == 200 for r in rows.values())
-        assert rows["prefill"]["stats"]["role"] == "prefill" and rows["decode"]["stats"]["role"] == "decode"
-        [dec] = rows["decode"]["stats"]["models"].values()
-        [pre] = rows["prefill"]["stats"]["models"].values()
-        return dec, pre, families(pd.decode)
-
-    # the deployment is shared with tests/test_dashboard_browser.py: counts are read as deltas around this load
-    dec0, pre0, fams0 = stats()
     send_load(pd.router.base_url, n=4)
     wait_baseline(pd.prefill)
     wait_baseline(pd.decode)
-    dec, pre, fams = stats()
-    pulls = sample(fams, "pdserve:kv_transfer", "_total", result="ok")
-    assert dec["kv_transfer"]["pulls"] == pulls == sample(fams0, "pdserve:kv_transfer", "_total", result="ok") + 4
-    assert dec["kv_transfer"]["pulls"] - dec0["kv_transfer"]["pulls"] == 4
-    assert dec["kv_transfer"]["bytes"] == sample(fams, "pdserve:kv_transfer_bytes", "_total") > dec0["kv_transfer"][
-        "bytes"]
-    assert dec["latency_ms"]["kv_transfer"]["count"] - dec0["latency_ms"]["kv_transfer"]["count"] == 4
-    assert dec["kv_transfer"]["requests_loading"] == 0
-    assert pre["requests"]["finished"] - pre0["requests"]["finished"] == 4 and pre["kv_transfer"]["pinned_blocks"] == 0
+    body = httpx.get(pd.router.base_url + "/v1/stats", params={"window": 900}, headers=AUTH).json()
+    assert body["role"] == "router" and body["healthy"] is True
+    rows = {row["role"]: row for row in body["instances"]}
+    assert set(rows) == {"prefill", "decode"} and all(r["status"] == 200 for r in rows.values())
+    assert rows["prefill"]["stats"]["role"] == "prefill" and rows["decode"]["stats"]["role"] == "decode"
+    [dec] = rows["decode"]["stats"]["models"].values()
+    [pre] = rows["prefill"]["stats"]["models"].values()
+    fams = families(pd.decode)
+    assert dec["kv_transfer"]["pulls"] == sample(fams, "pdserve:kv_transfer", "_total", result="ok") == 4
+    assert dec["kv_transfer"]["bytes"] == sample(fams, "pdserve:kv_transfer_bytes", "_total") > 0
+    assert dec["latency_ms"]["kv_transfer"]["count"] == 4 and dec["kv_transfer"]["requests_loading"] == 0
+    assert pre["requests"]["finished"] == 4 and pre["kv_transfer"]["pinned_blocks"] == 0
 
 
 def grafana_metrics() -> set[str]:
