@@ -233,16 +233,26 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, ChunkFn fn, const v
 namespace {
 
 // Test hook: the chunks one loop ran, as (begin, end, ran on the calling thread); `throw_at` >= 0: the chunk
-// holding that index throws.
+// holding that index throws; `wait_for_worker_s` > 0: a chunk on the calling thread waits (at most that long) until
+// a worker has run a chunk, so a test can see the workers take part however late they wake.
 std::vector<std::tuple<int64_t, int64_t, bool>> parallel_chunks(int64_t begin, int64_t end, int64_t grain,
-                                                                int64_t throw_at) {
+                                                                int64_t throw_at, double wait_for_worker_s) {
   std::mutex mu;
   std::vector<std::tuple<int64_t, int64_t, bool>> out;
+  std::atomic<bool> worker_ran{false};
   const std::thread::id caller = std::this_thread::get_id();
   parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    const bool on_caller = std::this_thread::get_id() == caller;
     {
       std::lock_guard<std::mutex> g(mu);
-      out.emplace_back(b, e, std::this_thread::get_id() == caller);
+      out.emplace_back(b, e, on_caller);
+    }
+    if (!on_caller) {
+      worker_ran.store(true);
+    } else if (wait_for_worker_s > 0) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_for_worker_s);
+      while (!worker_ran.load() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
     TORCH_CHECK(throw_at < b || throw_at >= e, "chunk [", b, ", ", e, ") failed on purpose");
   });
@@ -253,7 +263,7 @@ std::vector<std::tuple<int64_t, int64_t, bool>> parallel_chunks(int64_t begin, i
 void register_parallel(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("parallel_chunks", &parallel_chunks, py::arg("begin"), py::arg("end"), py::arg("grain"),
-        py::arg("throw_at") = -1, py::call_guard<py::gil_scoped_release>(),
+        py::arg("throw_at") = -1, py::arg("wait_for_worker_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
         "run one parallel loop; the chunks it ran as (begin, end, on the calling thread), sorted");
   m.def("set_parallel_workers_paused", [](bool paused) { g_workers_paused.store(paused); }, py::arg("paused"),
         "tests: the pool's workers claim no chunks (loops must still finish, on the calling thread)");
