@@ -94,3 +94,17 @@ def test_min_group_chooses_the_kernel(level: str) -> None:
             mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale)
             err = float((out.double() - reference(c)).abs().max())
             assert (err < 1e-5) == exact, (group, err)
+
+
+@pytest.mark.parametrize("level,threshold", [("avx512_bf16", 1), ("amx", 4)])
+def test_default_threshold_per_level(level: str, threshold: int) -> None:
+    """Threshold 0 is each level's own: vdpbf16ps (avx512_bf16) from one query head per KV head, AMX from four."""
+    for mod in lowered(module(), level):
+        mod.set_attention_bf16_min_group(0)
+        assert mod.effective_attention_bf16_min_group() == threshold
+        for group in (1, 3, 4):
+            c = make_case([300], [20], 16, 2, group, 64, torch.bfloat16, 15)
+            out = torch.full(c.q.shape, float("nan"))
+            mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale)
+            err = float((out.double() - reference(c)).abs().max())
+            assert (err < 1e-5) == (group < threshold), (group, err)

@@ -24,7 +24,7 @@ from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.lora import LoRAManager
 from pdserve.model.native_ops import select_kernels
 from pdserve.model.packed_weights import StateDict
-from pdserve.model.sampler import Sampler, SamplerOutput, score_tokens
+from pdserve.model.sampler import Sampler, SamplerOutput, argmax_rows, score_tokens
 from pdserve.model.spec.proposer import DraftRequest, Proposer
 from pdserve.model.spec.rejection_sampler import RejectionSampler
 from pdserve.outputs import TokenLogprobs
@@ -275,7 +275,7 @@ class ModelRunner:
         model's forwards and profiling."""
         with torch.inference_mode():
             _, logits = self._forward(sched)
-            return [] if logits is None else logits.argmax(-1).tolist()
+            return [] if logits is None else argmax_rows(logits).tolist()
 
     def finish_requests(self, req_ids: list[str]) -> None:
         """These requests left the engine: drop their state (the drafter's too)."""

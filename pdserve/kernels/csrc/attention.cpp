@@ -53,11 +53,19 @@ struct Task {
 };
 
 // The bf16 dot-product kernels (bf16 caches, levels avx512_bf16 and amx) from this many query heads per KV head
-// on; below it the fp32 kernels run. Their per-key-tile cost (transposing K, interleaving V) is shared by the
-// rows of a group, so decode (G rows per group) is slower than the fp32 kernel below G = 4 and faster above it,
-// while prefill is ~3x faster at every G (BENCHMARKS.md). The choice depends on the model's shape only, so every
-// row of a model still runs one arithmetic; change it only before serving (a row's bits depend on it).
-std::atomic<int64_t> g_bf16_min_group{4};
+// on; below it the fp32 kernels run. 0: the level's own threshold. AMX multiplies blocks of 16 rows, so a decode
+// item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there, while prefill is ~3x faster at every G
+// (Sapphire Rapids, BENCHMARKS.md). vdpbf16ps (level avx512_bf16) works on the item's real rows only and is
+// faster than the fp32 kernel at every G for decode and prefill alike (Zen 4): threshold 1. The choice depends on
+// the model's shape and the CPU only, so every row of a model still runs one arithmetic; change it only before
+// serving (a row's bits depend on it).
+std::atomic<int64_t> g_bf16_min_group{0};
+
+int64_t bf16_min_group(Isa level) {
+  const int64_t g = g_bf16_min_group.load(std::memory_order_relaxed);
+  if (g > 0) return g;
+  return level == Isa::kAmx ? 4 : 1;
+}
 
 // Quantized caches (int8, fp8) run the fp32 kernels (rows dequantized per key tile): the bf16 dot-product levels
 // (avx512_bf16, amx) take bf16 caches only, so on those CPUs int8/fp8 dispatch to the avx512 kernel.
@@ -72,7 +80,7 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
   if (d == 256) return f32.pick();                     // Gemma: the fp32 kernels (bf16 caches widened per tile)
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
   // soft-capped scores (Gemma 2): the fp32 kernels, which apply the cap to each tile's scores
-  const bool dot = fmt == KVFormat::kBF16 && !softcap && group >= g_bf16_min_group.load(std::memory_order_relaxed);
+  const bool dot = fmt == KVFormat::kBF16 && !softcap && group >= bf16_min_group(bf16.level());
   return dot ? bf16.pick() : f32.pick();
 }
 
@@ -352,9 +360,12 @@ void register_attention(pybind11::module_& m) {
         py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
   m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
-        "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels)");
+        "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels); "
+        "0: each level's own (amx 4, avx512_bf16 1)");
+  m.def("effective_attention_bf16_min_group", [] { return bf16_min_group(active_isa()); },
+        "the threshold the active ISA level uses");
   m.def("set_attention_bf16_min_group", [](int64_t g) {
-          TORCH_CHECK(g >= 1, "group must be >= 1");
+          TORCH_CHECK(g >= 0, "group must be >= 0 (0: each level's own)");
           g_bf16_min_group.store(g);
         }, py::arg("group"), "change it (tests, benchmarks; before serving only: a row's bits depend on it)");
   m.def("reshape_and_cache", &reshape_and_cache,

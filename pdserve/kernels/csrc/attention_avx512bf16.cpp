@@ -27,21 +27,25 @@ inline __m512bh bcast_pair(const uint16_t* p) {
 }
 
 // Scores of row r (row block b, index i in it) against the key tile into sc[32].
+// Four accumulation chains (even and odd d-pairs of each key half): a decode block has G rows, too few to hide
+// vdpbf16ps's latency with one chain per half.
 template <int D>
 void scores(const Scratch& s, int64_t b, int i, float* sc) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
   for (int st = 0; st < D / 32; ++st) {
     const uint16_t* q = s.q.data() + ((b * (D / 32) + st) * 16 + i) * 32;
     const uint32_t* k0 = s.kt.data() + (st * 2) * 256;
     const uint32_t* k1 = k0 + 256;
-    for (int j = 0; j < 16; ++j) {
-      const __m512bh qp = bcast_pair(q + 2 * j);
+    for (int j = 0; j < 16; j += 2) {
+      const __m512bh qp = bcast_pair(q + 2 * j), qn = bcast_pair(q + 2 * j + 2);
       s0 = _mm512_dpbf16_ps(s0, qp, (__m512bh)_mm512_loadu_si512(k0 + 16 * j));
       s1 = _mm512_dpbf16_ps(s1, qp, (__m512bh)_mm512_loadu_si512(k1 + 16 * j));
+      t0 = _mm512_dpbf16_ps(t0, qn, (__m512bh)_mm512_loadu_si512(k0 + 16 * j + 16));
+      t1 = _mm512_dpbf16_ps(t1, qn, (__m512bh)_mm512_loadu_si512(k1 + 16 * j + 16));
     }
   }
-  _mm512_storeu_ps(sc, s0);
-  _mm512_storeu_ps(sc + 16, s1);
+  _mm512_storeu_ps(sc, _mm512_add_ps(s0, t0));
+  _mm512_storeu_ps(sc + 16, _mm512_add_ps(s1, t1));
 }
 
 // acc rows of block b: acc * alpha first, then a probability pair per key pair.
@@ -51,13 +55,15 @@ void pv(Scratch& s, int64_t b, __mmask16 seen, const float* alpha) {
     if (!(seen >> i & 1)) continue;
     const __m512 al = _mm512_set1_ps(alpha[i]);
     const uint16_t* pb = s.p.data() + 32 * i;
-    for (int c = 0; c < D / 16; ++c) {
+    for (int c = 0; c < D / 16; ++c) {  // two chains per dim panel, as in scores
       float* acc = s.acc.data() + ((16 * b + i) * D + 16 * c);
-      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc), al);
+      __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc), al), e = _mm512_setzero_ps();
       const uint32_t* v = s.vt.data() + c * 256;
-      for (int j = 0; j < kTile / 2; ++j)
+      for (int j = 0; j < kTile / 2; j += 2) {
         o = _mm512_dpbf16_ps(o, bcast_pair(pb + 2 * j), (__m512bh)_mm512_loadu_si512(v + 16 * j));
-      _mm512_storeu_ps(acc, o);
+        e = _mm512_dpbf16_ps(e, bcast_pair(pb + 2 * j + 2), (__m512bh)_mm512_loadu_si512(v + 16 * j + 16));
+      }
+      _mm512_storeu_ps(acc, _mm512_add_ps(o, e));
     }
   }
 }

@@ -13,6 +13,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <optional>
 #include <string>
@@ -148,7 +151,16 @@ class NativeProgram {
         if (!s.defined()) s = at::empty({t, slot_widths_[I.slot]}, at::kFloat);
         out = s;
       }
-      exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens);
+      if (profiling_.load(std::memory_order_relaxed)) {
+        const auto t0 = std::chrono::steady_clock::now();
+        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens);
+        const auto dt = std::chrono::steady_clock::now() - t0;
+        const auto k = static_cast<size_t>(I.op);
+        op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count();
+        op_calls_[k] += 1;
+      } else {
+        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens);
+      }
       if (I.out >= 0) v[I.out] = std::move(out);
       for (int64_t f : I.frees) v[f] = at::Tensor();
     }
@@ -163,6 +175,21 @@ class NativeProgram {
     return out;
   }
   int64_t num_slots() const { return static_cast<int64_t>(slot_widths_.size()); }
+
+  // Profiling (benchmarks, `pdserve profile`): wall time and calls per op kind while on; turning it on resets.
+  void set_profiling(bool on) {
+    if (on)
+      for (size_t k = 0; k < op_ns_.size(); ++k) op_ns_[k] = 0, op_calls_[k] = 0;
+    profiling_.store(on);
+  }
+  std::map<std::string, std::pair<int64_t, double>> op_times() const {
+    std::map<std::string, std::pair<int64_t, double>> out;
+    for (const auto& [name, op] : op_names()) {
+      const auto k = static_cast<size_t>(op);
+      if (op_calls_[k] > 0) out[name] = {op_calls_[k].load(), 1e-9 * static_cast<double>(op_ns_[k].load())};
+    }
+    return out;
+  }
 
  private:
   const at::Tensor& c(int64_t i) const {
@@ -212,6 +239,8 @@ class NativeProgram {
   std::vector<int64_t> slot_widths_;
   std::vector<bool> defined_ = {true, true};  // ids, positions
   int64_t num_values_ = 2, output_ = -1;
+  std::atomic<bool> profiling_{false};
+  mutable std::array<std::atomic<int64_t>, static_cast<size_t>(Op::kNumOps)> op_ns_{}, op_calls_{};
 };
 
 void register_native_program(pybind11::module_& m) {
@@ -228,6 +257,9 @@ void register_native_program(pybind11::module_& m) {
       .def("run", &NativeProgram::run, py::arg("ids"), py::arg("positions"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
            py::call_guard<py::gil_scoped_release>())
+      .def("set_profiling", &NativeProgram::set_profiling, py::arg("on"),
+           "time each op kind of the following runs (turning it on resets the totals)")
+      .def("op_times", &NativeProgram::op_times, "op kind -> (calls, seconds) since profiling was turned on")
       .def("ops", &NativeProgram::ops, "the op name of each instruction, in order")
       .def_property_readonly("num_slots", &NativeProgram::num_slots);
 }

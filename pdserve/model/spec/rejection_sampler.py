@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pdserve.model.sampler import Sampler, SamplerOutput
+from pdserve.model.sampler import Sampler, SamplerOutput, argmax_rows
 from pdserve.model.sampling_metadata import SamplingMetadata
 
 
@@ -85,7 +85,7 @@ class RejectionSampler(Sampler):
         assert spec is not None, "the rejection sampler verifies drafts: SamplingMetadata.spec is required"
         raw = logits.log_softmax(-1) if md.any_logprobs else None
         processed = self.process(logits, md)
-        argmax = processed.argmax(-1).tolist()
+        argmax = argmax_rows(processed).tolist()
         rand = np.flatnonzero(~md.greedy)
         probs = None
         if len(rand):
