@@ -37,7 +37,7 @@ class Recordable(Protocol):
 
 RECORD_TOKENS = 2  # rows of the dummy step: more than one, so that row strides are seen
 # ops whose output buffer the executor allocates (slots)
-OWNED_OPS = ("rms_norm", "attention", "silu_and_mul", "gelu_tanh_and_mul")
+OWNED_OPS = ("rms_norm", "attention", "silu_and_mul", "gelu_tanh_and_mul", "linear")
 
 
 class ProgramUnsupported(ValueError):

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,7 +41,7 @@ enum class Op : int64_t {
   kSiluMul,      // in [x]; -> new (slot) silu(x[:, :I]) * x[:, I:]
   kGeluMul,      // in [x]; -> new (slot) gelu_tanh(x[:, :I]) * x[:, I:]
   kScale,        // in [x]; floats [factor]: x *= factor in place
-  kLinear,       // in [x]; ints [weight, bias const or -1] -> x @ W.T (+ bias)
+  kLinear,       // in [x]; ints [weight, bias const or -1] -> new (slot) x @ W.T (+ bias)
   kNumOps
 };
 
@@ -115,7 +116,7 @@ class NativeProgram {
       defined_.push_back(true);
     }
     const bool owns = it->second == Op::kRmsNorm || it->second == Op::kAttention || it->second == Op::kSiluMul ||
-                      it->second == Op::kGeluMul;
+                      it->second == Op::kGeluMul || it->second == Op::kLinear;
     TORCH_CHECK(owns == (slot >= 0) && slot < static_cast<int64_t>(slot_widths_.size()), name,
                 ": bad slot ", slot);
     for (int64_t v : frees) TORCH_CHECK(v >= 0 && v < num_values_, name, " frees unknown value ", v);
@@ -141,15 +142,21 @@ class NativeProgram {
                  const at::Tensor& seq_lens) const {
     TORCH_CHECK(output_ >= 0, "the program has no output");
     const int64_t t = ids.size(0);
+    // The slot buffers stay from run to run (grown to the largest step seen): a fresh [512, 3072] buffer per
+    // linear per step came from mmap and went back with munmap, page faults and TLB shootdowns included. A run
+    // started while another holds them (another thread) allocates its own.
+    std::unique_lock<std::mutex> hold(cache_mu_, std::try_to_lock);
+    std::vector<at::Tensor> local;
+    std::vector<at::Tensor>& slots = hold.owns_lock() ? slot_cache_ : local;
+    slots.resize(slot_widths_.size());
     std::vector<at::Tensor> v(num_values_);
-    std::vector<at::Tensor> slots(slot_widths_.size());
     v[0] = ids, v[1] = positions;
     for (const Instr& I : instrs_) {
       at::Tensor out;
       if (I.slot >= 0) {
         at::Tensor& s = slots[I.slot];
-        if (!s.defined()) s = at::empty({t, slot_widths_[I.slot]}, at::kFloat);
-        out = s;
+        if (!s.defined() || s.size(0) < t) s = at::empty({t, slot_widths_[I.slot]}, at::kFloat);
+        out = s.narrow(0, 0, t);
       }
       if (profiling_.load(std::memory_order_relaxed)) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -164,7 +171,8 @@ class NativeProgram {
       if (I.out >= 0) v[I.out] = std::move(out);
       for (int64_t f : I.frees) v[f] = at::Tensor();
     }
-    return v[output_];
+    // the caller keeps the output past this run; the cached buffers are the next run's
+    return hold.owns_lock() ? v[output_].clone() : v[output_];
   }
 
   std::vector<std::string> ops() const {
@@ -226,9 +234,15 @@ class NativeProgram {
       case Op::kSiluMul: silu_and_mul(out, v[I.in[0]]); break;
       case Op::kGeluMul: gelu_tanh_and_mul(out, v[I.in[0]]); break;
       case Op::kScale: v[I.in[0]].mul_(I.floats[0]); break;
-      case Op::kLinear:
-        out = packed_linear(w(n[0]), v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt);
+      case Op::kLinear: {
+        const auto bias = n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt;
+        if (out.defined()) {
+          packed_linear_into(w(n[0]), v[I.in[0]], bias, out);
+        } else {
+          out = packed_linear(w(n[0]), v[I.in[0]], bias);
+        }
         break;
+      }
       default: TORCH_CHECK(false, "unknown op");
     }
   }
@@ -240,6 +254,8 @@ class NativeProgram {
   std::vector<bool> defined_ = {true, true};  // ids, positions
   int64_t num_values_ = 2, output_ = -1;
   std::atomic<bool> profiling_{false};
+  mutable std::mutex cache_mu_;
+  mutable std::vector<at::Tensor> slot_cache_;  // per slot, [rows >= the step's T, width]
   mutable std::array<std::atomic<int64_t>, static_cast<size_t>(Op::kNumOps)> op_ns_{}, op_calls_{};
 };
 

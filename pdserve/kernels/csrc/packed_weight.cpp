@@ -17,13 +17,17 @@ void PackedWeight::rows(const int64_t* ids, int64_t t, float* out) const {
   for (int64_t i = 0; i < t; ++i) std::memcpy(out + i * k_, wp + ids[i] * k_, sizeof(float) * k_);
 }
 
-at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                        at::Tensor& y) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K], got ", x.dim(), "-D");
   TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
   TORCH_CHECK(x.size(1) == w.k(), "x has K=", x.size(1), " but the weight holds K=", w.k());
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "x's last dimension must be contiguous");
   TORCH_CHECK(x.size(0) <= 1 || x.stride(0) >= w.k(), "x rows must not overlap");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == w.n() &&
+                  (y.stride(1) == 1 || w.n() == 1) && (y.size(0) <= 1 || y.stride(0) >= w.n()),
+              "out must be float32 [", x.size(0), ", ", w.n(), "] with contiguous rows");
   const float* b = nullptr;
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat, "bias must be float32, got ", bias->scalar_type());
@@ -31,8 +35,12 @@ at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::
     TORCH_CHECK(bias->is_contiguous(), "bias must be contiguous");
     b = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({x.size(0), w.n()}, at::kFloat);
-  if (x.size(0) > 0) w.forward(x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), w.n(), b);
+  if (x.size(0) > 0) w.forward(x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), y.stride(0), b);
+}
+
+at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  at::Tensor y = at::empty({x.dim() == 2 ? x.size(0) : 0, w.n()}, at::kFloat);
+  packed_linear_into(w, x, bias, y);
   return y;
 }
 

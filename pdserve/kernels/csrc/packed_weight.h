@@ -46,6 +46,9 @@ using PackedWeightPtr = std::shared_ptr<const PackedWeight>;
 
 // Tensor-level entry points (argument checks included), for C++ callers and the Python bindings.
 at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias);
+// The same into y [M, N] (rows y.stride(0) apart): the native program's buffers, reused from step to step.
+void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                        at::Tensor& y);
 at::Tensor packed_rows(const PackedWeight& w, const at::Tensor& ids);
 
 }  // namespace pdserve
