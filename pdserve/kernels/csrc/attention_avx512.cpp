@@ -170,7 +170,6 @@ void run(const AttnArgs& a, const AttnItem& it) {
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
     locate_tile<D>(a, it, kt, n, kp, vp, kbuf, vbuf);
-    if (kt + 32 < it.k1) prefetch_keys(a, it, kt + 32, static_cast<int>(std::min<int64_t>(16, it.k1 - kt - 32)));
     for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
       const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
       for (int64_t r = t * g; r < (t + 1) * g; ++r) {

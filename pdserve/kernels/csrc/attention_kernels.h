@@ -46,23 +46,6 @@ struct AttnItem {
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
 
-// Prefetch the K and V rows of keys [k, k + n) of the item's KV head (into L2: the next key tile, while the current
-// one computes). Decode reads each sequence's blocks once, scattered by the block table, so without this every tile
-// waits for DRAM; the rows are row_bytes apart from kv_row_bytes() whatever the format.
-inline void prefetch_keys(const AttnArgs& a, const AttnItem& it, int64_t k, int n) {
-  const int64_t rb = kv_row_bytes(a.kv_format, a.d), plane = a.num_blocks * a.block_size * a.hkv * rb;
-  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
-  const char* base = static_cast<const char*>(a.kv);
-  for (int i = 0; i < n; ++i) {
-    const int64_t key = k + i;
-    const char* row = base + ((bt[key / a.block_size] * a.block_size + key % a.block_size) * a.hkv + it.kvh) * rb;
-    for (int64_t off = 0; off < rb; off += 64) {
-      __builtin_prefetch(row + off, 0, 2);
-      __builtin_prefetch(row + plane + off, 0, 2);
-    }
-  }
-}
-
 // Keys per tile of the vector kernels. Every kernel walks an item's keys in tiles at fixed offsets from k0.
 constexpr int kKeyTile = 16;
 // Keys per partition (attention.cpp): partitions start at multiples of this in every sequence, so a row's

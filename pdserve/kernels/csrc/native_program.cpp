@@ -234,15 +234,9 @@ class NativeProgram {
       case Op::kSiluMul: silu_and_mul(out, v[I.in[0]]); break;
       case Op::kGeluMul: gelu_tanh_and_mul(out, v[I.in[0]]); break;
       case Op::kScale: v[I.in[0]].mul_(I.floats[0]); break;
-      case Op::kLinear: {
-        const auto bias = n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt;
-        if (out.defined()) {
-          packed_linear_into(w(n[0]), v[I.in[0]], bias, out);
-        } else {
-          out = packed_linear(w(n[0]), v[I.in[0]], bias);
-        }
+      case Op::kLinear:  // always a slot (append() checks): written in place
+        packed_linear_into(w(n[0]), v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt, out);
         break;
-      }
       default: TORCH_CHECK(false, "unknown op");
     }
   }
