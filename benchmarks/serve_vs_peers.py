@@ -49,6 +49,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from pdserve.bench.config import BenchConfig, BenchError
 from pdserve.bench.datasets import DatasetError
 from pdserve.bench.runner import run_benchmark
@@ -272,11 +274,28 @@ def run_level(args: argparse.Namespace, running: ServerProc, c: int) -> dict[str
             "server_cpu_s": round(cpu_pct * wall / 100, 2), "raw": full}
 
 
+def check_kernels(name: str, base_url: str, srv: dict[str, Any]) -> None:
+    """Record which kernels a pdserve server runs (/version). A variant meant to run the native kernels that runs
+    torch (the kernels failed to build or load, e.g. a stale build) would measure the slow path silently: say so
+    loudly and mark the result."""
+    try:
+        kernels = httpx.get(base_url + "/version", timeout=10.0).json().get("kernels", {})
+    except (httpx.HTTPError, ValueError) as e:
+        srv["kernels"] = f"unknown ({e})"
+        return
+    srv["kernels"] = ", ".join(sorted(set(kernels.values()))) or "unknown"
+    if name != "pdserve-torch" and any(v == "torch" for v in kernels.values()):
+        srv["kernels_warning"] = "ran the PyTorch path, not the native kernels (rebuild: python -m pdserve.kernels)"
+        print(f"  WARNING: {LABELS[name]} {srv['kernels_warning']}", file=sys.stderr, flush=True)
+
+
 def measure(launch: Launch, running: ServerProc, args: argparse.Namespace, results: dict[str, Any]) -> None:
     srv = results["servers"].setdefault(launch.server, {"label": LABELS[launch.server], "version": launch.version,
                                                         "launches": [], "levels": {}, "ttft": None})
     srv["launches"].append({"cmd": shlex.join(running.cmd), "env": launch.env, "note": launch.note,
                             "startup_s": round(running.startup_s, 1), "log": str(running.log_path)})
+    if launch.server in MINE:
+        check_kernels(launch.server, running.base_url, srv)
     # warm-up at the launch's largest batch (up to 32), on prompts of a seed no measured run uses, so no measured
     # prompt is in a prefix cache
     w = min(32, max(launch.levels))
@@ -357,7 +376,8 @@ def render(results: dict[str, Any]) -> str:
                     if "startup_s" in s else "")
             out.append(f"- **{LABELS[name]}: skipped**{seen} — {reason}")
             continue
-        out.append(f"- **{LABELS[name]}** ({s['version']})")
+        out.append(f"- **{LABELS[name]}** ({s['version']}" + (f", kernels {s['kernels']}" if s.get("kernels") else "")
+                   + ")" + (f" — **WARNING: {s['kernels_warning']}**" if s.get("kernels_warning") else ""))
         for ln in s["launches"]:
             env = " ".join(f"{k}={v}" for k, v in ln["env"].items() if k.startswith("VLLM"))
             rss, peak = fmt_num(ln.get("rss_loaded_gib"), 2), fmt_num(ln.get("peak_rss_gib"), 2)

@@ -23,7 +23,7 @@ from pdserve.model.loader import LoadedModel, load_gguf
 from pdserve.model.native_program import RECORD_TOKENS, ProgramRecorder, ProgramUnsupported, record
 from pdserve.model.runner import ModelRunner
 
-from conftest import loaded_from_hf
+from conftest import loaded_from_hf, make_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels are not built")
 
@@ -189,3 +189,34 @@ def test_buffers_reused_across_steps_leave_outputs_intact(tmp_path: Path) -> Non
 def forward(runner: ModelRunner, step: SchedulerOutput) -> torch.Tensor:
     inp = runner.prepare(step)
     return runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta)
+
+
+
+def _greedy(llm: Any, prompts: list[list[int]], n: int = 12) -> list[Any]:
+    """Each request's greedy tokens with their logprobs: equal only where every row's arithmetic is."""
+    from pdserve import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0))
+    assert llm.engine.block_manager.is_at_baseline()
+    return [(o.outputs[0].token_ids, [t.logprob for t in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def test_bf16_preemption_and_chunking_keep_each_rows_arithmetic(make_llm: Any, tokenizer: Any) -> None:
+    """bf16 weights and KV on the native kernels, head_dim 64 (where prompt rows run AMX tiles on CPUs that have
+    them and generated rows another kernel): requests preempted and recomputed (their generated tokens then sit in
+    a prefill chunk) and prompts cut into other chunk sizes give the tokens and logprobs of the same requests run
+    alone, unchunked."""
+    if not kernels.available():
+        pytest.skip("native kernels are not built")
+    hf = make_tiny_hf_model(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)  # head_dim 64
+    prompts = [tokenizer.encode(t) for t in ("Hello, my name is", "你好，世界！" * 12, "1, 2, 3, 4, " * 20)]
+    alone = make_llm(hf, dtype="bfloat16", kernels="native")
+    assert alone.engine.runner.model.program is not None
+    want = [_greedy(alone, [p])[0] for p in prompts] * 4
+    for options in ({"num_kv_blocks": 24, "max_num_batched_tokens": 64}, {"max_num_batched_tokens": 16}):
+        llm = make_llm(hf, dtype="bfloat16", kernels="native", **options)
+        assert _greedy(llm, prompts * 4) == want, options
+        if "num_kv_blocks" in options:
+            assert llm.engine.scheduler.num_preemptions > 0

@@ -335,7 +335,7 @@ class Scheduler:
         s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new] + req.spec_token_ids, c,
                              self.block_manager.get_block_ids(req.request_id),
                              c + num_new == req.num_tokens and not req.pooling, len(req.spec_token_ids),
-                             lora_id=req.lora_int_id)
+                             lora_id=req.lora_int_id, num_prompt_tokens=req.num_prompt_tokens)
         if req.pooling:  # an embedding request: its rows are pooled (each position once), none sampled
             if req.num_pooled < c + num_new:
                 s.pool_offset = max(0, req.num_pooled - c)

@@ -46,6 +46,7 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None  # int32 [S, max_blocks] (padded with block 0)
     query_start_loc: torch.Tensor | None = None  # int32 [S + 1]
     seq_lens: torch.Tensor | None = None  # int32 [S]
+    prompt_lens: torch.Tensor | None = None  # int32 [S]: rows at positions below it are prompt rows (None: none)
     block_mask: Any = None  # the flex backend's BlockMask of the step (model/flex_attention.py)
     dense_mask: torch.Tensor | None = None  # flex's dense mode: bool [T, slots], the block mask evaluated
     window_masks: dict[int, Any] = field(default_factory=dict)  # flex: sliding window -> its masks (built lazily)
@@ -193,5 +194,5 @@ class NativeBackend:
         self.lib.reshape_and_cache(k, v, layer_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
         self.lib.paged_attention(out, q, layer_cache, meta.block_table, meta.query_start_loc, meta.seq_lens, scale,
-                                 sliding_window, softcap)
+                                 sliding_window, softcap, meta.prompt_lens)
         return out

@@ -185,7 +185,7 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        qsl, seq_lens, tables = [0], [], []
+        qsl, seq_lens, tables, prompt_lens = [0], [], [], []
         sample_rows: list[int] = []
         for i, r in enumerate(sched.scheduled_reqs):
             c, n, b = r.num_computed_tokens, r.num_scheduled_tokens, r.block_ids
@@ -195,6 +195,7 @@ class ModelRunner:
             slots.extend(b[p // bs] * bs + p % bs for p in span)
             qsl.append(len(ids))
             seq_lens.append(c + n)
+            prompt_lens.append(r.num_prompt_tokens)
             tables.append(b)
             if i < sched.num_decodes or r.sample:  # a decode computes the newest token: always sampled
                 sample_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
@@ -205,7 +206,8 @@ class ModelRunner:
                                  num_decodes=sched.num_decodes, decode_block_tables=None, decode_mask=None,
                                  prefills=[], block_table=d(block_table),
                                  query_start_loc=d(torch.tensor(qsl, dtype=torch.int32)),
-                                 seq_lens=d(torch.tensor(seq_lens, dtype=torch.int32)))
+                                 seq_lens=d(torch.tensor(seq_lens, dtype=torch.int32)),
+                                 prompt_lens=d(torch.tensor(prompt_lens, dtype=torch.int32)))
         return StepInputs(d(torch.tensor(ids, dtype=torch.long)), d(torch.tensor(pos, dtype=torch.long)), meta,
                           sample_rows)
 

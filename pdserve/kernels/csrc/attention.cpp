@@ -1,7 +1,8 @@
 // Python bindings of paged attention and reshape_and_cache: argument checks, work split, ISA choice.
 //
-// Batch invariance: a query row's output depends only on its sequence's keys, its position and its query, never on
-// the other rows of the step, how many rows its sequence has (decode, speculative verification, prefill chunk) or
+// Batch invariance: a query row's output depends only on its sequence's keys, its position, its query and whether
+// it is a prompt row (position < the sequence's prompt length, when prompt_lens is given), never on the other rows
+// of the step, how many rows its sequence has (decode, speculative verification, prefill chunk) or
 // the thread count. Every row's keys are cut into partitions at fixed offsets (0, kPartition, 2 kPartition, ...);
 // each partition is an online softmax of its own (a kernel call with AttnItem::part set) and the partitions are
 // folded left to right by fold_partition, then normalised. Which thread computes a partition and whether the
@@ -40,6 +41,7 @@ namespace {
 
 struct Group {
   AttnItem whole;   // the group's rows against all their keys [whole.k0, whole.k1)
+  bool prompt;      // its rows are prompt rows (position < the sequence's prompt length): prompt_kernel
   int nparts;       // key partitions: those of [0, whole.k1) that hold a key >= whole.k0
   bool split;       // partitions run as separate tasks into part
   float* part;      // split groups: nparts partial results of part_floats each
@@ -54,8 +56,8 @@ struct Task {
 
 // The bf16 dot-product kernels (bf16 caches, levels avx512_bf16 and amx) from this many query heads per KV head
 // on; below it the fp32 kernels run. 0: the level's own threshold. AMX multiplies blocks of 16 rows, so a decode
-// item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there, while prefill is ~3x faster at every G
-// (Sapphire Rapids, BENCHMARKS.md). vdpbf16ps (level avx512_bf16) works on the item's real rows only and is
+// item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there, while prompt rows run AMX at every G
+// (pick_prompt_kernel; Sapphire Rapids, BENCHMARKS.md). vdpbf16ps (level avx512_bf16) works on the item's real rows only and is
 // faster than the fp32 kernel at every G for decode and prefill alike (Zen 4): threshold 1. The choice depends on
 // the model's shape and the CPU only, so every row of a model still runs one arithmetic; change it only before
 // serving (a row's bits depend on it).
@@ -82,6 +84,21 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
   // soft-capped scores (Gemma 2): the fp32 kernels, which apply the cap to each tile's scores
   const bool dot = fmt == KVFormat::kBF16 && !softcap && group >= bf16_min_group(bf16.level());
   return dot ? bf16.pick() : f32.pick();
+}
+
+// The kernel of prompt rows (a row whose position is below its sequence's prompt length, paged_attention's
+// prompt_lens): AMX tiles wherever the CPU has them and the cache is bf16 (prefill rows come in blocks of 16 and
+// more: ~2-3x the vector kernels at every G, BENCHMARKS.md), else the same kernel as every other row. Generated
+// rows (decode, speculative verification, and generated tokens recomputed after a preemption, whose positions are
+// past the prompt) keep pick_kernel's: a row's kernel follows from its position, never from the batch around it.
+// A threshold set with set_attention_bf16_min_group above G sends prompt rows to the fp32 kernels as well.
+AttnFn pick_prompt_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
+#if defined(__x86_64__)
+  if (active_isa() == Isa::kAmx && fmt == KVFormat::kBF16 && !softcap && (d == 64 || d == 128) &&
+      group >= g_bf16_min_group.load(std::memory_order_relaxed))
+    return attn_item_amx;
+#endif
+  return pick_kernel(d, fmt, group, softcap);
 }
 
 // The cache's storage format, from its dtype (model/kv_cache_dtype.py allocates it so): float32, bfloat16, int8
@@ -147,22 +164,26 @@ AttnItem partition(const AttnItem& whole, int p) {
   return it;
 }
 
-std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, int64_t nseq, int64_t t,
-                               int64_t width, int64_t window) {
+std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, const int32_t* prompt_lens,
+                               int64_t nseq, int64_t t, int64_t width, int64_t window) {
   const int64_t g = a.hq / a.hkv;
   // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does)
   const int64_t tile = window > 0 ? 1 : std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);
   std::vector<Group> groups;
   for (int64_t s = 0; s < nseq; ++s) {
     const int64_t qlen = check_sequence(a, s, qsl, sl, t, width), ctx = sl[s] - qlen;
+    // rows [qsl[s], split) are prompt rows, [split, qsl[s + 1]) generated ones; no group spans both
+    const int64_t prompt = prompt_lens ? prompt_lens[s] : 0;
+    const int64_t split = qsl[s] + std::clamp<int64_t>(prompt - ctx, 0, qlen);
     for (int64_t h = 0; h < a.hkv; ++h) {
-      for (int64_t t0 = qsl[s]; t0 < qsl[s + 1]; t0 += tile) {
-        const int64_t t1 = std::min<int64_t>(qsl[s + 1], t0 + tile), pos0 = ctx + (t0 - qsl[s]);
+      for (int64_t t0 = qsl[s], t1; t0 < qsl[s + 1]; t0 = t1) {
+        t1 = std::min<int64_t>(t0 < split ? split : qsl[s + 1], t0 + tile);
+        const int64_t pos0 = ctx + (t0 - qsl[s]);
         const int64_t k0 = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
         const AttnItem it{int32_t(s), int32_t(h), int32_t(t0), int32_t(t1), int32_t(pos0), int32_t(k0),
                           int32_t(pos0 + (t1 - t0)), nullptr};
         const int64_t nparts = (it.k1 + kPartition - 1) / kPartition - k0 / kPartition;
-        groups.push_back({it, static_cast<int>(nparts), false, nullptr, 0});
+        groups.push_back({it, t0 < split, static_cast<int>(nparts), false, nullptr, 0});
       }
     }
   }
@@ -253,7 +274,9 @@ void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
 
 void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::vector<Task>& tasks,
                int64_t nthreads) {
-  const AttnFn fn = pick_kernel(a.d, a.kv_format, a.hq / a.hkv, a.softcap > 0.f);
+  const int64_t g = a.hq / a.hkv;
+  const bool cap = a.softcap > 0.f;
+  const AttnFn fns[2] = {pick_kernel(a.d, a.kv_format, g, cap), pick_prompt_kernel(a.d, a.kv_format, g, cap)};
   std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
   for (size_t i = 0; i < groups.size(); ++i) left[i].store(groups[i].nparts, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
@@ -262,6 +285,7 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const Task& tk = tasks[i];
       const Group& gr = groups[tk.group];
+      const AttnFn fn = fns[gr.prompt];
       if (gr.nparts == 1) {
         fn(a, tk.item);  // one partition: the kernel writes the normalised output
       } else if (!gr.split) {
@@ -284,7 +308,7 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window, double softcap) {
+                     int64_t sliding_window, double softcap, const std::optional<at::Tensor>& prompt_lens) {
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none), got ", sliding_window);
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(q.dim() == 3, "q must be [T, Hq, D], got ", q.sizes());
@@ -299,12 +323,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
   const int64_t nseq = block_table.size(0);
   check_i32(query_start_loc, "query_start_loc", nseq + 1);
   check_i32(seq_lens, "seq_lens", nseq);
+  if (prompt_lens) check_i32(*prompt_lens, "prompt_lens", nseq);
   const AttnArgs a{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), kv.data_ptr(),
                    fmt == KVFormat::kBF16, fmt, kv.size(1), kv.size(2), hkv, hq, d,
                    block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale),
                    static_cast<float>(softcap)};
   std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-                                          nseq, t, block_table.size(1), sliding_window);
+                                          prompt_lens ? prompt_lens->data_ptr<int32_t>() : nullptr, nseq, t,
+                                          block_table.size(1), sliding_window);
   const int64_t nthreads = num_threads();
   std::vector<float> parts;
   const std::vector<Task> tasks = make_tasks(groups, parts, nthreads, hq / hkv, d);
@@ -358,7 +384,8 @@ void register_attention(pybind11::module_& m) {
         "sliding_window > 0: the row at position p sees keys p - sliding_window < j <= p only; softcap > 0: "
         "each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)",
         py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0);
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0,
+        py::arg("prompt_lens") = py::none());
   m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
         "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels); "
         "0: each level's own (amx 4, avx512_bf16 1)");

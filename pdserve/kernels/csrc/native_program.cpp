@@ -139,7 +139,7 @@ class NativeProgram {
   // form, model/attention.py). Returns the recorded output (the final hidden states [T, hidden]).
   at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_cache,
                  const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                 const at::Tensor& seq_lens) const {
+                 const at::Tensor& seq_lens, const std::optional<at::Tensor>& prompt_lens) const {
     TORCH_CHECK(output_ >= 0, "the program has no output");
     const int64_t t = ids.size(0);
     // The slot buffers stay from run to run (grown to the largest step seen): a fresh [512, 3072] buffer per
@@ -160,13 +160,13 @@ class NativeProgram {
       }
       if (profiling_.load(std::memory_order_relaxed)) {
         const auto t0 = std::chrono::steady_clock::now();
-        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens);
+        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens, prompt_lens);
         const auto dt = std::chrono::steady_clock::now() - t0;
         const auto k = static_cast<size_t>(I.op);
         op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count();
         op_calls_[k] += 1;
       } else {
-        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens);
+        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens, prompt_lens);
       }
       if (I.out >= 0) v[I.out] = std::move(out);
       for (int64_t f : I.frees) v[f] = at::Tensor();
@@ -212,7 +212,7 @@ class NativeProgram {
   // One instruction; `out` is the slot buffer of an executor-allocated output, and receives the result otherwise.
   void exec(const Instr& I, std::vector<at::Tensor>& v, at::Tensor& out, const at::Tensor& kv_cache,
             const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-            const at::Tensor& seq_lens) const {
+            const at::Tensor& seq_lens, const std::optional<at::Tensor>& prompt_lens) const {
     const auto& n = I.ints;
     switch (I.op) {
       case Op::kNarrow: out = v[I.in[0]].narrow(1, n[0], n[1]); break;
@@ -228,7 +228,7 @@ class NativeProgram {
         reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, slot_mapping);
         at::Tensor o = out.view({t, hq, d});
         paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, block_table, query_start_loc, seq_lens,
-                        I.floats[0], n[4], I.floats[1]);
+                        I.floats[0], n[4], I.floats[1], prompt_lens);
         break;
       }
       case Op::kSiluMul: silu_and_mul(out, v[I.in[0]]); break;
@@ -266,7 +266,7 @@ void register_native_program(pybind11::module_& m) {
       .def("set_output", &NativeProgram::set_output, py::arg("value"))
       .def("run", &NativeProgram::run, py::arg("ids"), py::arg("positions"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("prompt_lens") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("set_profiling", &NativeProgram::set_profiling, py::arg("on"),
            "time each op kind of the following runs (turning it on resets the totals)")
       .def("op_times", &NativeProgram::op_times, "op kind -> (calls, seconds) since profiling was turned on")

@@ -10,7 +10,8 @@ namespace pdserve {
 // attention.cpp
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window = 0, double softcap = 0.0);
+                     int64_t sliding_window = 0, double softcap = 0.0,
+                     const std::optional<at::Tensor>& prompt_lens = std::nullopt);
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv, const at::Tensor& slot_mapping);
 
 // fused_ops.cpp

@@ -1,0 +1,67 @@
+"""Prompt rows (`paged_attention(..., prompt_lens)`: a row at a position below its sequence's prompt length) run on
+AMX tiles on CPUs with AMX and a bf16 cache; every other row keeps the kernel it runs without prompt_lens. A row's
+kernel, and so its bits, follow from its position alone: a chunk that crosses the prompt's end (a preempted request's
+recompute) splits there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_levels import ALL_LEVELS, lowered, module
+from test_kernels_attention import Case, make_case, reference
+
+# a prefill chunk of prompt rows only, a chunk crossing the prompt's end (prompt 220, rows at 200..239), a decode
+# row and a speculative verification of 5 rows past their prompts
+CTX, QLEN, PROMPT = [0, 200, 300, 90], [70, 40, 1, 5], [70, 220, 10, 50]
+
+
+def run(mod: object, c: Case, prompt_lens: torch.Tensor | None) -> torch.Tensor:
+    out = torch.full(c.q.shape, float("nan"))
+    mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale, 0, 0.0,  # type: ignore[attr-defined]
+                        prompt_lens)
+    return out
+
+
+def prompt_mask(c: Case) -> torch.Tensor:
+    rows = []
+    for s in range(len(QLEN)):
+        pos0 = int(c.seq_lens[s]) - QLEN[s]
+        rows += [pos0 + i < PROMPT[s] for i in range(QLEN[s])]
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_prompt_rows_take_amx_others_keep_their_kernel(level: str, group: int) -> None:
+    for mod in lowered(module(), level):
+        before = mod.attention_bf16_min_group()
+        try:
+            c = make_case(CTX, QLEN, 16, 2, group, 64, torch.bfloat16, 21 + group)
+            mask = prompt_mask(c)
+            assert 0 < int(mask.sum()) < len(mask) and bool(mask[70 + 19]) and not bool(mask[70 + 20])
+            mod.set_attention_bf16_min_group(0)
+            plain, mixed = run(mod, c, None), run(mod, c, torch.tensor(PROMPT, dtype=torch.int32))
+            assert torch.equal(mixed[~mask], plain[~mask])  # generated rows: untouched
+            if level != "amx":  # no AMX: prompt_lens changes nothing
+                assert torch.equal(mixed, plain)
+                continue
+            mod.set_attention_bf16_min_group(1)  # every row on AMX tiles (bf16 dot products at every group)
+            tiles = run(mod, c, None)
+            assert torch.equal(mixed[mask], tiles[mask])
+            if group < 4:  # generated rows ran the fp32 kernel: the prompt rows' AMX arithmetic differs from it
+                assert not torch.equal(mixed[mask], plain[mask])
+            qb = Case((c.q * c.scale).bfloat16().float(), c.kv, c.block_table, c.qsl, c.seq_lens, 1.0)
+            bound = 2.0**-8 * float(c.kv[1].float().nan_to_num(0).abs().max())
+            assert float((mixed[mask].double() - reference(qb)[mask]).abs().max()) <= bound
+            # a threshold above the group sends prompt rows to the fp32 kernels too
+            mod.set_attention_bf16_min_group(group + 1)
+            assert torch.equal(run(mod, c, torch.tensor(PROMPT, dtype=torch.int32)), run(mod, c, None))
+        finally:
+            mod.set_attention_bf16_min_group(before)
+
+
+def test_prompt_lens_is_checked() -> None:
+    mod = module()
+    c = make_case([0], [4], 16, 1, 1, 64, torch.float32, 3)
+    with pytest.raises(RuntimeError, match="prompt_lens"):
+        run(mod, c, torch.tensor([4, 4], dtype=torch.int32))
