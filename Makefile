@@ -29,7 +29,7 @@ serve: install
 	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
 test: install browser
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q --durations=30 -n 2 --dist loadfile
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -53,15 +53,18 @@ TEXT = (
 )
 
 
-def position_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
-    """log-softmax of the logits at every position, computed `chunk` tokens per forward pass."""
+def position_logprobs(runner: ModelRunner, ids: list[int], chunk: int, prompt: bool = False) -> torch.Tensor:
+    """log-softmax of the logits at every position, computed `chunk` tokens per forward pass; `prompt`: every
+    position is a prompt row (as when a prompt is prefilled; native attention may run them on AMX tiles), else
+    every row computes as a generated token's does."""
     n = len(ids)
     table = list(range(-(-n // runner.block_size)))
     out = []
     with torch.inference_mode():
         for c in range(0, n, chunk):
             m = min(chunk, n - c)
-            sched = SchedulerOutput(scheduled_reqs=[ScheduledRequest("q", ids[c:c + m], c, table, True)],
+            sched = SchedulerOutput(scheduled_reqs=[ScheduledRequest("q", ids[c:c + m], c, table, True,
+                                                                      num_prompt_tokens=n if prompt else 0)],
                                     num_prefill_tokens=m)
             inp = runner.prepare(sched)
             hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta)
@@ -149,13 +152,17 @@ def main() -> int:
     ap.add_argument("--llama-top", type=int, default=100, help="top tokens llama-server returns a position")
     args = ap.parse_args()
     text = open(args.text_file, encoding="utf-8").read() if args.text_file else TEXT
-    # (dtype, --quantization, kernels, keep GGUF blocks, chunk, --kv-cache-dtype)
-    modes = [("float32", None, "torch", False, 256, "auto"), ("float32", None, "native", True, 4, "auto"),
-             ("float32", None, "native", True, 256, "auto"), ("float32", "int8", "native", False, 4, "auto"),
-             ("float32", "int4", "native", False, 4, "auto"), ("float32", "int8", "torch", False, 4, "auto"),
-             ("float32", "int8", "torch", False, 256, "auto"), ("bfloat16", None, "torch", False, 256, "auto"),
-             ("bfloat16", None, "native", True, 256, "auto")]
-    kv_modes = [("float32", None, "native", True, 256, kv) for kv in ("bf16", "int8", "fp8", "fp8_e5m2")]
+    # (dtype, --quantization, kernels, keep GGUF blocks, chunk, --kv-cache-dtype, positions as prompt rows)
+    modes = [("float32", None, "torch", False, 256, "auto", False), ("float32", None, "native", True, 4, "auto", False),
+             ("float32", None, "native", True, 256, "auto", False),
+             ("float32", "int8", "native", False, 4, "auto", False),
+             ("float32", "int4", "native", False, 4, "auto", False),
+             ("float32", "int8", "torch", False, 4, "auto", False),
+             ("float32", "int8", "torch", False, 256, "auto", False),
+             ("bfloat16", None, "torch", False, 256, "auto", False),
+             ("bfloat16", None, "native", True, 256, "auto", False)]
+    kv_modes = [("float32", None, "native", True, 256, kv, False) for kv in ("bf16", "int8", "fp8", "fp8_e5m2")]
+    kv_modes.insert(1, ("float32", None, "native", True, 256, "bf16", True))
     modes = [modes[0], modes[2], *kv_modes] if args.kv_only else modes + kv_modes
     kv_ref: torch.Tensor | None = None  # the native fp32-KV run: the KV rows' own reference
     tok = None
@@ -163,7 +170,7 @@ def main() -> int:
     llama_sets: tuple[torch.Tensor, torch.Tensor] | None = None  # positions llama.cpp answered, its top tokens
     llama_row: dict | None = None
     rows = []
-    for dtype_name, quant, kernels, blocks, chunk, kv in modes:
+    for dtype_name, quant, kernels, blocks, chunk, kv, prompt in modes:
         cfg = EngineConfig(model=args.model, dtype=dtype_name, quantization=quant, kernels=kernels, kv_cache_dtype=kv)
         loaded = load_model(cfg.model, dtype=cfg.torch_dtype, keep_quantized=blocks)
         tok = tok or loaded.tokenizer()
@@ -172,13 +179,13 @@ def main() -> int:
                              len(ids) + 16, kernels=kernels, quantization=quant,
                              kv_cache_dtype=kv_torch_dtype(cfg.kv_storage))
         t0 = time.perf_counter()
-        lp = position_logprobs(runner, ids, chunk).float()
+        lp = position_logprobs(runner, ids, chunk, prompt).float()
         secs = time.perf_counter() - t0
         target = torch.tensor(ids[1:])
         nll = -lp[:-1].gather(1, target.unsqueeze(1)).mean().item()
         label = f"native GGUF blocks, {cfg.kv_storage} KV" if blocks else f"{kernels} {dtype_name}" + (
             f"+{quant}" if quant else "")
-        row = {"mode": f"{label} (chunks of {chunk})",
+        row = {"mode": f"{label} (chunks of {chunk}{', prompt rows' if prompt else ''})",
                "weight_bytes": runner.weight_bytes, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),
                "seconds": round(secs, 2)}
         if ref is None:

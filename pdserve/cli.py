@@ -364,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tenant-label-limit", type=int, default=16, help="distinct tenants (X-Tenant header, else "
                      "the body's user) labelled in the per-tenant metrics; later ones are counted as `other`")
     srv.add_argument("--max-waiting-requests", type=int, default=256,
-                     help="answer 429 when this many requests wait for their first step")
+                     help="answer 429 when this many requests wait for their first step beyond the free seats "
+                          "of the running batch (--max-num-seqs)")
     srv.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="reject larger request bodies (413)")
     srv.add_argument("--body-read-timeout", type=float, default=30.0,
                      help="seconds a client has to send its whole request body (408 after)")

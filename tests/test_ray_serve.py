@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -233,8 +235,10 @@ def _wait_proxy(base: str, timeout: float = 180.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("ray")
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    # a short directory of its own: Ray's unix sockets live under it, and a socket path may not exceed 107 bytes
+    # (pytest's own temp dirs are deeper under pytest-xdist)
+    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     with netns.netns_pair("ray", "10.78.0", reach_from_host=True) as (head, worker, head_ip, worker_ip):
         ref = start_server(tmp, "--model", str(tiny_dir), *TINY)
         try:
@@ -251,6 +255,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterato
             yield Cluster(head, worker, head_ip, worker_ip, ref)
         finally:
             ref.stop()
+    shutil.rmtree(tmp, ignore_errors=True)  # after the namespaces (and the Ray processes in them) are gone
 
 
 def replicas(base: str) -> list[dict[str, Any]]:

@@ -341,7 +341,7 @@ class EngineClient:
             raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         with self._lock:
-            waiting = sum(1 for s in self._streams.values() if s.request.times.first_scheduled is None)
+            waiting = self._num_waiting()
             if self.max_waiting_requests is not None and waiting + len(requests) > self.max_waiting_requests:
                 raise QueueFull(f"too many waiting requests ({self.max_waiting_requests}); retry later")
             if dup := [r.request_id for r in requests if r.request_id in self._streams]:
@@ -354,6 +354,14 @@ class EngineClient:
             self._cmds.put(("add", r))
         self._wake.set()
         return streams
+
+    def _num_waiting(self) -> int:
+        """Admitted sequences that wait for a seat in the running batch (call under _lock). Sequences not scheduled
+        yet take the batch's free seats (max_num_seqs less those scheduled) first: a burst that fits in the batch
+        is not refused because the engine thread has not picked it up yet."""
+        unscheduled = sum(1 for s in self._streams.values() if s.request.times.first_scheduled is None)
+        seats = max(0, self._engine.config.max_num_seqs - (len(self._streams) - unscheduled))
+        return max(0, unscheduled - seats)
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """Yield an admitted request's outputs until it finishes. Closing or cancelling the consumer (client

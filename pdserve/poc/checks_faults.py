@@ -103,6 +103,9 @@ async def burst_size(t: PocTarget, cfg: PocConfig) -> tuple[int, str]:
     limits += [m.get("options", {}).get("max_waiting_requests") for m in conf.get("models", {}).values()
                if isinstance(m, dict)]
     limit = next((int(v) for v in limits if isinstance(v, int)), None)
+    seats = next((int(m["options"]["max_num_seqs"]) for m in conf.get("models", {}).values()
+                  if isinstance(m, dict) and isinstance(m.get("options", {}).get("max_num_seqs"), int)), 0)
+    limit = None if limit is None else limit + seats  # free seats of the running batch are taken first
     p = cfg.sizes
     if limit is not None:
         return min(limit + p.burst_extra, p.burst_max), f"admission limit {limit} (GET /v1/config) + {p.burst_extra}"

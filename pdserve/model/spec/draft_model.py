@@ -225,12 +225,13 @@ class DraftModelProposer(Proposer):
                     c = seq.num_computed
                     tokens = r.token_ids[c:] if j == 0 else [drafts[r.req_id][j - 1]]
                     rows.append((seq, ScheduledRequest(r.req_id, tokens, c, self.pool.get_block_ids(r.req_id),
-                                                       True)))
+                                                       True, num_prompt_tokens=r.num_prompt_tokens)))
             for r, n in catch_up if j == 0 else ():
                 seq = self.seqs[r.req_id]
                 c = seq.num_computed
                 rows.append((seq, ScheduledRequest(r.req_id, r.token_ids[c:c + n], c,
-                                                   self.pool.get_block_ids(r.req_id), False)))
+                                                   self.pool.get_block_ids(r.req_id), False,
+                                                   num_prompt_tokens=r.num_prompt_tokens)))
             rows.sort(key=lambda row: row[1].num_scheduled_tokens > 1 or not row[1].sample)  # decodes first
             batch = [b for _, b in rows]
             num_decodes = sum(b.sample and b.num_scheduled_tokens == 1 for b in batch)
