@@ -1,7 +1,8 @@
 """Paged attention with bf16 dot products (levels avx512_bf16 and amx, bf16 caches, head_dim 64/128:
-csrc/attention_bf16.h) against a float64 reference that reads the same bf16 queries: within the bound of the one
-remaining rounding, the probabilities' to bf16 (|error| <= 2^-9 max|v| per output, 2^-8 allowed). The kernels run
-from `attention_bf16_min_group()` query heads per KV head on (set to 1 here), the fp32 kernels below it."""
+csrc/attention_bf16.h) against a float64 reference that reads the same queries (bf16(q) for vdpbf16ps; q itself for
+AMX, which multiplies it as two bf16 parts): within the bound of the one remaining rounding, the probabilities' to
+bf16 (|error| <= 2^-9 max|v| per output, 2^-8 allowed). The kernels run from `attention_bf16_min_group()` query
+heads per KV head on (set to 1 here), the fp32 kernels below it."""
 
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ def every_group() -> Iterator[None]:
 
 
 def check_bf16(mod: Any, c: Case) -> None:
-    qb = (c.q * c.scale).bfloat16().float()  # what the kernels multiply: bf16(q * scale)
-    want = reference(Case(qb, c.kv, c.block_table, c.qsl, c.seq_lens, 1.0))
+    if mod.active_isa() == "amx":  # q multiplied as two bf16 parts: q itself, to ~16 bits
+        want = reference(c)
+    else:  # what vdpbf16ps multiplies: bf16(q * scale)
+        qb = (c.q * c.scale).bfloat16().float()
+        want = reference(Case(qb, c.kv, c.block_table, c.qsl, c.seq_lens, 1.0))
     out = torch.full(c.q.shape, float("nan"))
     mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale)
     bound = 2.0**-8 * float(c.kv[1].float().nan_to_num(0).abs().max())

@@ -1,5 +1,6 @@
 // AMX paged attention for bf16 caches, head_dim 64 and 128 (attention_bf16.h has the scheme). Per key tile of 32
-// and row block of 16: S = Q . K^T as two 16 x 16 C tiles (keys 0-15, 16-31), d / 32 tile products each; then
+// and row block of 16: S = Q . K^T as two 16 x 16 C tiles (keys 0-15, 16-31), 2 d / 32 tile products each (q in
+// two bf16 parts); then
 // per dim panel of 16: P . V as one tile product (K step = the 32 keys), added to acc * alpha per row.
 // Tiles: tmm0, 1 scores; tmm2 Q; tmm3, 4 K^T halves; tmm5 P . V panel; tmm6 P; tmm7 V panel. All 16 x 64 bytes.
 #include "attention_kernels.h"
@@ -27,14 +28,21 @@ struct alignas(64) TileConfig {
 };
 
 // Scores of row block b against the key tile into s.s [16][32].
+// The query goes in as two bf16 parts (q = hi + lo, ~16 significant bits: s.q and s.qlo), so a score carries the
+// rounding of bf16 K only (exact: the cache is bf16), not of q's: two more tile products per step, cheap beside the
+// softmax's vector work.
 template <int D>
 void scores(Scratch& s, int64_t b) {
   _tile_zero(0);
   _tile_zero(1);
   for (int st = 0; st < D / 32; ++st) {
-    _tile_loadd(2, s.q.data() + (b * (D / 32) + st) * 512, 64);
+    const int64_t at = (b * (D / 32) + st) * 512;
+    _tile_loadd(2, s.q.data() + at, 64);
     _tile_loadd(3, s.kt.data() + (st * 2) * 256, 64);
     _tile_loadd(4, s.kt.data() + (st * 2 + 1) * 256, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+    _tile_loadd(2, s.qlo.data() + at, 64);
     _tile_dpbf16ps(0, 2, 3);
     _tile_dpbf16ps(1, 2, 4);
   }
@@ -64,7 +72,7 @@ void pv(Scratch& s, int64_t b, __mmask16 seen, const float* alpha) {
 template <int D>
 void run(const AttnArgs& a, const AttnItem& it) {
   thread_local Scratch s;
-  attn_bf16::prepare<D>(a, it, s);
+  attn_bf16::prepare<D, true>(a, it, s);
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);

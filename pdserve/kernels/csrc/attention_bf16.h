@@ -10,8 +10,9 @@
 //   online softmax per row on the tile (fp32: running max m, 16 lane-wise partial sums l16), p masked causally
 //   acc = acc * alpha + bf16(p) . V
 // Every step is per row: which rows share a block, how many rows the item has and which thread runs it never
-// change a row's bits (AMX and vdpbf16ps compute each output row from its own A row). Queries and probabilities
-// are rounded to bf16 (about 3 significant digits), as bf16 flash attention does on GPUs.
+// change a row's bits (AMX and vdpbf16ps compute each output row from its own A row). Probabilities are rounded
+// to bf16 (about 3 significant digits), as bf16 flash attention does on GPUs; queries too in the vdpbf16ps kernel,
+// while the AMX kernel multiplies q as two bf16 parts (prepare<D, true>: ~16 significant bits).
 // Cache element types: kv_row() is the one place that reads a K/V row; an int8/fp8 cache (issue 32) would convert
 // its row to bf16 there (into a scratch row) and keep everything else.
 #pragma once
@@ -41,6 +42,7 @@ inline const uint16_t* kv_row(const AttnArgs& a, const AttnItem& it, int plane, 
 // Per-thread buffers of one item.
 struct Scratch {
   std::vector<uint16_t> q;   // A tiles of bf16(q * scale): [row block][d / 32][16 rows][32]
+  std::vector<uint16_t> qlo;  // SplitQ: the rest, bf16(q * scale - float(q)), same layout
   std::vector<uint32_t> kt;  // K^T tiles of the key tile: [d / 32][2 key halves][16 pairs][16 keys]
   std::vector<uint32_t> vt;  // V tiles of the key tile: [d / 16 dim panels][16 key pairs][16 dims]
   std::vector<float> acc, m, l16;  // per row: [d], max, 16 lane-wise sums
@@ -52,11 +54,12 @@ struct Scratch {
 // Rows of the item: row r is token t0 + r / g, head kvh * g + r % g; it sees keys <= pos0 + r / g.
 inline int64_t item_rows(const AttnArgs& a, const AttnItem& it) { return (it.t1 - it.t0) * (a.hq / a.hkv); }
 
-// Fill s.q (rows padded to a multiple of 16 with zeros) and reset acc, m, l16.
-template <int D>
+// Fill s.q (rows padded to a multiple of 16 with zeros; SplitQ: and s.qlo) and reset acc, m, l16.
+template <int D, bool SplitQ = false>
 void prepare(const AttnArgs& a, const AttnItem& it, Scratch& s) {
   const int64_t g = a.hq / a.hkv, rows = item_rows(a, it), blocks = (rows + 15) / 16;
   s.q.assign(blocks * 16 * D, 0);
+  if constexpr (SplitQ) s.qlo.assign(blocks * 16 * D, 0);
   s.acc.assign(rows * D, 0.f);
   s.m.assign(blocks * 16, kNegInf);
   s.last.resize(blocks * 16);
@@ -72,8 +75,17 @@ void prepare(const AttnArgs& a, const AttnItem& it, Scratch& s) {
     for (int st = 0; st < D / 32; ++st) {
       const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(src + 32 * st), sc);
       const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(src + 32 * st + 16), sc);
-      uint16_t* dst = s.q.data() + ((r / 16 * (D / 32) + st) * 16 + r % 16) * 32;
-      _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      const int64_t at = ((r / 16 * (D / 32) + st) * 16 + r % 16) * 32;
+      const __m512i q = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_storeu_si512(s.q.data() + at, q);
+      if constexpr (SplitQ) {  // what bf16 rounding left out of each value (exact in fp32), rounded to bf16
+        // bf16 elements 0-15 are lo's, 16-31 hi's, each widened back to fp32 in its own lane
+        const __m512 lo_q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)), 16));
+        const __m512 hi_q =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)), 16));
+        const __m512i rest = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, hi_q), _mm512_sub_ps(lo, lo_q));
+        _mm512_storeu_si512(s.qlo.data() + at, rest);
+      }
     }
   }
 }
