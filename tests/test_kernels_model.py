@@ -60,6 +60,27 @@ def test_isa_can_be_lowered_by_environment() -> None:
     assert out.stdout.strip() == "generic"
 
 
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_attention_path_says_each_rows_kernel(level: str) -> None:
+    """The start-up log's attention line, per level: prompt rows on AMX tiles where the level is amx, generated rows
+    by the group threshold; fp32 kernels for other caches, head sizes and soft-capping."""
+    from kernel_levels import lowered, module
+
+    for _ in lowered(module(), level):
+        prompt, generated = kernels.attention_path("bfloat16", 3, 64)
+        if level == "amx":
+            assert prompt == "AMX-BF16 tiles" and generated.startswith("fp32") and "below 4" in generated
+            assert kernels.attention_path("bfloat16", 4, 128) == ("AMX-BF16 tiles", "AMX-BF16 tiles")
+        elif level == "avx512_bf16":
+            assert prompt == generated == "AVX512-BF16 vdpbf16ps"
+        else:
+            assert prompt == generated and generated.startswith(f"fp32 dot products ({level})")
+        for args in (("float32", 3, 64, False), ("int8", 3, 64, False), ("bfloat16", 3, 256, False),
+                     ("bfloat16", 3, 64, True)):
+            prompt, generated = kernels.attention_path(*args)
+            assert prompt == generated and generated.startswith("fp32 dot products"), args
+
+
 @pytest.fixture(scope="module")
 def q41_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     model = tiny_model("llama", seed=3)

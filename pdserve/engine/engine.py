@@ -28,7 +28,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecDecoder
 from pdserve.engine.step_budget import StepBudget
 from pdserve.engine.structured import StructuredOutputManager
-from pdserve.kernels import kernels_description, kernels_isa, resolve_kernels
+from pdserve.kernels import attention_path, kernels_description, kernels_isa, resolve_kernels
 from pdserve.kv_transfer.base import KVTransfer
 from pdserve.kv_transfer.factory import make_kv_transfer
 from pdserve.lora_request import LoRARequest
@@ -132,6 +132,10 @@ class LLMEngine:
                         "(--dtype %s: %s)",
                         kernels_isa("native")[0], describe_weights(self.runner.model),
                         str(config.torch_dtype).removeprefix("torch."), config.dtype, dtype_reason(config.dtype))
+            arch = self.arch
+            prompt, generated = attention_path(config.kv_storage, arch.num_attention_heads // arch.num_key_value_heads,
+                                               arch.head_dim, arch.attn_logit_softcapping > 0)
+            logger.info("native attention: prompt rows %s; generated rows %s", prompt, generated)
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:

@@ -130,3 +130,22 @@ def gemm_path(type_name: str) -> str:
     if type_name in ("BF16", "F32"):
         return f"pack_float {type_name.lower()}, {_GEMM_PATHS[type_name.lower()].get(level, level)}"
     return f"pack_gguf, {_GEMM_PATHS['gguf'].get(level, level)} (activations int8 per 32)"
+
+
+def attention_path(kv_storage: str, group: int, head_dim: int, softcap: bool = False) -> tuple[str, str]:
+    """(prompt rows' kernel, generated rows' kernel) of the native paged attention on this CPU, as
+    csrc/attention.cpp picks them (pick_prompt_kernel, pick_kernel), for the start-up log: `group` query heads per
+    KV head, `kv_storage` the cache's dtype name."""
+    mod, level = load(), isa()
+    if mod is None:
+        return "none", "none"
+    fp32 = f"fp32 dot products ({level if head_dim in (64, 128, 256) else 'generic'})"
+    if head_dim not in (64, 128) or kv_storage != "bfloat16" or softcap or level not in ("avx512_bf16", "amx"):
+        why = ("soft-capped scores" if softcap else f"{kv_storage} cache" if kv_storage != "bfloat16"
+               else f"head_dim {head_dim}" if head_dim not in (64, 128) else "no bf16 dot products at this level")
+        return f"{fp32}: {why}", f"{fp32}: {why}"
+    threshold = int(mod.effective_attention_bf16_min_group())
+    dot = "AMX-BF16 tiles" if level == "amx" else "AVX512-BF16 vdpbf16ps"
+    generated = dot if group >= threshold else f"{fp32}: {group} query heads per KV head, below {threshold}"
+    prompt = "AMX-BF16 tiles" if level == "amx" and group >= int(mod.attention_bf16_min_group()) else generated
+    return prompt, generated
