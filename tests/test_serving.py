@@ -424,3 +424,26 @@ def test_default_chat_template_kwargs_sit_under_the_request_s(aengine: EngineCli
         with pytest.raises(argparse.ArgumentTypeError):
             _template_kwargs_arg(bad)
     assert wait_kv_baseline(aengine).num_used_blocks == 0
+
+
+def test_admission_gives_free_batch_seats_before_counting_waiting(tiny_hf_model: Any, tokenizer: Any) -> None:
+    """max_num_seqs 2, max_waiting_requests 1: with the engine loop not running yet (nothing scheduled), a burst of
+    3 is admitted (2 seats + 1 waiting) and the 4th is refused; requests the engine thread has not picked up yet
+    are not 'waiting' while the batch has room for them."""
+    from pdserve import SamplingParams
+    from pdserve.engine.client import QueueFull
+
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_seqs=2,
+                                    device_peaks="off"), model=loaded_from_hf(tiny_hf_model), tokenizer=tokenizer)
+    client = EngineClient(engine, None, max_waiting_requests=1)  # not started: nothing gets scheduled
+
+    async def burst() -> int:
+        params = SamplingParams(max_tokens=2)
+        for i in range(3):
+            client.add_requests([engine.make_request({"prompt_token_ids": [1, 2, 3]}, params, f"r{i}")])
+        with pytest.raises(QueueFull):
+            client.add_requests([engine.make_request({"prompt_token_ids": [1, 2, 3]}, params, "r3")])
+        return len(client._streams)
+
+    assert asyncio.run(burst()) == 3
+    engine.close()

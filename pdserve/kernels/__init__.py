@@ -132,20 +132,27 @@ def gemm_path(type_name: str) -> str:
     return f"pack_gguf, {_GEMM_PATHS['gguf'].get(level, level)} (activations int8 per 32)"
 
 
+_ATTENTION_KERNELS = {"amx": "AMX-BF16 tiles", "avx512_bf16": "AVX512-BF16 vdpbf16ps"}
+
+
 def attention_path(kv_storage: str, group: int, head_dim: int, softcap: bool = False) -> tuple[str, str]:
     """(prompt rows' kernel, generated rows' kernel) of the native paged attention on this CPU, as
-    csrc/attention.cpp picks them (pick_prompt_kernel, pick_kernel), for the start-up log: `group` query heads per
-    KV head, `kv_storage` the cache's dtype name."""
-    mod, level = load(), isa()
+    csrc/attention.cpp picks them (`attention_kernels`), for the start-up log: `group` query heads per KV head,
+    `kv_storage` the cache's dtype name."""
+    mod = load()
     if mod is None:
         return "none", "none"
-    fp32 = f"fp32 dot products ({level if head_dim in (64, 128, 256) else 'generic'})"
-    if head_dim not in (64, 128) or kv_storage != "bfloat16" or softcap or level not in ("avx512_bf16", "amx"):
-        why = ("soft-capped scores" if softcap else f"{kv_storage} cache" if kv_storage != "bfloat16"
-               else f"head_dim {head_dim}" if head_dim not in (64, 128) else "no bf16 dot products at this level")
-        return f"{fp32}: {why}", f"{fp32}: {why}"
+    bf16 = kv_storage == "bfloat16"
     threshold = int(mod.effective_attention_bf16_min_group())
-    dot = "AMX-BF16 tiles" if level == "amx" else "AVX512-BF16 vdpbf16ps"
-    generated = dot if group >= threshold else f"{fp32}: {group} query heads per KV head, below {threshold}"
-    prompt = "AMX-BF16 tiles" if level == "amx" and group >= int(mod.attention_bf16_min_group()) else generated
-    return prompt, generated
+
+    def describe(level: str) -> str:
+        if level in _ATTENTION_KERNELS:
+            return _ATTENTION_KERNELS[level]
+        why = ("soft-capped scores" if softcap else f"{kv_storage} cache" if not bf16
+               else f"head_dim {head_dim}" if head_dim not in (64, 128)
+               else f"{group} query heads per KV head, below {threshold}" if isa() in _ATTENTION_KERNELS
+               else "no bf16 dot products at this level")
+        return f"fp32 dot products ({level}): {why}"
+
+    prompt, generated = mod.attention_kernels(head_dim, bf16, group, softcap)
+    return describe(prompt), describe(generated)

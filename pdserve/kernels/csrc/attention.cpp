@@ -2,8 +2,8 @@
 //
 // Batch invariance: a query row's output depends only on its sequence's keys, its position, its query and whether
 // it is a prompt row (position < the sequence's prompt length, when prompt_lens is given), never on the other rows
-// of the step, how many rows its sequence has (decode, speculative verification, prefill chunk) or
-// the thread count. Every row's keys are cut into partitions at fixed offsets (0, kPartition, 2 kPartition, ...);
+// of the step, how many rows its sequence has (decode, speculative verification, prefill chunk) or the thread
+// count. Every row's keys are cut into partitions at fixed offsets (0, kPartition, 2 kPartition, ...);
 // each partition is an online softmax of its own (a kernel call with AttnItem::part set) and the partitions are
 // folded left to right by fold_partition, then normalised. Which thread computes a partition and whether the
 // partitions of a group run as separate tasks (flash-decoding, when there are too few groups to keep the threads
@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
@@ -57,8 +58,8 @@ struct Task {
 // The bf16 dot-product kernels (bf16 caches, levels avx512_bf16 and amx) from this many query heads per KV head
 // on; below it the fp32 kernels run. 0: the level's own threshold. AMX multiplies blocks of 16 rows, so a decode
 // item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there, while prompt rows run AMX at every G
-// (pick_prompt_kernel; Sapphire Rapids, BENCHMARKS.md). vdpbf16ps (level avx512_bf16) works on the item's real rows only and is
-// faster than the fp32 kernel at every G for decode and prefill alike (Zen 4): threshold 1. The choice depends on
+// (pick_prompt_kernel; Sapphire Rapids, BENCHMARKS.md). vdpbf16ps (level avx512_bf16) works on the item's real
+// rows only and is faster than the fp32 kernel at every G for decode and prefill alike (Zen 4): threshold 1. The choice depends on
 // the model's shape and the CPU only, so every row of a model still runs one arithmetic; change it only before
 // serving (a row's bits depend on it).
 std::atomic<int64_t> g_bf16_min_group{0};
@@ -99,6 +100,17 @@ AttnFn pick_prompt_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) 
     return attn_item_amx;
 #endif
   return pick_kernel(d, fmt, group, softcap);
+}
+
+// The ISA level a kernel of pick_kernel / pick_prompt_kernel belongs to (for the start-up log).
+const char* kernel_level(AttnFn fn) {
+#if defined(__x86_64__)
+  if (fn == attn_item_amx) return "amx";
+  if (fn == attn_item_avx512bf16) return "avx512_bf16";
+  if (fn == attn_item_avx512) return "avx512";
+  if (fn == attn_item_avx2) return "avx2";
+#endif
+  return "generic";
 }
 
 // The cache's storage format, from its dtype (model/kv_cache_dtype.py allocates it so): float32, bfloat16, int8
@@ -391,6 +403,13 @@ void register_attention(pybind11::module_& m) {
         "0: each level's own (amx 4, avx512_bf16 1)");
   m.def("effective_attention_bf16_min_group", [] { return bf16_min_group(active_isa()); },
         "the threshold the active ISA level uses");
+  m.def("attention_kernels", [](int64_t head_dim, bool bf16_cache, int64_t group, bool softcap) {
+          const KVFormat fmt = bf16_cache ? KVFormat::kBF16 : KVFormat::kF32;
+          return std::make_pair(std::string(kernel_level(pick_prompt_kernel(head_dim, fmt, group, softcap))),
+                                std::string(kernel_level(pick_kernel(head_dim, fmt, group, softcap))));
+        }, py::arg("head_dim"), py::arg("bf16_cache"), py::arg("group"), py::arg("softcap") = false,
+        "(prompt rows' kernel, generated rows' kernel) by ISA level: amx and avx512_bf16 are the bf16 dot-product "
+        "kernels, the others fp32 dot products; int8/fp8 caches take the fp32 kernels as an fp32 cache does");
   m.def("set_attention_bf16_min_group", [](int64_t g) {
           TORCH_CHECK(g >= 0, "group must be >= 0 (0: each level's own)");
           g_bf16_min_group.store(g);

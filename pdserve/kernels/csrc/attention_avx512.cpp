@@ -122,10 +122,9 @@ void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const
     }
     const uint16_t* ks = static_cast<const uint16_t*>(a.kv) + e;
     for (int j = 0; j < D; j += 16) {
-      const __m512i kw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + j)));
-      const __m512i vw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + plane + j)));
-      _mm512_storeu_ps(kbuf + i * D + j, _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16)));
-      _mm512_storeu_ps(vbuf + i * D + j, _mm512_castsi512_ps(_mm512_slli_epi32(vw, 16)));
+      _mm512_storeu_ps(kbuf + i * D + j, vec::bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + j))));
+      _mm512_storeu_ps(vbuf + i * D + j,
+                       vec::bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + plane + j))));
     }
     kp[i] = kbuf + i * D;
     vp[i] = vbuf + i * D;

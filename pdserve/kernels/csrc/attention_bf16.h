@@ -79,10 +79,9 @@ void prepare(const AttnArgs& a, const AttnItem& it, Scratch& s) {
       const __m512i q = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
       _mm512_storeu_si512(s.q.data() + at, q);
       if constexpr (SplitQ) {  // what bf16 rounding left out of each value (exact in fp32), rounded to bf16
-        // bf16 elements 0-15 are lo's, 16-31 hi's, each widened back to fp32 in its own lane
-        const __m512 lo_q = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)), 16));
-        const __m512 hi_q =
-            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)), 16));
+        // bf16 elements 0-15 are lo's, 16-31 hi's
+        const __m512 lo_q = vec::bf16_to_ps(_mm512_castsi512_si256(q));
+        const __m512 hi_q = vec::bf16_to_ps(_mm512_extracti64x4_epi64(q, 1));
         const __m512i rest = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, hi_q), _mm512_sub_ps(lo, lo_q));
         _mm512_storeu_si512(s.qlo.data() + at, rest);
       }

@@ -6,6 +6,9 @@
 
 namespace pdserve::vec {
 
+// 16 bf16 values widened to fp32 (exact: a bf16 is the top half of its fp32).
+inline __m512 bf16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
 // exp(x) as in Cephes expf: x = n*ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial, times 2^n (about 1 ulp).
 // x is clamped to [-87.34, 88.38] so 2^n stays a normal float; callers mask lanes that must be exactly 0.
 inline __m512 exp16(__m512 x) {
