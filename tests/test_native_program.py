@@ -49,11 +49,13 @@ def native_runner(lm: LoadedModel, dtype: torch.dtype = torch.float32) -> ModelR
                        kernels="native")
 
 
-STEPS = [  # two prefills, then a decode beside a chunk with context
-    SchedulerOutput([ScheduledRequest("x", list(range(5, 45)), 0, [3, 7, 1], True),
-                     ScheduledRequest("y", list(range(9, 20)), 0, [2], True)], num_prefill_tokens=51),
-    SchedulerOutput([ScheduledRequest("y", [21], 11, [2], True),
-                     ScheduledRequest("x", list(range(45, 60)), 40, [3, 7, 1, 9], True)],
+STEPS = [  # two prefills, then a decode beside a chunk with context that crosses x's prompt end (50): prompt rows
+    # and generated rows in one step (their linears and attention may differ in arithmetic, never between paths)
+    SchedulerOutput([ScheduledRequest("x", list(range(5, 45)), 0, [3, 7, 1], True, num_prompt_tokens=50),
+                     ScheduledRequest("y", list(range(9, 20)), 0, [2], True, num_prompt_tokens=11)],
+                    num_prefill_tokens=51),
+    SchedulerOutput([ScheduledRequest("y", [21], 11, [2], True, num_prompt_tokens=11),
+                     ScheduledRequest("x", list(range(45, 60)), 40, [3, 7, 1, 9], True, num_prompt_tokens=50)],
                     num_prefill_tokens=15, num_decodes=1),
 ]
 

@@ -63,10 +63,11 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The model's one definition (see the module docstring)."""
-        hidden, residual = self.embed(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
-        hidden, _ = self.norm(hidden, residual)
+        with self.kernels.step(ctx.meta):
+            hidden, residual = self.embed(input_ids), None
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual, ctx)
+            hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ class OneDNNWeight:
     def type_name(self) -> str:
         return "F32"
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] <= PACKED_MAX_ROWS:
             return packed_linear(x.contiguous(), self.packed, bias)
         return F.linear(x, self.weight, bias)

@@ -49,9 +49,9 @@ class ScheduledRequest:
     propose_drafts: int = 0
     # LoRA: the adapter id its rows run with (pdserve/lora_request.py); 0: the base model
     lora_id: int = 0
-    # rows at positions below this are prompt rows (native attention may run them on another kernel: AMX tiles);
-    # 0: none. A row's kernel follows from its position only, so a generated token recomputed after a preemption
-    # keeps its decode arithmetic.
+    # rows at positions below this are prompt rows (native attention and GGUF linears may run them on another
+    # kernel: AMX tiles); 0: none. A row's kernel follows from its position only, so a generated token recomputed
+    # after a preemption keeps its decode arithmetic.
     num_prompt_tokens: int = 0
 
     @property

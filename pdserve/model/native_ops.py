@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.attention import AttentionBackend, ForwardContext, NativeBackend
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, ForwardContext, NativeBackend
 
 
 class PackedMatrix(Protocol):
@@ -44,8 +44,9 @@ class PackedMatrix(Protocol):
         """The stored type, as GGUF names it where it has a name: Q4_K, Q8_0, BF16, F32, ..."""
         ...
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ W.T (+ bias) -> [M, N]."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] @ W.T (+ bias) -> [M, N]; prompt_rows (uint8/bool [M]): which rows are prompt rows."""
         ...
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -66,12 +67,32 @@ class NativeOps:
     def __init__(self, lib: Any) -> None:
         self.lib = lib
         self.attention_backend = NativeBackend(lib)
+        self._prompt_rows: torch.Tensor | None = None  # the current forward's row kinds (step)
+
+    @contextlib.contextmanager
+    def step(self, meta: AttentionMetadata) -> Iterator[None]:
+        """For one forward over a step's rows: the linears learn which rows are prompt rows (a packed format may
+        multiply those by another fixed arithmetic, csrc/packed_weight.h), as the whole-stack program does."""
+        if meta.prompt_lens is None or meta.query_start_loc is None or meta.seq_lens is None:
+            yield
+            return
+        self._prompt_rows = self.lib.prompt_row_mask(meta.query_start_loc, meta.seq_lens, meta.prompt_lens)
+        try:
+            yield
+        finally:
+            self._prompt_rows = None
 
     def embedding(self, ids: torch.Tensor, weight: Weight) -> torch.Tensor:
         return F.embedding(ids, weight) if isinstance(weight, torch.Tensor) else weight.rows(ids)
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else weight.forward(x, bias)
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        rows = self._prompt_rows
+        # inside a step every linear reads all of its rows (the logits' rows are picked outside one)
+        if rows is not None and rows.shape[0] == x.shape[0]:
+            return weight.forward(x, bias, rows)
+        return weight.forward(x, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=torch.float32)
@@ -131,6 +152,15 @@ class KernelSelection:
         """The native ops; only the native implementations of the layer modules call this."""
         assert self.native is not None, "the PyTorch reference path has no native ops"
         return self.native
+
+    @contextlib.contextmanager
+    def step(self, meta: AttentionMetadata) -> Iterator[None]:
+        """Around one forward over a step's rows (NativeOps.step; nothing on the PyTorch path)."""
+        if self.native is None:
+            yield
+            return
+        with self.native.step(meta):
+            yield
 
     @contextlib.contextmanager
     def recording(self, recorder: NativeOps) -> Iterator[None]:

@@ -16,6 +16,8 @@ definition computes on the native ops.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,6 +148,11 @@ class ProgramRecorder(NativeOps):
             result, out = self._new(width)
         self.instrs.append(_Instr(op, ins, out, width, ints or [], floats or []))
         return result
+
+    @contextlib.contextmanager
+    def step(self, meta: AttentionMetadata) -> Iterator[None]:
+        """Nothing to learn while recording: the program computes the row kinds of each run itself."""
+        yield
 
     # ---- the ops (NativeOps' signatures) ----------------------------------------------------------------------
     def embedding(self, ids: torch.Tensor, weight: Weight) -> torch.Tensor:

@@ -63,7 +63,8 @@ class Int8Weight:
     def type_name(self) -> str:
         return "int8"
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                prompt_rows: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] <= self.max_int8_rows:
             y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight_int8, self.scale)
             y = y.to(x.dtype)

@@ -185,8 +185,7 @@ std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int3
   for (int64_t s = 0; s < nseq; ++s) {
     const int64_t qlen = check_sequence(a, s, qsl, sl, t, width), ctx = sl[s] - qlen;
     // rows [qsl[s], split) are prompt rows, [split, qsl[s + 1]) generated ones; no group spans both
-    const int64_t prompt = prompt_lens ? prompt_lens[s] : 0;
-    const int64_t split = qsl[s] + std::clamp<int64_t>(prompt - ctx, 0, qlen);
+    const int64_t split = prompt_split(qsl[s], qsl[s + 1], sl[s], prompt_lens ? prompt_lens[s] : 0);
     for (int64_t h = 0; h < a.hkv; ++h) {
       for (int64_t t0 = qsl[s], t1; t0 < qsl[s + 1]; t0 = t1) {
         t1 = std::min<int64_t>(t0 < split ? split : qsl[s + 1], t0 + tile);
@@ -349,6 +348,25 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
   run_tasks(a, groups, tasks, nthreads);
 }
 
+at::Tensor prompt_row_mask(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           const at::Tensor& prompt_lens) {
+  const int64_t nseq = seq_lens.numel();
+  check_i32(query_start_loc, "query_start_loc", nseq + 1);
+  check_i32(seq_lens, "seq_lens", nseq);
+  check_i32(prompt_lens, "prompt_lens", nseq);
+  const int32_t *qsl = query_start_loc.data_ptr<int32_t>(), *sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* pl = prompt_lens.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0, "query_start_loc must start at 0");
+  for (int64_t s = 0; s < nseq; ++s)
+    TORCH_CHECK(qsl[s] <= qsl[s + 1] && qsl[s + 1] - qsl[s] <= sl[s], "sequence ", s, ": bad query_start_loc ",
+                "or seq_len");
+  at::Tensor mask = at::zeros({qsl[nseq]}, at::kByte);
+  uint8_t* m = mask.data_ptr<uint8_t>();
+  for (int64_t s = 0; s < nseq; ++s)
+    std::fill(m + qsl[s], m + prompt_split(qsl[s], qsl[s + 1], sl[s], pl[s]), uint8_t{1});
+  return mask;
+}
+
 // One token's K or V rows [hkv][d] (src, heads adjacent) into its slot's row of a cache in format fmt (dst).
 void write_slot(KVFormat fmt, const float* src, int64_t hkv, int64_t d, void* dst) {
   if (fmt == KVFormat::kF32) {
@@ -398,6 +416,8 @@ void register_attention(pybind11::module_& m) {
         py::arg("out"), py::arg("q"), py::arg("kv_layer"), py::arg("block_table"), py::arg("query_start_loc"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0, py::arg("softcap") = 0.0,
         py::arg("prompt_lens") = py::none());
+  m.def("prompt_row_mask", &prompt_row_mask, py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("prompt_lens"),
+        "uint8 [T]: 1 where a step's row is a prompt row (position below its sequence's prompt length)");
   m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
         "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels); "
         "0: each level's own (amx 4, avx512_bf16 1)");

@@ -5,6 +5,7 @@
 // block_table[s][i / block_size] * block_size + i % block_size.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -45,6 +46,13 @@ struct AttnItem {
 };
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
+
+// A sequence's query rows [q0, q1) over seq_len keys: rows [q0, split) are prompt rows (position < prompt_len),
+// [split, q1) generated ones. The one definition of a prompt row (attention kernels, the linears' row kinds).
+inline int64_t prompt_split(int64_t q0, int64_t q1, int64_t seq_len, int64_t prompt_len) {
+  const int64_t qlen = q1 - q0, ctx = seq_len - qlen;
+  return q0 + std::min<int64_t>(std::max<int64_t>(prompt_len - ctx, 0), qlen);
+}
 
 // Keys per tile of the vector kernels. Every kernel walks an item's keys in tiles at fixed offsets from k0.
 constexpr int kKeyTile = 16;

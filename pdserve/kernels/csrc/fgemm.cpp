@@ -16,6 +16,28 @@
 #include "registry.h"
 
 namespace pdserve {
+namespace fgemm {
+
+void bf16_activations(const Kernels& kn, const float* x, int64_t ldx, int64_t m, int64_t k, int64_t kpad, bool tiles,
+                      uint16_t* out) {
+  const int64_t nkb = kpad / kKBlock;
+  parallel_for(0, (m + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint16_t> tmp(tiles ? 16 * kpad : 0);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min<int64_t>(16, m - 16 * b);
+      uint16_t* dst = tiles ? tmp.data() : out + 16 * b * kpad;
+      kn.to_bf16(x + 16 * b * ldx, ldx, 0, rows, k, kpad, dst);
+      std::fill(dst + rows * kpad, dst + 16 * kpad, uint16_t{0});
+      if (!tiles) continue;
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t c = 0; c < nkb; ++c)
+          std::memcpy(out + ((b * nkb + c) * 16 + r) * kKBlock, dst + r * kpad + c * kKBlock, 2 * kKBlock);
+    }
+  });
+}
+
+}  // namespace fgemm
+
 namespace {
 
 using fgemm::kKBlock;
@@ -68,7 +90,7 @@ class PackedFloat final : public PackedWeight {
       pr.xb_tiles = kn.tiles && m >= fgemm::amx_min_rows();
       const int64_t size = (m + 15) / 16 * 16 * kpad_;  // rows padded to 16: the AMX kernel loads 16-row tiles
       if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
-      convert(kn, x, ldx, m, pr.xb_tiles, scratch.data());
+      fgemm::bf16_activations(kn, x, ldx, m, k(), kpad_, pr.xb_tiles, scratch.data());
       pr.xb = scratch.data();
       pr.ldx = kpad_;
     }
@@ -76,25 +98,6 @@ class PackedFloat final : public PackedWeight {
     const int64_t np = panels(), pairs = (np + 1) / 2;
     const int64_t grain = std::max<int64_t>(1, (pairs + num_threads() - 1) / num_threads());
     parallel_for(0, pairs, grain, [&](int64_t a, int64_t b) { fn(pr, 2 * a, std::min(2 * b, np)); });
-  }
-
-  // x rounded to bf16 into out: row-major [rows][kpad] or, with tiles, AMX A tiles (fgemm::Problem::xb_tiles);
-  // rows are padded to a multiple of 16 with zeros. Blocks of 16 rows are split over the threads.
-  void convert(const fgemm::Kernels& kn, const float* x, int64_t ldx, int64_t m, bool tiles, uint16_t* out) const {
-    const int64_t nkb = kpad_ / kKBlock;
-    parallel_for(0, (m + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<uint16_t> tmp(tiles ? 16 * kpad_ : 0);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t rows = std::min<int64_t>(16, m - 16 * b);
-        uint16_t* dst = tiles ? tmp.data() : out + 16 * b * kpad_;
-        kn.to_bf16(x + 16 * b * ldx, ldx, 0, rows, k(), kpad_, dst);
-        std::fill(dst + rows * kpad_, dst + 16 * kpad_, uint16_t{0});
-        if (!tiles) continue;
-        for (int64_t r = 0; r < 16; ++r)
-          for (int64_t c = 0; c < nkb; ++c)
-            std::memcpy(out + ((b * nkb + c) * 16 + r) * kKBlock, dst + r * kpad_ + c * kKBlock, 2 * kKBlock);
-      }
-    });
   }
 
   at::Tensor dequantize() const override {

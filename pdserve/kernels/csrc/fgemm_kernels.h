@@ -81,6 +81,11 @@ void to_bf16_avx512(const float* x, int64_t ldx, int64_t r0, int64_t r1, int64_t
 void f32_avx512(const Problem& pr, int64_t p0, int64_t p1);
 #endif
 
+// x [m][ldx] rounded to bf16 (kn.to_bf16) into out: row-major [rows][kpad] or, with tiles, AMX A tiles (the
+// Problem::xb_tiles layout); rows padded to a multiple of 16 with zeros. Blocks of 16 rows split over the threads.
+void bf16_activations(const Kernels& kn, const float* x, int64_t ldx, int64_t m, int64_t k, int64_t kpad, bool tiles,
+                      uint16_t* out);
+
 // Rows from which the amx level multiplies with AMX tiles (below: the avx512 block-order kernel; same bits). AMX
 // is as fast as the FMA kernel at one row and faster from two (BENCHMARKS.md), so 1 unless changed (tests).
 int64_t amx_min_rows();

@@ -151,6 +151,13 @@ class NativeProgram {
     slots.resize(slot_widths_.size());
     std::vector<at::Tensor> v(num_values_);
     v[0] = ids, v[1] = positions;
+    // the rows' kinds for the linears (packed_weight.h), once per step
+    const std::optional<at::Tensor> kinds =
+        prompt_lens ? std::optional<at::Tensor>(prompt_row_mask(query_start_loc, seq_lens, *prompt_lens))
+                    : std::nullopt;
+    TORCH_CHECK(!kinds || kinds->size(0) == t, "query_start_loc covers ", kinds ? kinds->size(0) : 0, " rows, ids ",
+                t);
+    const Step step{kv_cache, slot_mapping, block_table, query_start_loc, seq_lens, prompt_lens, kinds};
     for (const Instr& I : instrs_) {
       at::Tensor out;
       if (I.slot >= 0) {
@@ -160,13 +167,13 @@ class NativeProgram {
       }
       if (profiling_.load(std::memory_order_relaxed)) {
         const auto t0 = std::chrono::steady_clock::now();
-        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens, prompt_lens);
+        exec(I, v, out, step);
         const auto dt = std::chrono::steady_clock::now() - t0;
         const auto k = static_cast<size_t>(I.op);
         op_ns_[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count();
         op_calls_[k] += 1;
       } else {
-        exec(I, v, out, kv_cache, slot_mapping, block_table, query_start_loc, seq_lens, prompt_lens);
+        exec(I, v, out, step);
       }
       if (I.out >= 0) v[I.out] = std::move(out);
       for (int64_t f : I.frees) v[f] = at::Tensor();
@@ -209,10 +216,15 @@ class NativeProgram {
     return *weights_[i];
   }
 
+  // What a run's instructions read besides their values.
+  struct Step {
+    const at::Tensor &kv_cache, &slot_mapping, &block_table, &query_start_loc, &seq_lens;
+    const std::optional<at::Tensor>& prompt_lens;
+    const std::optional<at::Tensor>& prompt_rows;  // uint8 [T] (prompt_row_mask) when prompt_lens is given
+  };
+
   // One instruction; `out` is the slot buffer of an executor-allocated output, and receives the result otherwise.
-  void exec(const Instr& I, std::vector<at::Tensor>& v, at::Tensor& out, const at::Tensor& kv_cache,
-            const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-            const at::Tensor& seq_lens, const std::optional<at::Tensor>& prompt_lens) const {
+  void exec(const Instr& I, std::vector<at::Tensor>& v, at::Tensor& out, const Step& st) const {
     const auto& n = I.ints;
     switch (I.op) {
       case Op::kNarrow: out = v[I.in[0]].narrow(1, n[0], n[1]); break;
@@ -223,19 +235,20 @@ class NativeProgram {
       case Op::kRotary: rotary_embedding(v[I.in[0]], v[I.in[1]], v[I.in[2]], c(n[0]), c(n[1]), n[2]); break;
       case Op::kAttention: {
         const int64_t t = v[I.in[0]].size(0), hq = n[1], hkv = n[2], d = n[3];
-        TORCH_CHECK(n[0] >= 0 && n[0] < kv_cache.size(0), "layer ", n[0], " is not in the KV cache");
-        at::Tensor layer_cache = kv_cache.select(0, n[0]);
-        reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, slot_mapping);
+        TORCH_CHECK(n[0] >= 0 && n[0] < st.kv_cache.size(0), "layer ", n[0], " is not in the KV cache");
+        at::Tensor layer_cache = st.kv_cache.select(0, n[0]);
+        reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, st.slot_mapping);
         at::Tensor o = out.view({t, hq, d});
-        paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, block_table, query_start_loc, seq_lens,
-                        I.floats[0], n[4], I.floats[1], prompt_lens);
+        paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, st.block_table, st.query_start_loc, st.seq_lens,
+                        I.floats[0], n[4], I.floats[1], st.prompt_lens);
         break;
       }
       case Op::kSiluMul: silu_and_mul(out, v[I.in[0]]); break;
       case Op::kGeluMul: gelu_tanh_and_mul(out, v[I.in[0]]); break;
       case Op::kScale: v[I.in[0]].mul_(I.floats[0]); break;
       case Op::kLinear:  // always a slot (append() checks): written in place
-        packed_linear_into(w(n[0]), v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt, out);
+        packed_linear_into(w(n[0]), v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt, out,
+                           st.prompt_rows);
         break;
       default: TORCH_CHECK(false, "unknown op");
     }

@@ -12,6 +12,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
                      int64_t sliding_window = 0, double softcap = 0.0,
                      const std::optional<at::Tensor>& prompt_lens = std::nullopt);
+// uint8 [T]: 1 for the step's prompt rows (prompt_split, attention_kernels.h); int32 tensors as paged_attention's.
+at::Tensor prompt_row_mask(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                           const at::Tensor& prompt_lens);
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv, const at::Tensor& slot_mapping);
 
 // fused_ops.cpp

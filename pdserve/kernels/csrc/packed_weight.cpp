@@ -18,7 +18,7 @@ void PackedWeight::rows(const int64_t* ids, int64_t t, float* out) const {
 }
 
 void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                        at::Tensor& y) {
+                        at::Tensor& y, const std::optional<at::Tensor>& prompt_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K], got ", x.dim(), "-D");
   TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
@@ -35,12 +35,23 @@ void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::o
     TORCH_CHECK(bias->is_contiguous(), "bias must be contiguous");
     b = bias->data_ptr<float>();
   }
-  if (x.size(0) > 0) w.forward(x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), y.stride(0), b);
+  const uint8_t* kinds = nullptr;
+  if (prompt_rows) {
+    const at::Tensor& pr = *prompt_rows;
+    TORCH_CHECK((pr.scalar_type() == at::kByte || pr.scalar_type() == at::kBool) && pr.dim() == 1 &&
+                    pr.size(0) == x.size(0) && pr.is_contiguous() && pr.device().is_cpu(),
+                "prompt_rows must be a contiguous uint8 or bool CPU tensor [M=", x.size(0), "], got ",
+                pr.scalar_type(), " ", pr.sizes());
+    kinds = static_cast<const uint8_t*>(pr.data_ptr());
+  }
+  if (x.size(0) > 0)
+    w.forward_rows(x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), y.stride(0), b, kinds);
 }
 
-at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& prompt_rows) {
   at::Tensor y = at::empty({x.dim() == 2 ? x.size(0) : 0, w.n()}, at::kFloat);
-  packed_linear_into(w, x, bias, y);
+  packed_linear_into(w, x, bias, y, prompt_rows);
   return y;
 }
 
@@ -79,9 +90,13 @@ class StackedWeight final : public PackedWeight {
     return b;
   }
   void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override {
+    forward_rows(x, ldx, m, y, ldy, bias, nullptr);
+  }
+  void forward_rows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
+                    const uint8_t* prompt_rows) const override {
     int64_t col = 0;
     for (const auto& p : parts_) {
-      p->forward(x, ldx, m, y + col, ldy, bias ? bias + col : nullptr);
+      p->forward_rows(x, ldx, m, y + col, ldy, bias ? bias + col : nullptr, prompt_rows);
       col += p->n();
     }
   }
@@ -122,8 +137,10 @@ void register_packed_weight(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(
       m, "PackedWeight", "a weight matrix W [N, K] packed for the native kernels (packed_weight.h)")
-      .def("forward", &packed_linear, py::arg("x"), py::arg("bias") = py::none(),
-           py::call_guard<py::gil_scoped_release>(), "y[M, N] = x[M, K] @ W.T (+ bias); x float32")
+      .def("forward", &packed_linear, py::arg("x"), py::arg("bias") = py::none(), py::arg("prompt_rows") = py::none(),
+           py::call_guard<py::gil_scoped_release>(),
+           "y[M, N] = x[M, K] @ W.T (+ bias); x float32; prompt_rows (uint8/bool [M]): which rows are prompt rows "
+           "(a format may multiply those by another fixed arithmetic; packed_weight.h)")
       .def("rows", &packed_rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>(),
            "W[ids] as float32 [*ids.shape, K] (an embedding lookup); ids out of range raise")
       .def("dequantize", &PackedWeight::dequantize, "W as float32 [N, K]: the values the kernels multiply by")

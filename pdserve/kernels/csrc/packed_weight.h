@@ -33,6 +33,15 @@ class PackedWeight {
   // y[r * ldy + j] = sum_k x[r * ldx + k] * W[j, k] (+ bias[j]) for r < m, j < n; bias may be null. Threads: the
   // implementation splits the columns over the threads (pdserve::parallel_for, parallel.h).
   virtual void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const = 0;
+  // As forward, with the rows' kinds: prompt_rows[r] != 0 marks a prompt row (position below its sequence's prompt
+  // length), which a format may multiply by another fixed sequence of operations (GGUF blocks on AMX: bf16 tiles
+  // over the dequantized weights). A row's result then depends on x[r], W, bias and its kind only: batch invariance
+  // holds per kind, and a token computed again (preemption, chunking, speculation) has the same kind.
+  virtual void forward_rows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
+                            const uint8_t* prompt_rows) const {
+    (void)prompt_rows;
+    forward(x, ldx, m, y, ldy, bias);
+  }
   // W as float32 [n, k]: the values the kernels multiply by (tests, reference paths).
   virtual at::Tensor dequantize() const = 0;
   // out[i * k + c] = W[ids[i], c] for i < t (W read as an embedding table). Ids are checked by the caller.
@@ -45,10 +54,12 @@ class PackedWeight {
 using PackedWeightPtr = std::shared_ptr<const PackedWeight>;
 
 // Tensor-level entry points (argument checks included), for C++ callers and the Python bindings.
-at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias);
+// prompt_rows: uint8 or bool [M], the rows' kinds (forward_rows); none: every row a generated one.
+at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& prompt_rows = std::nullopt);
 // The same into y [M, N] (rows y.stride(0) apart): the native program's buffers, reused from step to step.
 void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                        at::Tensor& y);
+                        at::Tensor& y, const std::optional<at::Tensor>& prompt_rows = std::nullopt);
 at::Tensor packed_rows(const PackedWeight& w, const at::Tensor& ids);
 
 }  // namespace pdserve

@@ -145,6 +145,11 @@ struct Ops {
   void (*decode16)(const QType& t, const uint8_t* packed, int64_t n, const Dec& d);
   void (*tile16)(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc);
   void (*end16)();
+  // The amx level's prompt-row path (QgemmWeight::forward_rows): n chunks of a panel decoded (d: scratch) and
+  // written to out as bf16(dw * (u - off) (+ mw)), the fp32 value of dequant_decoded rounded to nearest even
+  // (fp32 subnormals to a signed zero), in the bf16 panel layout of fgemm_kernels.h ([n * QB / 2][16][2]).
+  // Null below amx.
+  void (*decode_bf16)(const QType& t, const uint8_t* packed, int64_t n, const Dec& d, uint16_t* out);
 };
 
 extern const Ops kGenericOps;

@@ -3,7 +3,8 @@
 // shifted to the signed values u - off by decode16, so no zero-point term is left). One tile product per sub-block
 // gives the same exact int32 sums as vpdpbusd; the fp32 steps per sub-block are the VNNI path's (qgemm.h), so AMX
 // and non-AMX rows are bitwise equal. Two C tiles alternate so the vector post-processing of one sub-block overlaps
-// the tile product of the next. Everything else is the avx512 level's.
+// the tile product of the next. Everything else is the avx512 level's, except decode_bf16: a panel as bf16 for the
+// prompt rows' path (QgemmWeight::forward_rows), which multiplies on fgemm's bf16 AMX tiles.
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -13,7 +14,7 @@
 #include "qgemm.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c,amx-tile,amx-int8")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c,amx-tile,amx-int8")
 
 namespace pdserve::qgemm {
 namespace {
@@ -114,10 +115,40 @@ void decode16(const QType& t, const uint8_t* packed, int64_t n, const Dec& d) {
 
 void end16() { _tile_release(); }
 
+// Weight vector z holds K values 4z .. 4z + 3 of the 16 columns (byte 4c + j: column c, K value 4z + j); they
+// become bf16 pairs 2z (K 4z, 4z + 1) and 2z + 1 (K 4z + 2, 4z + 3): dword c = (low: even K, high: odd K).
+// The products and sums round as dequant_decoded's (explicit rounding: never contracted into an FMA).
+void decode_bf16(const QType& t, const uint8_t* packed, int64_t n, const Dec& d, uint16_t* out) {
+  avx512::decode(t, packed, n, d);
+  constexpr int kRn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i off = _mm512_set1_epi32(t.off), byte = _mm512_set1_epi32(0xFF);
+  const int64_t nvec = n * t.z();
+  // word 2c <- word c, word 2c + 1 <- word 16 + c: the two halves interleaved into (even K, odd K) dwords
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t z = 0; z < nvec; ++z) {
+    const __m512i v = _mm512_loadu_si512(d.wq + z * kVec);
+    const int64_t sub = 4 * z / t.s;
+    const __m512 dw = _mm512_loadu_ps(d.dw + sub * kPanel);
+    const __m512 mw = t.min ? _mm512_loadu_ps(d.mw + sub * kPanel) : _mm512_setzero_ps();
+    __m512 w[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i q = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(v, 8 * j), byte), off);
+      w[j] = _mm512_mul_round_ps(dw, _mm512_cvtepi32_ps(q), kRn);
+      if (t.min) w[j] = _mm512_add_round_ps(w[j], mw, kRn);
+    }
+    // vcvtne2ps2bf16 rounds to nearest even and reads subnormals as zero: bf16 lanes 0..15 = w[0], 16..31 = w[1]
+    _mm512_storeu_si512(out + 2 * z * 32, _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
+    _mm512_storeu_si512(out + (2 * z + 1) * 32,
+                        _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2])));
+  }
+}
+
 }  // namespace
 
 const Ops kAmxOps = {avx512::quantize_act, avx512::decode, avx512::tile, 8, avx512::gemv, decode16, tile16,
-                      end16};
+                      end16, decode_bf16};
 
 }  // namespace pdserve::qgemm
 

@@ -187,7 +187,7 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 
 }  // namespace
 
-const Ops kAvx2Ops = {quantize_rows, decode<P256>, tile_rows, kMaxRows, nullptr, nullptr, nullptr, nullptr};
+const Ops kAvx2Ops = {quantize_rows, decode<P256>, tile_rows, kMaxRows, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace pdserve::qgemm
 

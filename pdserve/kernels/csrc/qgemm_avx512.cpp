@@ -240,7 +240,7 @@ void gemv(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, 
 }  // namespace avx512
 
 const Ops kAvx512Ops = {avx512::quantize_act, avx512::decode, avx512::tile, kMaxRows, avx512::gemv, nullptr, nullptr,
-                         nullptr};
+                         nullptr, nullptr};
 
 }  // namespace pdserve::qgemm
 

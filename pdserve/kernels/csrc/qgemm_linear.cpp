@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -14,6 +15,7 @@
 
 #include "parallel.h"
 #include "dispatch.h"
+#include "fgemm_kernels.h"
 #include "packed_weight.h"
 #include "qgemm.h"
 #include "registry.h"
@@ -76,6 +78,8 @@ class QgemmWeight final : public PackedWeight {
   std::string type_name() const override { return t_.name; }
   int64_t nbytes() const override { return packed_.numel(); }
   void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override;
+  void forward_rows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
+                    const uint8_t* prompt_rows) const override;
   at::Tensor dequantize() const override;
   void rows(const int64_t* ids, int64_t t, float* out) const override;
 
@@ -86,6 +90,9 @@ class QgemmWeight final : public PackedWeight {
   void run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
                 const float* bias) const;
   void store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy, const float* bias) const;
+  // Prompt rows on the amx level: bf16 AMX tiles (fgemm's kernel) over panels dequantized to bf16 per call.
+  void forward_bf16(const qgemm::Ops& o, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy,
+                    const float* bias) const;
   // Columns c0 <= c < c1 of panel p, dequantized, into out[(c - c0) * k].
   void dequant_panel(int64_t p, int c0, int c1, float* out) const;
 
@@ -182,6 +189,63 @@ void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int6
     if (m <= o.max_rows) run_few(o, a, m, p0, p1, y, ldy, bias);
     else run_many(o, a, m, p0, p1, y, ldy, bias);
   });
+}
+
+// Prompt rows (a prefill's, many per step) multiply faster as bf16 on AMX tiles than as int8 tiles whose fp32
+// scales must be applied per 32-value sub-block; the panels are dequantized once per call for all the rows.
+// The arithmetic is fgemm's "block" order over bf16(dequantized W) and bf16(x), fixed per row (packed_weight.h):
+// the same bits as pack_float(dequantize(), "bf16") gives on this level.
+void QgemmWeight::forward_bf16(const qgemm::Ops& o, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy,
+                               const float* bias) const {
+#if defined(__x86_64__)
+  const fgemm::Kernels& kn = fgemm::kAmx;
+  const int64_t kp = k();  // a multiple of fgemm::kKBlock: every type's block is 32 or 256 values
+  thread_local Scratch xb_buf;  // the caller's: the workers read it through this pointer
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xb_buf.get(sizeof(uint16_t) * ((m + 15) / 16 * 16) * kp));
+  fgemm::bf16_activations(kn, x, ldx, m, kp, kp, true, xb);
+  const int64_t pairs = (npanels_ + 1) / 2, threads = num_threads();
+  parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t a0, int64_t a1) {
+    thread_local Scratch dec_buf, w_buf;
+    const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, dec_buf.get(qgemm::dec_bytes(t_, nchunks_)));
+    const int64_t ps = kp * kPanel;  // bf16 values of one panel
+    uint16_t* w = reinterpret_cast<uint16_t*>(w_buf.get(sizeof(uint16_t) * 2 * ps));
+    for (int64_t pp = a0; pp < a1; ++pp) {  // a pair of panels: the AMX kernel's 32-column block
+      const int64_t p = 2 * pp, np = std::min<int64_t>(2, npanels_ - p), c0 = p * kPanel;
+      for (int64_t j = 0; j < np; ++j) o.decode_bf16(t_, panel(p + j), nchunks_, d, w + j * ps);
+      const fgemm::Problem pr{w, kp, n() - c0, nullptr, xb, kp, true, m, y + c0, ldy, bias ? bias + c0 : nullptr};
+      kn.bf16(pr, 0, np);
+    }
+  });
+#else
+  (void)o, (void)x, (void)ldx, (void)m, (void)y, (void)ldy, (void)bias;
+  TORCH_CHECK(false, "no bf16 prompt-row path on this architecture");
+#endif
+}
+
+void QgemmWeight::forward_rows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
+                               const uint8_t* prompt_rows) const {
+  const qgemm::Ops& o = ops();
+  if (prompt_rows == nullptr || o.decode_bf16 == nullptr) return forward(x, ldx, m, y, ldy, bias);
+  std::vector<int64_t> rows[2];  // generated rows, prompt rows
+  for (int64_t r = 0; r < m; ++r) rows[prompt_rows[r] != 0].push_back(r);
+  for (int kind = 0; kind < 2; ++kind) {
+    const std::vector<int64_t>& rs = rows[kind];
+    const int64_t cnt = static_cast<int64_t>(rs.size());
+    if (cnt == 0) continue;
+    const auto run = [&](const float* xs, int64_t ldxs, float* ys, int64_t ldys) {
+      if (kind == 1) forward_bf16(o, xs, ldxs, cnt, ys, ldys, bias);
+      else forward(xs, ldxs, cnt, ys, ldys, bias);
+    };
+    if (rs.back() - rs.front() + 1 == cnt) {  // one run of consecutive rows (the usual step)
+      run(x + rs.front() * ldx, ldx, y + rs.front() * ldy, ldy);
+      continue;
+    }
+    at::Tensor xs = at::empty({cnt, k()}, at::kFloat), ys = at::empty({cnt, n()}, at::kFloat);
+    float *xp = xs.data_ptr<float>(), *yp = ys.data_ptr<float>();
+    for (int64_t i = 0; i < cnt; ++i) std::memcpy(xp + i * k(), x + rs[i] * ldx, sizeof(float) * k());
+    run(xp, k(), yp, n());
+    for (int64_t i = 0; i < cnt; ++i) std::memcpy(y + rs[i] * ldy, yp + i * n(), sizeof(float) * n());
+  }
 }
 
 void QgemmWeight::dequant_panel(int64_t p, int c0, int c1, float* out) const {
