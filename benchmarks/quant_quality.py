@@ -163,6 +163,8 @@ def main() -> int:
              ("bfloat16", None, "native", True, 256, "auto", False)]
     kv_modes = [("float32", None, "native", True, 256, kv, False) for kv in ("bf16", "int8", "fp8", "fp8_e5m2")]
     kv_modes.insert(1, ("float32", None, "native", True, 256, "bf16", True))
+    # the default on a CPU with native bf16: bf16 KV, and prompt rows may take bf16 linears (AMX) as well
+    kv_modes.insert(2, ("bfloat16", None, "native", True, 256, "auto", True))
     modes = [modes[0], modes[2], *kv_modes] if args.kv_only else modes + kv_modes
     kv_ref: torch.Tensor | None = None  # the native fp32-KV run: the KV rows' own reference
     tok = None
@@ -183,7 +185,8 @@ def main() -> int:
         secs = time.perf_counter() - t0
         target = torch.tensor(ids[1:])
         nll = -lp[:-1].gather(1, target.unsqueeze(1)).mean().item()
-        label = f"native GGUF blocks, {cfg.kv_storage} KV" if blocks else f"{kernels} {dtype_name}" + (
+        dtype_note = " (dtype bfloat16)" if dtype_name == "bfloat16" else ""
+        label = f"native GGUF blocks{dtype_note}, {cfg.kv_storage} KV" if blocks else f"{kernels} {dtype_name}" + (
             f"+{quant}" if quant else "")
         row = {"mode": f"{label} (chunks of {chunk}{', prompt rows' if prompt else ''})",
                "weight_bytes": runner.weight_bytes, "tokens": len(ids), "perplexity": round(math.exp(nll), 4),

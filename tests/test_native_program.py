@@ -81,6 +81,15 @@ def test_program_equals_the_python_definition(kind: str, weights: str, tmp_path:
     assert_program_equals_definition(native_runner(loaded(kind, weights, tmp_path)))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_program_equals_the_python_definition_with_bf16_prompt_rows(kind: str, tmp_path: Path) -> None:
+    """GGUF blocks with dtype bfloat16: prompt rows may take other kernels (AMX tiles) in the linears and the
+    attention; the program and the per-layer path give every row the same kind, so the same bits."""
+    runner = native_runner(loaded(kind, "gguf", tmp_path), torch.bfloat16)
+    assert runner.model.kernels.ops.bf16_prompt_rows
+    assert_program_equals_definition(runner)
+
+
 def test_program_with_bf16_weights_and_kv_cache(tmp_path: Path) -> None:
     """dtype bfloat16 on the native path: pack_float bf16 weights and a bf16 KV cache; the program still computes
     the definition's bits, and the logits stay the f32 model's up to bf16 rounding."""

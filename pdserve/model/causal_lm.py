@@ -58,7 +58,8 @@ class CausalLM(nn.Module):
         """Final hidden states [T, hidden]; call `compute_logits` on the rows that need sampling."""
         if self.program is not None:
             return self.program.run(input_ids, positions, kv_cache, meta.slot_mapping, meta.block_table,
-                                    meta.query_start_loc, meta.seq_lens, meta.prompt_lens)
+                                    meta.query_start_loc, meta.seq_lens, meta.prompt_lens,
+                                    self.kernels.ops.prompt_rows(meta))
         return self.hidden_states(input_ids, positions, ForwardContext(kv_cache, meta))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -64,19 +64,26 @@ Weight = torch.Tensor | PackedMatrix  # what Linear and Embedding hold
 class NativeOps:
     """The native layer ops (pdserve/kernels). In-place ops say so; the others return a new float32 tensor."""
 
-    def __init__(self, lib: Any) -> None:
+    def __init__(self, lib: Any, bf16_prompt_rows: bool = False) -> None:
+        """`bf16_prompt_rows`: the linears may multiply prompt rows by another fixed arithmetic (GGUF blocks on AMX:
+        bf16 tiles, csrc/packed_weight.h); on for dtype bfloat16, off for float32 (every row int8 / fp32 as stored)."""
         self.lib = lib
         self.attention_backend = NativeBackend(lib)
+        self.bf16_prompt_rows = bf16_prompt_rows
         self._prompt_rows: torch.Tensor | None = None  # the current forward's row kinds (step)
+
+    def prompt_rows(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """uint8 [T]: which of the step's rows the linears treat as prompt rows (None: none)."""
+        if not self.bf16_prompt_rows or meta.prompt_lens is None or meta.query_start_loc is None \
+                or meta.seq_lens is None:
+            return None
+        return self.lib.prompt_row_mask(meta.query_start_loc, meta.seq_lens, meta.prompt_lens)  # type: ignore[no-any-return]
 
     @contextlib.contextmanager
     def step(self, meta: AttentionMetadata) -> Iterator[None]:
-        """For one forward over a step's rows: the linears learn which rows are prompt rows (a packed format may
-        multiply those by another fixed arithmetic, csrc/packed_weight.h), as the whole-stack program does."""
-        if meta.prompt_lens is None or meta.query_start_loc is None or meta.seq_lens is None:
-            yield
-            return
-        self._prompt_rows = self.lib.prompt_row_mask(meta.query_start_loc, meta.seq_lens, meta.prompt_lens)
+        """For one forward over a step's rows: the linears learn the rows' kinds (prompt_rows), as the whole-stack
+        program is told them."""
+        self._prompt_rows = self.prompt_rows(meta)
         try:
             yield
         finally:
@@ -173,14 +180,14 @@ class KernelSelection:
 
 
 def select_kernels(kernels: str, attention_backend: str = "auto",
-                   device: torch.device | str = "cpu") -> KernelSelection:
+                   device: torch.device | str = "cpu", bf16_prompt_rows: bool = False) -> KernelSelection:
     """`kernels`: native | torch (the engine resolves auto before this). `attention_backend` (torch kernels): sdpa
-    | flex | auto (flex on cuda, sdpa on cpu)."""
+    | flex | auto (flex on cuda, sdpa on cpu). `bf16_prompt_rows`: NativeOps'."""
     from pdserve import kernels as native_kernels
     from pdserve.model.attention_backends import get_attention_backend
 
     if kernels == "native":
-        ops = NativeOps(native_kernels.require())
+        ops = NativeOps(native_kernels.require(), bf16_prompt_rows)
         return KernelSelection(ops.attention_backend, ops)
     if kernels != "torch":
         raise ValueError(f"kernels must be native or torch here, got {kernels!r}")

@@ -74,7 +74,7 @@ class ModelRunner:
         if not on_cpu and (native or quantization):
             raise ValueError("native kernels and --quantization are CPU-only; on cuda use --kernels torch and a "
                              "float checkpoint")
-        selection = select_kernels(kernels, attention_backend, self.device)
+        selection = select_kernels(kernels, attention_backend, self.device, bf16_prompt_rows=dtype == torch.bfloat16)
         self.backend = selection.attention
         self.model = build_loaded_model(arch, selection, max_model_len, state_dict, dtype, self.device, quantization,
                                         linear_backend)

@@ -179,8 +179,11 @@ AttnItem partition(const AttnItem& whole, int p) {
 std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, const int32_t* prompt_lens,
                                int64_t nseq, int64_t t, int64_t width, int64_t window) {
   const int64_t g = a.hq / a.hkv;
-  // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does)
+  // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does).
+  // Prompt groups: ~128 rows (64 for d 128) in whole 16-token steps: a key tile's K/V preparation is shared by
+  // more rows (the AMX kernel's row blocks of 16), and a prefill has rows enough for every thread.
   const int64_t tile = window > 0 ? 1 : std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);
+  const int64_t prompt_tile = window > 0 ? 1 : std::max<int64_t>(16, (a.d <= 64 ? 128 : 64) / g / 16 * 16);
   std::vector<Group> groups;
   for (int64_t s = 0; s < nseq; ++s) {
     const int64_t qlen = check_sequence(a, s, qsl, sl, t, width), ctx = sl[s] - qlen;
@@ -188,7 +191,7 @@ std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int3
     const int64_t split = prompt_split(qsl[s], qsl[s + 1], sl[s], prompt_lens ? prompt_lens[s] : 0);
     for (int64_t h = 0; h < a.hkv; ++h) {
       for (int64_t t0 = qsl[s], t1; t0 < qsl[s + 1]; t0 = t1) {
-        t1 = std::min<int64_t>(t0 < split ? split : qsl[s + 1], t0 + tile);
+        t1 = t0 < split ? std::min<int64_t>(split, t0 + prompt_tile) : std::min<int64_t>(qsl[s + 1], t0 + tile);
         const int64_t pos0 = ctx + (t0 - qsl[s]);
         const int64_t k0 = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
         const AttnItem it{int32_t(s), int32_t(h), int32_t(t0), int32_t(t1), int32_t(pos0), int32_t(k0),

@@ -1,13 +1,23 @@
-// AMX paged attention for bf16 caches, head_dim 64 and 128 (attention_bf16.h has the scheme). Per key tile of 32
-// and row block of 16: S = Q . K^T as two 16 x 16 C tiles (keys 0-15, 16-31), 2 d / 32 tile products each (q in
-// two bf16 parts); then
-// per dim panel of 16: P . V as one tile product (K step = the 32 keys), added to acc * alpha per row.
-// Tiles: tmm0, 1 scores; tmm2 Q; tmm3, 4 K^T halves; tmm5 P . V panel; tmm6 P; tmm7 V panel. All 16 x 64 bytes.
+// AMX paged attention for bf16 caches, head_dim 64 and 128: prompt rows on every AMX CPU, and all rows from
+// attention_bf16_min_group query heads per KV head (attention.cpp). Flash attention in key blocks of kBlock:
+// per block the K rows are transposed once into K^T tiles and the V rows interleaved into V tiles (attention_bf16.h's
+// layouts), then every row block of 16 that sees the block
+//   S = q . K^T        2 C tiles per 32 keys, q as two bf16 parts (hi + lo: ~16 significant bits), into s.s [16][kBlock]
+//   softmax            per row over the whole block (fp32): m, alpha = exp(m_old - m_new), l (16 lane-wise sums),
+//                      bf16(p) into s.p [16][kBlock] (zero past the row's last visible key)
+//   acc = acc * alpha + P . V   the acc rows loaded into C tiles and accumulated over the block's 32-key steps
+// so the tile stores and the vector rescale happen once per block and row block, not per 32 keys (a tile product
+// followed at once by its store and a vector read of it stalls the core on the tile unit's latency). Every step is
+// per row and the blocks sit at fixed offsets from the item's first key (a partition start), so neither the rows
+// beside a row nor the item's split change its bits.
+// Tiles: scores: tmm0, 1 C; tmm2 q; tmm3, 4 K^T. P . V: tmm4..7 C (4 dim panels of 16); tmm2 P; tmm0, 1, 3 V.
 #include "attention_kernels.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #pragma GCC push_options
@@ -18,8 +28,14 @@
 namespace pdserve {
 namespace {
 
-using attn_bf16::kTile;
+using attn_bf16::kNegInf;
 using attn_bf16::Scratch;
+
+// Keys per block: a call's keys lie within one partition (attention.cpp), so one block covers them all and a row's
+// softmax runs once per call: no rescale of acc, which would stall the next tile load of it (a vector store read
+// by a tile load) per block.
+constexpr int kBlock = static_cast<int>(kPartition);
+static_assert(kBlock % 32 == 0, "a block is whole 32-key steps");
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -27,45 +43,138 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Scores of row block b against the key tile into s.s [16][32].
-// The query goes in as two bf16 parts (q = hi + lo, ~16 significant bits: s.q and s.qlo), so a score carries the
-// rounding of bf16 K only (exact: the cache is bf16), not of q's: two more tile products per step, cheap beside the
-// softmax's vector work.
+// K^T tiles of the block's keys kb .. kb + n - 1 at s.kt [16-key group][d / 32][16 pairs][16 keys], V tiles at
+// s.vt [32-key step][d / 16 panels][16 key pairs][16 dims]; keys past n (up to the next multiple of 32) are zero.
 template <int D>
-void scores(Scratch& s, int64_t b) {
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int st = 0; st < D / 32; ++st) {
-    const int64_t at = (b * (D / 32) + st) * 512;
-    _tile_loadd(2, s.q.data() + at, 64);
-    _tile_loadd(3, s.kt.data() + (st * 2) * 256, 64);
-    _tile_loadd(4, s.kt.data() + (st * 2 + 1) * 256, 64);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
-    _tile_loadd(2, s.qlo.data() + at, 64);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
+void prepare_block(const AttnArgs& a, const AttnItem& it, int64_t kb, int n, Scratch& s) {
+  const int nq = (n + 31) / 32;
+  for (int j = 0; j < 2 * nq; ++j) {
+    const uint16_t* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = 16 * j + i < n ? attn_bf16::kv_row(a, it, 0, kb + 16 * j + i) : nullptr;
+    for (int st = 0; st < D / 32; ++st) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + 32 * st) : _mm512_setzero_si512();
+      attn_bf16::transpose16(r);
+      uint32_t* dst = s.kt.data() + (j * (D / 32) + st) * 256;
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + 16 * i, r[i]);
+    }
   }
-  _tile_stored(0, s.s.data(), 128);
-  _tile_stored(1, s.s.data() + 16, 128);
+  // V: dword (v[2i][dim], v[2i + 1][dim]) at [step][dim / 16][i][dim % 16]
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int q = 0; q < nq; ++q) {
+    uint32_t* dst = s.vt.data() + q * (D / 16) * 256;
+    for (int i = 0; i < 16; ++i) {
+      const int k0 = 32 * q + 2 * i;
+      const uint16_t* v0 = k0 < n ? attn_bf16::kv_row(a, it, 1, kb + k0) : nullptr;
+      const uint16_t* v1 = k0 + 1 < n ? attn_bf16::kv_row(a, it, 1, kb + k0 + 1) : nullptr;
+      for (int seg = 0; seg < D / 32; ++seg) {
+        const __m512i x = v0 ? _mm512_loadu_si512(v0 + 32 * seg) : _mm512_setzero_si512();
+        const __m512i y = v1 ? _mm512_loadu_si512(v1 + 32 * seg) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + ((2 * seg) * 16 + i) * 16, _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512(dst + ((2 * seg + 1) * 16 + i) * 16, _mm512_permutex2var_epi16(x, hi, y));
+      }
+    }
+  }
 }
 
-// acc rows of block b += P . V, one 16-dim panel (one tile product) at a time: acc = acc * alpha + panel.
+// Scores of row block b against the block's nq 32-key steps into s.s [16][kBlock].
 template <int D>
-void pv(Scratch& s, int64_t b, __mmask16 seen, const float* alpha) {
-  alignas(64) float out[16 * 16];
-  _tile_loadd(6, s.p.data(), 64);
-  for (int c = 0; c < D / 16; ++c) {
-    _tile_zero(5);
-    _tile_loadd(7, s.vt.data() + c * 256, 64);
-    _tile_dpbf16ps(5, 6, 7);
-    _tile_stored(5, out, 64);
-    for (int i = 0; i < 16; ++i) {
-      if (!(seen >> i & 1)) continue;
-      float* acc = s.acc.data() + (16 * b + i) * D + 16 * c;
-      _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_loadu_ps(acc), _mm512_set1_ps(alpha[i]),
-                                            _mm512_load_ps(out + 16 * i)));
+void scores(Scratch& s, int64_t b, int nq) {
+  for (int q = 0; q < nq; ++q) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int st = 0; st < D / 32; ++st) {
+      const int64_t at = (b * (D / 32) + st) * 512;
+      _tile_loadd(2, s.q.data() + at, 64);
+      _tile_loadd(3, s.kt.data() + ((2 * q) * (D / 32) + st) * 256, 64);
+      _tile_loadd(4, s.kt.data() + ((2 * q + 1) * (D / 32) + st) * 256, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
+      _tile_loadd(2, s.qlo.data() + at, 64);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 2, 4);
     }
+    _tile_stored(0, s.s.data() + 32 * q, kBlock * 4);
+    _tile_stored(1, s.s.data() + 32 * q + 16, kBlock * 4);
+  }
+}
+
+// The online-softmax step of row block b on the block at kb (n keys, nq steps of 32): m and l16 updated, bf16(p)
+// written to s.p (zero past each row's last visible key), the rows' acc scaled by alpha = exp(m_old - m_new).
+// Returns false when no row of the block sees a key of it.
+template <int D>
+bool softmax(Scratch& s, int64_t b, int64_t kb, int n, int nq) {
+  bool any = false;
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = 16 * b + i;
+    const int nv = attn_bf16::visible(s, r, kb, n);
+    uint16_t* prow = s.p.data() + i * kBlock;
+    if (nv == 0) {  // p = 0 and alpha = 1: the row's state stays as it is
+      for (int q = 0; q < nq; ++q) _mm512_storeu_si512(prow + 32 * q, _mm512_setzero_si512());
+      continue;
+    }
+    any = true;
+    const float* srow = s.s.data() + i * kBlock;
+    __m512 mx = _mm512_set1_ps(kNegInf);
+    for (int v = 0; 16 * v < nv; ++v) {
+      const int left = nv - 16 * v;
+      mx = _mm512_mask_max_ps(mx, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), mx,
+                              _mm512_loadu_ps(srow + 16 * v));
+    }
+    const float m_old = s.m[r], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
+    // exactly 1 when the max stays, 0 on the row's first keys (m_old = -inf)
+    const float alpha = m_old == m_new ? 1.f : m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
+    s.m[r] = m_new;
+    const __m512 mn = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int q = 0; q < nq; ++q) {
+      __m512 p[2];
+      for (int h = 0; h < 2; ++h) {
+        const int left = nv - (32 * q + 16 * h);
+        const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0);
+        p[h] = _mm512_maskz_mov_ps(k, vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + 32 * q + 16 * h), mn)));
+        sum = _mm512_add_ps(sum, p[h]);
+      }
+      _mm512_storeu_si512(prow + 32 * q, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+    }
+    float* l16 = s.l16.data() + 16 * r;
+    const __m512 al = _mm512_set1_ps(alpha);
+    _mm512_storeu_ps(l16, _mm512_fmadd_ps(_mm512_loadu_ps(l16), al, sum));
+    if (alpha != 1.f && m_old != kNegInf) {  // (acc is still zero before the row's first keys)
+      float* acc = s.acc.data() + r * D;
+      for (int j = 0; j < D; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), al));
+    }
+  }
+  return any;
+}
+
+// acc rows of block b += P . V over the block's nq steps, 4 dim panels (64 dims) at a time in C tiles tmm4..7.
+template <int D>
+void pv(Scratch& s, int64_t b, int nq) {
+  for (int c0 = 0; c0 < D / 16; c0 += 4) {
+    float* acc = s.acc.data() + 16 * b * D + 16 * c0;
+    _tile_loadd(4, acc, D * 4);
+    _tile_loadd(5, acc + 16, D * 4);
+    _tile_loadd(6, acc + 32, D * 4);
+    _tile_loadd(7, acc + 48, D * 4);
+    for (int q = 0; q < nq; ++q) {
+      const uint32_t* v = s.vt.data() + (q * (D / 16) + c0) * 256;
+      _tile_loadd(2, s.p.data() + 32 * q, kBlock * 2);
+      _tile_loadd(3, v, 64);
+      _tile_dpbf16ps(4, 2, 3);
+      _tile_loadd(0, v + 256, 64);
+      _tile_dpbf16ps(5, 2, 0);
+      _tile_loadd(1, v + 512, 64);
+      _tile_dpbf16ps(6, 2, 1);
+      _tile_loadd(3, v + 768, 64);
+      _tile_dpbf16ps(7, 2, 3);
+    }
+    _tile_stored(4, acc, D * 4);
+    _tile_stored(5, acc + 16, D * 4);
+    _tile_stored(6, acc + 32, D * 4);
+    _tile_stored(7, acc + 48, D * 4);
   }
 }
 
@@ -73,11 +182,28 @@ template <int D>
 void run(const AttnArgs& a, const AttnItem& it) {
   thread_local Scratch s;
   attn_bf16::prepare<D, true>(a, it, s);
+  const int64_t g = a.hq / a.hkv, rows = attn_bf16::item_rows(a, it), blocks = (rows + 15) / 16;
+  s.acc.assign(blocks * 16 * D, 0.f);  // whole row blocks: the C tiles load and store 16 rows
+  s.s.resize(16 * kBlock);
+  s.p.resize(16 * kBlock);
+  s.kt.resize(kBlock / 16 * (D / 32) * 256);
+  s.vt.resize(kBlock / 32 * (D / 16) * 256);
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
   _tile_loadconfig(&cfg);
-  attn_bf16::walk<D>(a, it, s, [&](int64_t b) { scores<D>(s, b); },
-                     [&](int64_t b, __mmask16 seen, const float* alpha) { pv<D>(s, b, seen, alpha); });
+  for (int64_t kb = it.k0; kb < it.k1; kb += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, it.k1 - kb)), nq = (n + 31) / 32;
+    const int64_t r0 = std::max<int64_t>(0, kb - it.pos0) * g;  // earlier rows do not see key kb
+    if (r0 >= rows) break;
+    prepare_block<D>(a, it, kb, n, s);
+    for (int64_t b = r0 / 16; b < blocks; ++b) {
+      // the block's rows see keys up to its last row's position: the 32-key steps past it are all masked
+      const int64_t last = s.last[std::min(rows - 1, 16 * b + 15)];
+      const int nb = static_cast<int>(std::clamp<int64_t>(last - kb + 1, 0, n)), nqb = (nb + 31) / 32;
+      scores<D>(s, b, nqb);
+      if (softmax<D>(s, b, kb, nb, nqb)) pv<D>(s, b, nqb);
+    }
+  }
   _tile_release();
   attn_bf16::finish<D>(a, it, s);
 }

@@ -13,6 +13,8 @@
 // change a row's bits (AMX and vdpbf16ps compute each output row from its own A row). Probabilities are rounded
 // to bf16 (about 3 significant digits), as bf16 flash attention does on GPUs; queries too in the vdpbf16ps kernel,
 // while the AMX kernel multiplies q as two bf16 parts (prepare<D, true>: ~16 significant bits).
+// The AMX kernel (attention_amx.cpp) walks whole partitions as one key block instead of tiles of 32 (its own walk
+// over the same buffers and operand layouts: prepare, transpose16, kv_row, visible and finish are shared).
 // Cache element types: kv_row() is the one place that reads a K/V row; an int8/fp8 cache (issue 32) would convert
 // its row to bf16 there (into a scratch row) and keep everything else.
 #pragma once
@@ -43,12 +45,12 @@ inline const uint16_t* kv_row(const AttnArgs& a, const AttnItem& it, int plane, 
 struct Scratch {
   std::vector<uint16_t> q;   // A tiles of bf16(q * scale): [row block][d / 32][16 rows][32]
   std::vector<uint16_t> qlo;  // SplitQ: the rest, bf16(q * scale - float(q)), same layout
-  std::vector<uint32_t> kt;  // K^T tiles of the key tile: [d / 32][2 key halves][16 pairs][16 keys]
-  std::vector<uint32_t> vt;  // V tiles of the key tile: [d / 16 dim panels][16 key pairs][16 dims]
+  std::vector<uint32_t> kt;  // K^T tiles of the key tile: [d / 32][2 key halves][16 pairs][16 keys] (AMX: per block)
+  std::vector<uint32_t> vt;  // V tiles of the key tile: [d / 16 dim panels][16 key pairs][16 dims] (AMX: per block)
   std::vector<float> acc, m, l16;  // per row: [d], max, 16 lane-wise sums
   std::vector<int64_t> last;        // per row: its position (it sees keys <= last)
-  std::vector<uint16_t> p;   // bf16(p) of a row block: an A tile [16 rows][32 keys]
-  std::vector<float> s;      // scores of a row block [16][32], and P . V panels [16][16]
+  std::vector<uint16_t> p;   // bf16(p) of a row block: an A tile [16 rows][32 keys] (AMX: [16][block])
+  std::vector<float> s;      // scores of a row block [16][32] (AMX: [16][block])
 };
 
 // Rows of the item: row r is token t0 + r / g, head kvh * g + r % g; it sees keys <= pos0 + r / g.

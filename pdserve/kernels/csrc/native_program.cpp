@@ -136,10 +136,12 @@ class NativeProgram {
   }
 
   // ids, positions: long [T]; kv_cache [layers, 2, NB, BS, Hkv, D]; the attention metadata of the step (varlen
-  // form, model/attention.py). Returns the recorded output (the final hidden states [T, hidden]).
+  // form, model/attention.py); prompt_rows: the linears' row kinds (uint8 [T], NativeOps.prompt_rows) or none.
+  // Returns the recorded output (the final hidden states [T, hidden]).
   at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_cache,
                  const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_start_loc,
-                 const at::Tensor& seq_lens, const std::optional<at::Tensor>& prompt_lens) const {
+                 const at::Tensor& seq_lens, const std::optional<at::Tensor>& prompt_lens,
+                 const std::optional<at::Tensor>& prompt_rows) const {
     TORCH_CHECK(output_ >= 0, "the program has no output");
     const int64_t t = ids.size(0);
     // The slot buffers stay from run to run (grown to the largest step seen): a fresh [512, 3072] buffer per
@@ -151,13 +153,7 @@ class NativeProgram {
     slots.resize(slot_widths_.size());
     std::vector<at::Tensor> v(num_values_);
     v[0] = ids, v[1] = positions;
-    // the rows' kinds for the linears (packed_weight.h), once per step
-    const std::optional<at::Tensor> kinds =
-        prompt_lens ? std::optional<at::Tensor>(prompt_row_mask(query_start_loc, seq_lens, *prompt_lens))
-                    : std::nullopt;
-    TORCH_CHECK(!kinds || kinds->size(0) == t, "query_start_loc covers ", kinds ? kinds->size(0) : 0, " rows, ids ",
-                t);
-    const Step step{kv_cache, slot_mapping, block_table, query_start_loc, seq_lens, prompt_lens, kinds};
+    const Step step{kv_cache, slot_mapping, block_table, query_start_loc, seq_lens, prompt_lens, prompt_rows};
     for (const Instr& I : instrs_) {
       at::Tensor out;
       if (I.slot >= 0) {
@@ -220,7 +216,7 @@ class NativeProgram {
   struct Step {
     const at::Tensor &kv_cache, &slot_mapping, &block_table, &query_start_loc, &seq_lens;
     const std::optional<at::Tensor>& prompt_lens;
-    const std::optional<at::Tensor>& prompt_rows;  // uint8 [T] (prompt_row_mask) when prompt_lens is given
+    const std::optional<at::Tensor>& prompt_rows;  // uint8 [T]: the linears' row kinds (packed_weight.h), or none
   };
 
   // One instruction; `out` is the slot buffer of an executor-allocated output, and receives the result otherwise.
@@ -279,7 +275,8 @@ void register_native_program(pybind11::module_& m) {
       .def("set_output", &NativeProgram::set_output, py::arg("value"))
       .def("run", &NativeProgram::run, py::arg("ids"), py::arg("positions"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
-           py::arg("prompt_lens") = py::none(), py::call_guard<py::gil_scoped_release>())
+           py::arg("prompt_lens") = py::none(), py::arg("prompt_rows") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_profiling", &NativeProgram::set_profiling, py::arg("on"),
            "time each op kind of the following runs (turning it on resets the totals)")
       .def("op_times", &NativeProgram::op_times, "op kind -> (calls, seconds) since profiling was turned on")
