@@ -384,6 +384,10 @@ class EngineConfig:
         "head), `fp8` = `fp8_e4m3` or `fp8_e5m2` (fp8 codes with the same scales); `auto`: as `dtype`. The one-byte "
         "formats hold ~2x the tokens of bf16 (4x fp32) in the same `kv_cache_memory`")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    kv_cache_prefault: bool = option(
+        True, "while the engine is idle, commit the KV cache's memory a few steps' worth of blocks ahead of the "
+        "blocks in use (the cache is allocated lazily: a never-used block's pages are otherwise zeroed by the OS "
+        "inside the step that first writes it)")
     # scheduler
     max_num_seqs: int = option(64, "most sequences in one step")
     max_num_batched_tokens: int = option(512, "token budget of one step: decodes + prefill chunks")

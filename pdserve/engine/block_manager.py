@@ -73,6 +73,8 @@ class BlockManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}  # request_id -> its block table
         self.req_num_hashed: dict[str, int] = {}  # request_id -> number of its leading blocks hashed
         self.stats = PrefixCacheStats()
+        # never-used blocks leave the free queue in id order: every block below this one has been handed out
+        self.high_water = 0
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -200,6 +202,7 @@ class BlockManager:
 
     def _pop_free(self) -> KVCacheBlock:
         _, blk = self.free_queue.popitem(last=False)  # least recently freed: the LRU victim
+        self.high_water = max(self.high_water, blk.block_id + 1)
         if blk.block_hash is not None:
             self._drop_hash(blk)
         blk.ref_cnt = 1

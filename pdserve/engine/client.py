@@ -416,7 +416,8 @@ class EngineClient:
                         eng.kv_transfer.poll_pins()  # free released / expired KV pins while idle
                     self._observe(StepStats(StepKind.IDLE, 0, 0, 0, 0.0))
                     self._publish(eng)
-                    self._wake.wait(0.5)
+                    more = eng.prefault_kv()  # a few ms of committing KV pages ahead of use, then look again
+                    self._wake.wait(0.0 if more else 0.5)
                     self._wake.clear()
                     continue
                 result = self._step(eng)

@@ -96,6 +96,7 @@ class LLMEngine:
             self._size_kv_cache_from_device(config, *free_total)
         self.num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._prefaulted, self._prefault_stopped = 0, False  # blocks [0, _prefaulted) committed (prefault_kv)
         # PD disaggregation (prefill/decode roles): KV hand-off over a connector
         self.kv_transfer: KVTransfer | None = None
         if config.kv_role != "both":
@@ -235,6 +236,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def prefault_kv(self, max_bytes: int = 16 << 20) -> bool:
+        """Idle work (the serving loop calls it between waits): commit the KV pages of ~`max_bytes` more never-used
+        blocks (a few ms), up to four full steps' worth of blocks past the highest one handed out so far; True
+        while there is more to do. Off with `kv_cache_prefault=False` or where the OS cannot."""
+        if not self.config.kv_cache_prefault or self._prefault_stopped:
+            return False
+        cache = self.runner.kv_cache
+        max_blocks = max(1, max_bytes // (cache.numel() * cache.element_size() // cache.shape[2]))
+        ahead = 4 * -(-self.config.max_num_batched_tokens // self.block_size)
+        target = min(self.num_blocks, self.block_manager.high_water + ahead)
+        if self._prefaulted >= target:
+            return False
+        end = min(target, self._prefaulted + max_blocks)
+        if not self.runner.prefault_blocks(self._prefaulted, end):
+            self._prefault_stopped = True
+            return False
+        self._prefaulted = end
+        return end < target
 
     def close(self) -> None:
         """Stop background parts (the KV connector's threads and sockets)."""

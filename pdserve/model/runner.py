@@ -20,6 +20,7 @@ from pdserve.model.decode_graphs import DecodeGraphRunner
 from pdserve.model.input_batch import InputBatch
 from pdserve.model.inputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.model.kv_cache_dtype import kv_row_elements
+from pdserve.model.kv_prefault import PagePopulator
 from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.lora import LoRAManager
 from pdserve.model.native_ops import select_kernels
@@ -86,6 +87,7 @@ class ModelRunner:
         self._graphs_capture: bool | None = None  # set by enable_decode_graphs
         self._max_num_seqs = max_num_seqs
         self.lora: LoRAManager | None = None  # LoRA adapters (enable_lora)
+        self._populator: PagePopulator | None = None  # prefault_blocks
         self.allocate_kv_cache(num_blocks)
 
     def enable_lora(self, max_loras: int, max_lora_rank: int) -> LoRAManager:
@@ -121,6 +123,21 @@ class ModelRunner:
         self.decode_graphs = None
         if self._graphs_capture is not None:
             self.enable_decode_graphs(self._graphs_capture)
+
+    def prefault_blocks(self, b0: int, b1: int) -> bool:
+        """Commit the KV pages of blocks [b0, b1) in every (layer, K|V) plane ahead of their first write
+        (model/kv_prefault.py); False when the OS cannot (nothing on other devices)."""
+        if self.device.type != "cpu" or b1 <= b0:
+            return self.device.type == "cpu"
+        if self._populator is None:
+            self._populator = PagePopulator()
+        cache = self.kv_cache
+        planes = cache.shape[0] * cache.shape[1]
+        block_bytes = cache[0, 0, 0].numel() * cache.element_size()
+        plane_bytes = cache.shape[2] * block_bytes
+        base = cache.data_ptr()
+        return all(self._populator.populate(base + p * plane_bytes + b0 * block_bytes, (b1 - b0) * block_bytes)
+                   for p in range(planes))
 
     @staticmethod
     def profile_num_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
