@@ -237,16 +237,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def prefault_kv(self, max_bytes: int = 16 << 20) -> bool:
+    def prefault_kv(self, max_bytes: int = 4 << 20) -> bool:
         """Idle work (the serving loop calls it between waits): commit the KV pages of ~`max_bytes` more never-used
-        blocks (a few ms), up to four full steps' worth of blocks past the highest one handed out so far; True
-        while there is more to do. Off with `kv_cache_prefault=False` or where the OS cannot."""
+        blocks (a few ms: a request arriving meanwhile waits that long), up to four full steps' worth of blocks past
+        the highest one handed out so far (those below it were written already); True while there is more to do.
+        Off with `kv_cache_prefault=False` or where the OS cannot."""
         if not self.config.kv_cache_prefault or self._prefault_stopped:
             return False
         cache = self.runner.kv_cache
         max_blocks = max(1, max_bytes // (cache.numel() * cache.element_size() // cache.shape[2]))
         ahead = 4 * -(-self.config.max_num_batched_tokens // self.block_size)
-        target = min(self.num_blocks, self.block_manager.high_water + ahead)
+        high = self.block_manager.high_water
+        target = min(self.num_blocks, high + ahead)
+        self._prefaulted = max(self._prefaulted, high)
         if self._prefaulted >= target:
             return False
         end = min(target, self._prefaulted + max_blocks)
