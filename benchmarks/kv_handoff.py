@@ -5,7 +5,8 @@ into a decode instance's, over loopback, with no engine around it.
 
 Two connectors in one process, each with its own cache of the shape's layout (random contents): the prefill side
 pins the blocks of one request, the decode side pulls them into other block ids (one LoadJob, as the engine starts
-it) and the benchmark checks every byte arrived. Reported per prompt length: the bytes of KV moved, the pull's wall
+it; in id order, as a request's fresh blocks mostly are, or reversed with --scattered: one frame per block) and the
+benchmark checks every byte arrived. Reported per prompt length: the bytes of KV moved, the pull's wall
 time (median of --reps) and the rate, next to a plain in-memory copy of the same bytes (the memory-speed floor).
 """
 
@@ -32,9 +33,12 @@ def cache(shape: str, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(layers, 2, blocks, BLOCK, heads, dim).to(dtype)
 
 
-def pull_once(src: ZmqConnector, dst: ZmqConnector, n: int, rid: str) -> float:
+def pull_once(src: ZmqConnector, dst: ZmqConnector, n: int, rid: str, scattered: bool) -> float:
     remote = list(range(1, n + 1))
-    local = list(range(n + 1, 2 * n + 1))[::-1]  # other ids, another order: the copy is a real scatter
+    # other ids: in order (a request's fresh blocks: one frame per layer's K and V) or reversed (one frame per block)
+    local = list(range(n + 1, 2 * n + 1))
+    if scattered:
+        local.reverse()
     src.pins.add(rid, Pin(remote, time.monotonic() + 60, n * BLOCK))
     params = {"remote_host": "127.0.0.1", "remote_port": src.port, "remote_request_id": rid}
     t0 = time.perf_counter()
@@ -56,10 +60,12 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,4096")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--scattered", action="store_true", help="local blocks in reverse order: every block a frame")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; shape {args.shape} {SHAPES[args.shape]}, {args.dtype} KV")
+          f"threads; shape {args.shape} {SHAPES[args.shape]}, {args.dtype} KV, local blocks "
+          f"{'reversed' if args.scattered else 'in order'}")
     print("| prompt tokens | KV MiB | pull ms (median) | GB/s | memcpy GB/s |")
     print("|---:|---:|---:|---:|---:|")
     for tokens in (int(t) for t in args.tokens.split(",")):
@@ -70,14 +76,15 @@ def main() -> None:
         src.start()
         dst.start()
         try:
-            pull_once(src, dst, n, "warm")
-            times = [pull_once(src, dst, n, f"r{i}") for i in range(args.reps)]
+            pull_once(src, dst, n, "warm", args.scattered)
+            times = [pull_once(src, dst, n, f"r{i}", args.scattered) for i in range(args.reps)]
         finally:
             src.close()
             dst.close()
         nbytes = src_cache[:, :, :n].numel() * src_cache.element_size()
         block = src_cache[:, :, 1:n + 1].contiguous()
         out = torch.empty_like(block)
+        out.copy_(block)  # out's pages committed: the floor is the copy, not the first touch
         t0 = time.perf_counter()
         out.copy_(block)
         copy_s = time.perf_counter() - t0

@@ -1,15 +1,20 @@
-"""ZeroMQ KV connector: a ROUTER side channel on the KV port, zero-copy multipart frames, one frame per layer.
+"""ZeroMQ KV connector: a ROUTER side channel on the KV port, zero-copy multipart frames straight from and into the
+KV caches.
 
 Messages (multipart; the first frame names the operation, the second is JSON):
 
-    read     {request_id, block_ids, layout} -> [{ok, num_blocks} | {ok: false, error}, layer 0, ..., layer L-1]
-             each layer frame is kv_cache[l, :, block_ids] ([2, n, block_size, kv_heads, head_dim]), contiguous
+    read     {request_id, runs: [[first remote block, count], ...], layout}
+             -> [{ok, num_blocks} | {ok: false, error}, then per run, per layer, K then V: one frame]
+             a frame is kv_cache[layer, kv, first:first + count] ([count, block_size, kv_heads, row]) as stored bytes
     release  {request_id}                    -> [{ok}]   the decode side is done with the pin
 
-The server gathers the pinned blocks (one index_select per layer, under the pin lock so the pin cannot expire
-mid-read) and sends them with `copy=False`: libzmq reads the gathered tensors' memory directly. The loader (a
-small thread pool; one DEALER socket per pull) copies each layer frame into the freshly allocated local blocks
-with one `index_copy_`. Every pull ends with a `release`, whether it worked or not.
+The loader splits the job's blocks into runs that are consecutive on both sides (a request's blocks mostly are:
+the block manager hands out never-used blocks in id order), so a frame is one contiguous piece of each cache. The
+server sends views of its cache with `copy=False` (libzmq reads the pinned blocks' memory directly; the read
+extends the pin by the transfer timeout, so the blocks stay put while the frames go out) and the loader receives
+each frame with `recv_into` straight into its local blocks: the bytes cross the loopback or the network once, with no
+gather on one side and no staging copy on the other (a cache on a GPU is staged through host memory). Every pull
+ends with a `release`, whether it worked or not.
 
 Loader capacity: at most `LOAD_WORKERS` pulls run at once and later ones queue (FIFO) behind them; a peer that
 does not complete the ZeroMQ handshake within `CONNECT_TIMEOUT_S` fails the pull at once, so a dead or foreign
@@ -23,7 +28,6 @@ import json
 import logging
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -120,16 +124,17 @@ class ZmqConnector(KVConnector):
         return [encode_json({"ok": False, "error": f"unknown operation {op!r}"})]
 
     def _serve_read(self, msg: dict[str, Any]) -> list[Any]:
-        ids = [int(b) for b in msg["block_ids"]]
+        runs = [(int(first), int(count)) for first, count in msg["runs"]]
+        ids = [first + i for first, count in runs for i in range(count)]
         err = check_compatible(self.layout, msg.get("layout", {}))
-        with self.pins.lock:  # the engine thread cannot free the pin while its blocks are gathered
-            err = err or self.pins.check(str(msg["request_id"]), ids)
-            if err is not None:
-                return [encode_json({"ok": False, "error": err})]
-            idx = torch.tensor(ids, dtype=torch.long, device=self.kv_cache.device)
-            layers = [self.kv_cache[layer].index_select(1, idx) for layer in range(self.layout["num_layers"])]
-        # a cache on a GPU is staged through host memory (.cpu() is a no-op for a host cache)
-        frames = [memoryview(t.cpu().view(torch.uint8).numpy().reshape(-1)) for t in layers]  # type: ignore[arg-type]
+        if err is None and any(count < 1 for _, count in runs):
+            err = "every run must hold at least one block"
+        # the frames are read after this returns: the pin must outlive the transfer
+        err = err or self.pins.check(str(msg["request_id"]), ids, extend_to=time.monotonic() + self.timeout)
+        if err is not None:
+            return [encode_json({"ok": False, "error": err})]
+        frames = [block_bytes(self.kv_cache[layer, kv, first:first + count]) for first, count in runs
+                  for layer in range(self.layout["num_layers"]) for kv in (0, 1)]
         return [encode_json({"ok": True, "num_blocks": len(ids)}), *frames]
 
     # ---- loader side (decode) ------------------------------------------------------------------------------
@@ -154,31 +159,40 @@ class ZmqConnector(KVConnector):
             self.send_release(job.params)
 
     def _pull(self, job: LoadJob) -> tuple[int, bool]:
-        """Copy the job's blocks into the local cache; returns (bytes moved, whether a release must follow)."""
-        _, frames = self._request(job.params, b"read", {"request_id": job.params["remote_request_id"],
-                                                       "block_ids": job.remote_block_ids, "layout": self.layout},
-                                  job.deadline)
-        lay = self.layout
-        n = len(job.local_block_ids)
-        if len(frames) != lay["num_layers"]:
-            raise KVTransferError(f"expected {lay['num_layers']} layer frames, got {len(frames)}")
-        shape = (2, n, lay["block_size"], lay["kv_heads"], lay["head_dim"])
-        expect = 2 * n * lay["block_size"] * lay["kv_heads"] * lay["head_dim"] * lay["element_size"]
-        idx = torch.tensor(job.local_block_ids, dtype=torch.long, device=self.kv_cache.device)
-        total = 0
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            for layer, frame in enumerate(frames):
-                buf = frame.buffer
-                if buf.nbytes != expect:
-                    raise KVTransferError(f"layer {layer}: expected {expect} bytes, got {buf.nbytes}")
-                dst = self.kv_cache[layer]
-                if dst.element_size() == 1:  # int8/fp8 rows and their scales as bytes (no fp8 index_copy_ on cpu)
-                    dst = dst.view(torch.uint8)
-                src = torch.frombuffer(buf, dtype=torch.uint8).view(dst.dtype).view(shape)
-                dst.index_copy_(1, idx, src.to(dst.device))
-                total += buf.nbytes
+        """Receive the job's blocks into the local cache; returns (bytes moved, whether a release must follow)."""
+        triples = block_runs(job.remote_block_ids, job.local_block_ids)
+        msg = {"request_id": job.params["remote_request_id"], "runs": [[r, n] for r, _, n in triples],
+               "layout": self.layout}
+        sock, addr = self._connect(job.params, job.deadline)
+        try:
+            self._send_and_wait(sock, addr, b"read", msg, job.deadline)
+            header = json.loads(sock.recv())
+            if not header.get("ok"):
+                raise KVTransferError(f"{addr} refused read: {header.get('error')}")
+            total = 0
+            for _, local, n in triples:
+                for layer in range(self.layout["num_layers"]):
+                    for kv in (0, 1):
+                        total += self._receive_frame(sock, layer, kv, local, n)
+            if sock.getsockopt(zmq.RCVMORE):
+                raise KVTransferError(f"{addr} sent more frames than the {len(triples)} runs need")
+        finally:
+            sock.close(0)
         return total, True
+
+    def _receive_frame(self, sock: zmq.Socket, layer: int, kv: int, local: int, n: int) -> int:
+        """The next frame into blocks [local, local + n) of one layer's K or V; returns its bytes."""
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise KVTransferError(f"the reply ended before layer {layer}'s blocks {local}..{local + n - 1}")
+        dst = self.kv_cache[layer, kv, local:local + n]
+        host = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
+        buf = block_bytes(host)
+        got = sock.recv_into(buf)
+        if got != buf.nbytes:
+            raise KVTransferError(f"layer {layer}: expected {buf.nbytes} bytes, got {got}")
+        if host is not dst:
+            dst.copy_(host)
+        return got
 
     def _release_quietly(self, params: dict[str, Any]) -> None:
         try:
@@ -188,9 +202,8 @@ class ZmqConnector(KVConnector):
             logger.warning("could not release the KV pin of %s on %s:%s: %s", params.get("remote_request_id"),
                            params.get("remote_host"), params.get("remote_port"), exc)
 
-    def _request(self, params: dict[str, Any], op: bytes, msg: dict[str, Any],
-                 deadline: float) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """One request/reply on a fresh DEALER socket to the remote side channel."""
+    def _connect(self, params: dict[str, Any], deadline: float) -> tuple[zmq.Socket, str]:
+        """A fresh DEALER socket connected to the remote side channel, once its handshake is done."""
         addr = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -200,10 +213,24 @@ class ZmqConnector(KVConnector):
             connect_ms = max(int(min(CONNECT_TIMEOUT_S, deadline - time.monotonic()) * 1000), 1)
             if not sock.poll(connect_ms, zmq.POLLOUT):
                 raise TimeoutError(f"no KV side channel answered at {addr} within {connect_ms} ms")
-            sock.send_multipart([op, encode_json(msg)])
-            wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-            if not sock.poll(wait_ms, zmq.POLLIN):
-                raise TimeoutError(f"no answer to {op.decode()} from {addr} within the KV transfer timeout")
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock, addr
+
+    @staticmethod
+    def _send_and_wait(sock: zmq.Socket, addr: str, op: bytes, msg: dict[str, Any], deadline: float) -> None:
+        sock.send_multipart([op, encode_json(msg)])
+        wait_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+        if not sock.poll(wait_ms, zmq.POLLIN):
+            raise TimeoutError(f"no answer to {op.decode()} from {addr} within the KV transfer timeout")
+
+    def _request(self, params: dict[str, Any], op: bytes, msg: dict[str, Any],
+                 deadline: float) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        """One request/reply on a fresh DEALER socket to the remote side channel."""
+        sock, addr = self._connect(params, deadline)
+        try:
+            self._send_and_wait(sock, addr, op, msg, deadline)
             frames = sock.recv_multipart(copy=False)
         finally:
             sock.close(0)
@@ -211,6 +238,24 @@ class ZmqConnector(KVConnector):
         if not header.get("ok"):
             raise KVTransferError(f"{addr} refused {op.decode()}: {header.get('error')}")
         return header, frames[1:]
+
+
+def block_runs(remote: list[int], local: list[int]) -> list[tuple[int, int, int]]:
+    """(first remote block, first local block, count) of the maximal runs where both ids go up by one."""
+    out: list[tuple[int, int, int]] = []
+    for r, loc in zip(remote, local, strict=True):
+        if out and out[-1][0] + out[-1][2] == r and out[-1][1] + out[-1][2] == loc:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((r, loc, 1))
+    return out
+
+
+def block_bytes(blocks: torch.Tensor) -> memoryview:
+    """A contiguous piece of a host cache (consecutive blocks of one layer's K or V) as its stored bytes (writable
+    when the tensor is); a GPU cache's piece is copied to the host first."""
+    host = blocks.cpu() if blocks.device.type != "cpu" else blocks
+    return memoryview(host.contiguous().view(torch.uint8).numpy().reshape(-1))  # type: ignore[arg-type]
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:
