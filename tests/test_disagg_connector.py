@@ -362,3 +362,44 @@ def test_peer_that_never_answers_fails_fast(make_engine: Callable[..., LLMEngine
         assert dec.block_manager.is_at_baseline()
     finally:
         rec.close()
+
+
+def test_block_runs_follow_both_sides() -> None:
+    from pdserve.kv_transfer.zmq_connector import block_runs
+
+    assert block_runs([4, 5, 6, 9, 10], [20, 21, 22, 23, 24]) == [(4, 20, 3), (9, 23, 2)]
+    assert block_runs([1, 2, 3], [7, 6, 5]) == [(1, 7, 1), (2, 6, 1), (3, 5, 1)]
+    assert block_runs([], []) == []
+
+
+def test_pull_into_scattered_and_consecutive_blocks_moves_every_byte() -> None:
+    """One pull whose local blocks are partly consecutive and partly not: each run arrives as its own frames,
+    straight into the right blocks; the blocks around them stay as they were; a read of unpinned blocks is
+    refused and leaves the local cache alone."""
+    import torch
+
+    from pdserve.kv_transfer.connector import KVTransferError, LoadJob, Pin, PinTable
+    from pdserve.kv_transfer.zmq_connector import ZmqConnector
+
+    src_cache = torch.randn(2, 2, 12, 4, 2, 8).to(torch.bfloat16)
+    dst_cache = torch.randn(2, 2, 12, 4, 2, 8).to(torch.bfloat16)
+    before = dst_cache.clone()
+    src = ZmqConnector("p", src_cache, "127.0.0.1", 0, PinTable(), 10.0)
+    dst = ZmqConnector("d", dst_cache, "127.0.0.1", 0, PinTable(), 10.0)
+    src.start()
+    dst.start()
+    try:
+        remote, local = [2, 3, 4, 7, 8], [5, 6, 7, 1, 0]
+        src.pins.add("r", Pin(remote, time.monotonic() + 10, 20))
+        params = {"remote_host": "127.0.0.1", "remote_port": src.port, "remote_request_id": "r"}
+        nbytes, _ = dst._pull(LoadJob("r", local, remote, params, time.monotonic() + 10))
+        assert nbytes == src_cache[:, :, remote].numel() * 2
+        assert torch.equal(dst_cache[:, :, local], src_cache[:, :, remote])
+        others = [b for b in range(12) if b not in local]
+        assert torch.equal(dst_cache[:, :, others], before[:, :, others])
+        with pytest.raises(KVTransferError, match="not all pinned"):
+            dst._pull(LoadJob("r", [9], [10], params, time.monotonic() + 10))
+        assert torch.equal(dst_cache[:, :, 9], before[:, :, 9])
+    finally:
+        src.close()
+        dst.close()
