@@ -4,6 +4,7 @@ nothing with `kv_cache_prefault=False`. Page faults are counted with getrusage (
 
 from __future__ import annotations
 
+import mmap
 import resource
 import sys
 from typing import Any
@@ -27,10 +28,15 @@ def populate_available() -> bool:
     return PagePopulator().populate(t.data_ptr(), t.numel())
 
 
+def fresh_pages(nbytes: int) -> torch.Tensor:
+    """An anonymous mapping of its own: never-touched pages (a heap buffer may reuse memory a test touched)."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
 def test_populated_pages_take_no_fault_and_keep_their_contents() -> None:
     if not populate_available():
         pytest.skip("this kernel refuses MADV_POPULATE_WRITE (before Linux 5.14)")
-    lazy, ahead = lazy_zeros((32 << 20,), torch.uint8), lazy_zeros((32 << 20,), torch.uint8)
+    lazy, ahead = fresh_pages(32 << 20), fresh_pages(32 << 20)
     ahead[5000:5010] = 7  # a page already written: populate must not touch its bytes
     assert PagePopulator().populate(ahead.data_ptr() + 1, ahead.numel() - 1)  # unaligned: widened to pages
     f0 = minor_faults()
