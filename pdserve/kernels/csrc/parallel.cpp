@@ -3,8 +3,9 @@
 // One job at a time (a second concurrent caller, or a call from inside a chunk, runs its loop inline). The job's
 // state is one 64-bit atomic: epoch (high 32 bits, +1 per job) and the next unclaimed chunk (low 32). A thread
 // claims chunk i of job e by a CAS from (e, i) to (e, i + 1) with i < nchunks; a successful claim proves the job's
-// fields it read after seeing epoch e belong to job e (they are rewritten only after every chunk of e was claimed
-// and finished, and the epoch moves on). `done_` counts finished chunks of the current job; the caller returns
+// fields it read after seeing epoch e belong to job e (the next caller first closes e, setting its chunk index to
+// kClosed, and only then rewrites the fields and moves the epoch on, so a claim of e that read the next job's
+// fields fails its CAS). `done_` counts finished chunks of the current job; the caller returns
 // when it reaches nchunks. Workers spin briefly after a job (the next op of a step follows within microseconds),
 // then sleep on a futex; the caller wakes sleepers but never waits for a worker that claimed nothing. Waiting for
 // a claimed chunk, the caller spins briefly, then sleeps on `done_seq_`, which the last chunk's thread bumps.
@@ -22,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -79,6 +81,7 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
 
 class Pool {
  public:
+  static constexpr uint64_t kClosed = 0xffffffffu;  // chunk index of a finished job: no chunk is left
   void run(int64_t begin, int64_t chunk, int64_t nchunks, int64_t end, ChunkFn fn, const void* ctx,
            int64_t threads) {
     std::unique_lock<std::mutex> lock(call_mu_, std::try_to_lock);
@@ -87,6 +90,12 @@ class Pool {
       return;
     }
     grow(threads - 1);
+    // Close the previous job before its fields change: a worker that read the old epoch's state and then this
+    // job's nchunks_ would otherwise see an unclaimed chunk, claim it under the old epoch with this job's fields,
+    // and count it into this job's done_ (so this call could return while a chunk still ran on its frame). After
+    // this no chunk index of the old epoch is below any nchunks_, and a claim read before it fails its exchange.
+    for (uint64_t cur = state_.load(); !state_.compare_exchange_weak(cur, cur | kClosed);) {
+    }
     fn_.store(fn), ctx_.store(ctx), begin_.store(begin), chunk_.store(chunk), end_.store(end);
     nchunks_.store(nchunks), max_workers_.store(threads - 1);
     done_.store(0);
@@ -260,11 +269,46 @@ std::vector<std::tuple<int64_t, int64_t, bool>> parallel_chunks(int64_t begin, i
   return out;
 }
 
+// Tests: `loops` parallel loops back to back, alternating few and many chunks (the pattern of a step's ops), each
+// chunk counted in a record that outlives its loop; returns the violations: a chunk run twice or never, or run after
+// its loop returned.
+int64_t parallel_race_check(int64_t loops) {
+  struct Record {
+    std::atomic<int> counts[64];
+    std::atomic<bool> returned{false};
+    std::atomic<int> late{0};
+  };
+  std::vector<std::unique_ptr<Record>> records;
+  for (int64_t l = 0; l < loops; ++l) {
+    records.push_back(std::make_unique<Record>());
+    Record* r = records.back().get();
+    for (auto& c : r->counts) c.store(0);
+    const int64_t n = (l % 2 == 0) ? 2 : 64;  // grain 1: n chunks where the thread count allows
+    parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        if (r->returned.load()) r->late.fetch_add(1);
+        r->counts[i].fetch_add(1);
+      }
+    });
+    r->returned.store(true);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a chunk still running late shows up meanwhile
+  int64_t bad = 0;
+  for (int64_t l = 0; l < loops; ++l) {
+    const int64_t n = (l % 2 == 0) ? 2 : 64;
+    bad += records[l]->late.load();
+    for (int64_t i = 0; i < n; ++i) bad += records[l]->counts[i].load() != 1;
+  }
+  return bad;
+}
+
 void register_parallel(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("parallel_chunks", &parallel_chunks, py::arg("begin"), py::arg("end"), py::arg("grain"),
         py::arg("throw_at") = -1, py::arg("wait_for_worker_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
         "run one parallel loop; the chunks it ran as (begin, end, on the calling thread), sorted");
+  m.def("parallel_race_check", &parallel_race_check, py::arg("loops"), py::call_guard<py::gil_scoped_release>(),
+        "tests: violations (chunks run twice, never, or after their loop returned) over `loops` loops back to back");
   m.def("set_parallel_workers_paused", [](bool paused) { g_workers_paused.store(paused); }, py::arg("paused"),
         "tests: the pool's workers claim no chunks (loops must still finish, on the calling thread)");
   m.def("parallel_backend", [] { return use_omp() ? "omp" : "pool"; },
