@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from pdserve.bench.diagnose import (
     find_knee,
     write_report,
 )
+from pdserve.bench.diagnose.deployment import PDRules, PDVerdict, ServerFacts, facts_from_server, pd_advice
 from pdserve.launch import ServerProc, start_server
 
 TH = Thresholds()
@@ -59,6 +61,50 @@ def decode_run(out: int, itl: float) -> RunStats:
 
 
 HEALTHY_B = [decode_run(128, 20.0), decode_run(512, 21.0), decode_run(2048, 23.0)]
+
+
+# ---- PD or colocated --------------------------------------------------------------------------------------------
+ROOMY = ServerFacts(cpus=32, threads=8, kv_bytes_per_token=100_000)  # 128 tokens: 12.8 MB, 12.8 ms at 1 GB/s
+
+
+def test_pd_pays_with_a_stretched_tail_spare_cores_and_a_cheap_handoff() -> None:
+    sweep = [level(1, 60.0, 600.0, prefill=100.0), level(32, 200.0, 3000.0, itl=30.0, itl_p99=150.0)]
+    adv = pd_advice(sweep, ROOMY)
+    assert adv.verdict == PDVerdict.PAYS, adv.text
+    assert adv.numbers["itl_p99_over_p50"] == 5.0 and adv.numbers["handoff_ms"] == 12.8
+    assert adv.numbers["prefill_ms"] == 100.0 and adv.numbers["rate_source"] == "assumed"
+
+
+def test_colocated_wins_and_says_which_condition_failed() -> None:
+    stretched = [level(1, 60.0, 600.0, prefill=100.0), level(32, 200.0, 3000.0, itl=30.0, itl_p99=150.0)]
+    flat = [level(1, 60.0, 600.0, prefill=100.0), level(32, 200.0, 3000.0, itl=30.0, itl_p99=45.0)]
+    two_cores = ServerFacts(cpus=2, threads=2, kv_bytes_per_token=100_000)
+    big_kv = ServerFacts(cpus=32, threads=8, kv_bytes_per_token=1_000_000)  # 128 ms per hand-off
+    cases = [(flat, ROOMY, "little to win"), (stretched, two_cores, "no cores to split"),
+             (stretched, big_kv, "the hand-off costs too much")]
+    for sweep, facts, reason in cases:
+        adv = pd_advice(sweep, facts)
+        assert adv.verdict == PDVerdict.COLOCATED and reason in adv.text, adv.text
+        assert adv.text.count(";") == 0  # only the failing condition is named
+    # a faster hand-off (the server's own measurement, or a better link) turns the last case around
+    fast = ServerFacts(cpus=32, threads=8, kv_bytes_per_token=1_000_000, handoff_bytes_per_s=10e9)
+    assert pd_advice(stretched, fast).verdict == PDVerdict.PAYS
+    assert pd_advice(stretched, big_kv, PDRules(handoff_gbps=10.0)).verdict == PDVerdict.PAYS
+
+
+def test_pd_advice_undecided_names_what_is_missing() -> None:
+    adv = pd_advice([level(1, 60.0, 600.0)], ServerFacts(cpus=4, threads=None, kv_bytes_per_token=None))
+    assert adv.verdict == PDVerdict.UNDECIDED
+    assert "compute threads" in adv.text and "KV bytes per token" in adv.text and "CPU count" not in adv.text
+    assert pd_advice([], ROOMY).verdict == PDVerdict.UNDECIDED
+
+
+def test_server_facts_from_version_models_and_metrics() -> None:
+    facts = facts_from_server({"machine": {"cpus": 16, "threads": 4}},
+                              {"kv_cache": {"dtype": "bfloat16", "bytes_per_token": 92160, "role": "decode"}},
+                              {"pdserve:kv_transfer_bytes_total": 3e9, "pdserve:kv_transfer_seconds_sum": 2.0})
+    assert facts == ServerFacts(16, 4, 92160, "decode", 1.5e9)
+    assert facts_from_server({}, {}, None) == ServerFacts()
 
 
 # ---- knee detection ----------------------------------------------------------------------------------------------
@@ -326,6 +372,12 @@ def test_planted_tiny_kv_pool_is_kv_capacity_bound(tmp_path: Path) -> None:
     at_knee = res.sweep[-1]
     assert (at_knee.preemptions or 0) > 0 or (at_knee.kv_usage_peak or 0) >= 0.9
     assert all(not r.preemptions for r in res.sweep[:-2])  # 1 and 2 sequences fit easily
+    # the PD advice read the real server's facts: its CPUs, its 2 threads, the fp32 KV of the default model
+    assert res.deployment is not None and res.deployment.verdict != PDVerdict.UNDECIDED, res.deployment
+    n = res.deployment.numbers
+    assert n["cpus"] == len(os.sched_getaffinity(0)) and n["threads"] == 2 and n["rate_source"] == "assumed"
+    assert res.evidence["deployment"]["verdict"] == res.deployment.verdict.value
+    assert "## Deployment: PD disaggregation or colocated" in (res.report_path or Path()).read_text(encoding="utf-8")
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -358,6 +359,13 @@ def test_single_model_server_has_no_admin_api(tmp_path: Path, tiny_dir: Path) ->
         assert m["id"] == str(tiny_dir) and m["state"] == "loaded" and m["version"] is None
         # a float checkpoint at --dtype float32: every matrix stored as float32, whatever the kernels
         assert list(m["quantization"]) == ["F32"] and m["quantization"]["F32"] > 0
+        # the KV a token holds over every layer (fp32 at --dtype float32): 2 (K, V) x layers x KV heads x head_dim x 4
+        cfg = json.loads((tiny_dir / "config.json").read_text(encoding="utf-8"))
+        per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (
+            cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+        assert m["kv_cache"] == {"dtype": "float32", "bytes_per_token": per_token, "role": "both"}
+        machine = get(srv, "/version").json()["machine"]
+        assert machine["cpus"] == len(os.sched_getaffinity(0)) and machine["threads"] >= 1
         c = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert c.status_code == 200 and c.headers[HEADER] == f"{tiny_dir}@none"
     finally:

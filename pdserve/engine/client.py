@@ -87,6 +87,8 @@ class ModelInfo:
     device: DeviceSpec | None  # the peaks the live roofline measures MFU/MBU against (None: unknown)
     peak_flops: float
     weight_formats: dict[str, int] = field(default_factory=dict)  # matrices per stored type: {"Q4_K": 112, "F32": 1}
+    kv_cache_dtype: str = ""  # how the KV cache stores K/V: float32 | bfloat16 | int8 | float8_e4m3fn | float8_e5m2
+    kv_bytes_per_token: int = 0  # KV bytes one token holds over every layer (what a PD hand-off moves)
 
 
 class StatLogger(Protocol):
@@ -160,7 +162,8 @@ class EngineClient:
             engine.config.model or engine.model_name, engine.max_model_len, engine.arch.vocab_size,
             engine.arch.hidden_size, str(engine.config.torch_dtype).removeprefix("torch."), engine.kernels,
             engine.config.kv_role, kv.engine_id if kv is not None else None, engine.spec is not None, roof.device,
-            roof.peak_flops, stored_types(engine.runner.model))
+            roof.peak_flops, stored_types(engine.runner.model), engine.config.kv_storage,
+            engine.arch.kv_bytes_per_token(engine.config.kv_storage))
 
     @classmethod
     def build(cls, config: EngineConfig, engine_thread: EngineThread, device_peaks: DeviceSpec | None = None,

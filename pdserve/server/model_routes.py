@@ -6,6 +6,7 @@ commit when known, torch, Python, the kernels each model runs)."""
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -26,7 +27,10 @@ def model_entry(m: ServedModel, aliases: list[str]) -> dict[str, Any]:
                              "state": m.state, "version": m.version, "config_hash": m.config_hash,
                              "aliases": aliases, "max_model_len": m.max_model_len}
     if m.client is not None:  # loaded: how its weight matrices are stored, by type (GGUF names; float dtypes)
-        entry["quantization"] = m.client.model_info.weight_formats
+        info = m.client.model_info
+        entry["quantization"] = info.weight_formats
+        entry["kv_cache"] = {"dtype": info.kv_cache_dtype, "bytes_per_token": info.kv_bytes_per_token,
+                             "role": info.kv_role}
     if m.state == "loading":
         entry["progress"] = round(m.progress, 3)
     if m.error is not None:
@@ -102,4 +106,6 @@ async def version(raw: Request) -> dict[str, Any]:
     registry: ModelRegistry = raw.app.state.registry
     return {"pdserve": pdserve.__version__, "commit": git_commit(), "torch": torch.__version__,
             "python": platform.python_version(),
-            "kernels": {m.name: m.kernels for m in registry.models() if m.kernels is not None}}
+            "kernels": {m.name: m.kernels for m in registry.models() if m.kernels is not None},
+            # what `pdserve diagnose` weighs PD against colocated by: usable CPUs and the compute threads
+            "machine": {"cpus": len(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}}

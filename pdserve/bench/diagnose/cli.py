@@ -47,6 +47,9 @@ def add_diagnose_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", dest="out_dir", default=None, help="report directory (default ./diagnose-<date>)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT above this is high")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT above this is high")
+    p.add_argument("--handoff-gbps", type=float, default=d.handoff_gbps,
+                   help="KV hand-off rate (GB/s) the PD-or-colocated advice assumes when the server has measured "
+                        "none (a PD decode instance reports its own)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
     p.set_defaults(func=run_diagnose_cli)
@@ -68,5 +71,7 @@ def run_diagnose_cli(args: argparse.Namespace) -> int:
         print(f"pdserve diagnose: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(result.verdict_lines()))
+    if result.deployment is not None:
+        print(f"Deployment: {result.deployment.text}")
     print(f"report: {result.report_path}", flush=True)
     return 0

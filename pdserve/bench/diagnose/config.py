@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pdserve.bench.config import COMPLETIONS_ENDPOINT, BenchError
+from pdserve.bench.diagnose.deployment import PDRules
 from pdserve.bench.diagnose.rules import Thresholds
 
 EXPERIMENTS = ("a", "b", "c")  # prompt shapes, output lengths, concurrency sweep
@@ -41,6 +42,11 @@ class DiagnoseConfig:
     rules: Thresholds = field(default_factory=Thresholds)  # the judging thresholds; the SLOs above override its
     seed: int = 0
     request_timeout: float = 600.0
+    handoff_gbps: float = PDRules.handoff_gbps  # PD hand-off rate assumed when the server measured none
+
+    @property
+    def pd_rules(self) -> PDRules:
+        return PDRules(handoff_gbps=self.handoff_gbps)
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -55,6 +61,8 @@ class DiagnoseConfig:
         self.concurrency_levels = tuple(sorted(set(self.concurrency_levels)))
         if not self.shape_pieces or min(self.shape_pieces) < 1:
             raise BenchError("shape_pieces must be positive")
+        if not self.handoff_gbps > 0:
+            raise BenchError(f"--handoff-gbps must be > 0, got {self.handoff_gbps}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(self, name)
             if v is not None and not v > 0:

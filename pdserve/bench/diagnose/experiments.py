@@ -28,6 +28,7 @@ from typing import Any
 from pdserve.bench.client import Clock
 from pdserve.bench.config import COMPLETIONS_ENDPOINT, BenchConfig
 from pdserve.bench.diagnose.config import DiagnoseConfig
+from pdserve.bench.diagnose.deployment import ServerFacts, facts_from_server, pd_advice
 from pdserve.bench.diagnose.report import DiagnoseResult, build_result, write_report
 from pdserve.bench.diagnose.stats import RunStats, stats_from_result
 
@@ -102,8 +103,8 @@ class _Session:
                     pass
 
 
-async def _server_info(cfg: DiagnoseConfig) -> tuple[str, int | None]:
-    """(model, max_model_len) from GET /v1/models."""
+async def _server_info(cfg: DiagnoseConfig) -> tuple[str, int | None, dict[str, Any], dict[str, Any]]:
+    """(model, max_model_len, its GET /v1/models entry, GET /version) ({} where the server has none)."""
     import httpx
 
     from pdserve.bench.runner import discover_model
@@ -111,13 +112,29 @@ async def _server_info(cfg: DiagnoseConfig) -> tuple[str, int | None]:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     async with httpx.AsyncClient(headers=headers) as http:
         model = cfg.model or await discover_model(http, cfg.base_url)
+        entry: dict[str, Any] = {}
+        version: dict[str, Any] = {}
         try:
             data = (await http.get(cfg.base_url + "/v1/models", timeout=30.0)).json().get("data") or []
-            entry: dict[str, Any] = next((d for d in data if d.get("id") == model), {})
-            max_len = entry.get("max_model_len")
+            entry = next((d for d in data if d.get("id") == model), {})
+            resp = await http.get(cfg.base_url + "/version", timeout=30.0)
+            version = resp.json() if resp.status_code == 200 else {}
         except (httpx.HTTPError, ValueError, AttributeError):
-            max_len = None
-    return model, int(max_len) if max_len else None
+            pass
+    max_len = entry.get("max_model_len") if isinstance(entry, dict) else None
+    return model, int(max_len) if max_len else None, entry, version if isinstance(version, dict) else {}
+
+
+async def _facts(cfg: DiagnoseConfig, entry: dict[str, Any], version: dict[str, Any]) -> ServerFacts:
+    """The server's facts for the PD advice; its /metrics read after the runs (hand-offs they caused count)."""
+    import httpx
+
+    from pdserve.bench.server_metrics import scrape
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    async with httpx.AsyncClient(headers=headers) as http:
+        s = await scrape(http, cfg.base_url)
+    return facts_from_server(version, entry, s.values if s is not None else None)
 
 
 async def run_shapes(s: _Session) -> list[RunStats]:
@@ -161,7 +178,7 @@ async def diagnose(cfg: DiagnoseConfig, clock: Clock = time.perf_counter) -> Dia
     that a busy machine does not stretch."""
     from pdserve.bench.runner import load_bench_tokenizer, run_benchmark
 
-    model, max_len = await _server_info(cfg)
+    model, max_len, entry, version = await _server_info(cfg)
     tokenizer = await asyncio.to_thread(load_bench_tokenizer, cfg.tokenizer or model)
     s = _Session(cfg, model, max_len, tokenizer, clock)
     t0 = time.perf_counter()
@@ -172,7 +189,8 @@ async def diagnose(cfg: DiagnoseConfig, clock: Clock = time.perf_counter) -> Dia
     c = await run_sweep(s) if "c" in cfg.experiments else []
     target = {"model": model, "base_url": cfg.base_url, "max_model_len": max_len, "scale": cfg.scale,
               "duration_s": time.perf_counter() - t0}
-    result = build_result(a, b, c, cfg.thresholds, target)
+    advice = pd_advice(c, await _facts(cfg, entry, version), cfg.pd_rules) if c else None
+    result = build_result(a, b, c, cfg.thresholds, target, advice)
     out = Path(cfg.out_dir or f"diagnose-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     result.report_path = await asyncio.to_thread(write_report, result, out)
     return result

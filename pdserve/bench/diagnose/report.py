@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pdserve.bench.diagnose.deployment import PDAdvice
 from pdserve.bench.diagnose.rules import Thresholds, Verdict, analyze, fmt_ms, ttft_limit_ms
 from pdserve.bench.diagnose.stats import RunStats
 
@@ -26,6 +27,7 @@ class DiagnoseResult:
     shapes: list[RunStats] = field(default_factory=list)  # (a)
     output_lengths: list[RunStats] = field(default_factory=list)  # (b)
     sweep: list[RunStats] = field(default_factory=list)  # (c)
+    deployment: PDAdvice | None = None  # PD or colocated (needs the sweep)
     report_path: Path | None = None
 
     def verdict_lines(self) -> list[str]:
@@ -36,7 +38,7 @@ class DiagnoseResult:
 
 
 def build_result(a: list[RunStats], b: list[RunStats], c: list[RunStats], th: Thresholds,
-                 target: dict[str, Any]) -> DiagnoseResult:
+                 target: dict[str, Any], deployment: PDAdvice | None = None) -> DiagnoseResult:
     """Judge the runs of (a), (b) and (c); `target` (model, base_url, max_model_len, scale, duration_s) heads the
     evidence."""
     verdict, knee, findings, itl_ref = analyze(a, b, c, th)
@@ -47,8 +49,10 @@ def build_result(a: list[RunStats], b: list[RunStats], c: list[RunStats], th: Th
                       "knee_concurrency": f.knee_concurrency} for f in findings],
         "a": [dataclasses.asdict(r) for r in a], "b": [dataclasses.asdict(r) for r in b],
         "c": [dataclasses.asdict(r) for r in c],
+        "deployment": None if deployment is None else {"verdict": deployment.verdict.value, "text": deployment.text,
+                                                       **deployment.numbers},
     }
-    return DiagnoseResult(verdict, knee, [str(f) for f in findings], evidence, a, b, c)
+    return DiagnoseResult(verdict, knee, [str(f) for f in findings], evidence, a, b, c, deployment)
 
 
 def _plot_shapes(runs: Sequence[RunStats], path: Path) -> Path:
@@ -173,6 +177,9 @@ def report_markdown(res: DiagnoseResult, plots: dict[str, str]) -> str:
     lines += ["## Verdict", "", f"**{res.verdict.value}**"
               + (f" — knee at concurrency {res.knee_concurrency}" if res.knee_concurrency is not None else ""), ""]
     lines += [f"- {f}" for f in res.findings]
+    if res.deployment is not None:
+        lines += ["", "## Deployment: PD disaggregation or colocated", "",
+                  f"**{res.deployment.verdict.value}**: {res.deployment.text}"]
     lines += ["", "Thresholds: " + ", ".join(f"{k}={v}" for k, v in ev.get("thresholds", {}).items()), ""]
     return "\n".join(lines)
 
