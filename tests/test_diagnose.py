@@ -291,15 +291,16 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_cli_options() -> None:
     cfg = config_from_args(parse("--scale", "0.25", "--experiments", "a,c", "--concurrency-levels", "8,1,2",
-                                 "--slo-ttft-ms", "500", "--out", "x"))
+                                 "--slo-ttft-ms", "500", "--out", "x", "--handoff-gbps", "12.5"))
     assert cfg.scale == 0.25 and cfg.experiments == ("a", "c") and cfg.concurrency_levels == (1, 2, 8)
     assert cfg.slo_ttft_ms == 500.0 and cfg.out_dir == "x" and cfg.scaled(2048, 4) == 512
     assert parse().func.__name__ == "run_diagnose_cli"
+    assert cfg.pd_rules == PDRules(handoff_gbps=12.5) and config_from_args(parse()).pd_rules == PDRules()
     assert cfg.thresholds == Thresholds(slo_ttft_ms=500.0)
     assert DiagnoseConfig(rules=Thresholds(itl_factor=2.0), slo_tpot_ms=30).thresholds == Thresholds(
         itl_factor=2.0, slo_tpot_ms=30.0)
     for bad in (dict(experiments=("d",)), dict(scale=0.0), dict(concurrency_levels=(0, 2)),
-                dict(slo_tpot_ms=-1.0)):
+                dict(slo_tpot_ms=-1.0), dict(handoff_gbps=0.0)):
         with pytest.raises(BenchError):
             DiagnoseConfig(**bad)  # type: ignore[arg-type]
 
