@@ -22,7 +22,8 @@ import torch
 import pdserve.kernels as K
 from pdserve.model.kv_cache_dtype import is_quantized, quantize_kv
 
-SHAPES = {"smollm2-135m": (30, 9, 3, 64), "qwen3-1.7b": (28, 16, 8, 128)}  # layers, Hq, Hkv, head_dim
+SHAPES = {"smollm2-135m": (30, 9, 3, 64), "qwen3-1.7b": (28, 16, 8, 128),  # layers, Hq, Hkv, head_dim
+          "llama-1.7b": (24, 32, 32, 64)}  # SmolLM2-1.7B (MHA): the 1.7B shape of the benchmarks
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 BS = 16
 
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--cycle", type=int, default=3, help="layers' caches cycled per format")
     ap.add_argument("--isa", default=None, help="force a kernel ISA level (default: the CPU's best)")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,7 +86,8 @@ def main() -> None:
     print("| shape | batch x context | " + " | ".join(f"{f} ms/step" for f in formats) + " | "
           + " | ".join(f"{f} / fp32" for f in formats[1:]) + " |")
     print("|---|---|" + "---:|" * (2 * len(formats) - 1))
-    for name, shape in SHAPES.items():
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
         for batch, ctx in ((8, 4096), (1, 8192)):
             cases = {f: Case(shape, batch, ctx, FORMATS[f], args.cycle) for f in formats}
             per: dict[str, list[float]] = {f: [] for f in formats}

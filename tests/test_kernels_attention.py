@@ -169,6 +169,18 @@ def test_split_keys_single_sequence(isa: Any, d: int, dtype: torch.dtype) -> Non
     check(isa, make_case([300], [40], 16, 1, 3, d, dtype, 3))  # later rows' partitions: keys past some rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_kv_heads_in_head_spans(isa: Any, dtype: torch.dtype) -> None:  # noqa: F811
+    """Generated rows' work items span several KV heads (up to 64 rows: 21 heads at G = 3, so 24 heads make spans
+    of 21 and 3; 64 of 64 at G = 1): every head's rows against the reference, decode and speculative verification
+    rows beside a prefill chunk, a long context split into partitions, on every kernel level."""
+    torch.set_num_threads(2)
+    check(isa, make_case([40, 700, 0], [1, 1, 1], 16, 24, 3, 64, dtype, 11))
+    check(isa, make_case([1500, 33, 90], [1, 5, 30], 16, 24, 3, 64, dtype, 12))
+    check(isa, make_case([2000], [1], 16, 32, 1, 64, dtype, 13))  # one MHA sequence: one item, every head
+    check(isa, make_case([300, 17], [1, 2], 32, 8, 2, 128, dtype, 14))
+
+
 def test_smollm2_shapes(isa: Any) -> None:  # noqa: F811
     """SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64): a decode batch and a 512-token prefill chunk."""
     check(isa, make_case([255, 1023, 0, 17], [1, 1, 1, 1], 16, 3, 3, 64, torch.float32, 4))

@@ -90,7 +90,8 @@ def quantized_case(c: Case, dtype: torch.dtype) -> tuple[Case, Case]:
 def test_paged_attention_quantized(isa: Any, dtype: torch.dtype, d: int) -> None:  # noqa: F811
     # decodes, a speculative row group, prefill chunks with context, a split long sequence; block sizes 16 and 1
     for bs, ctx, qlen, hkv, group in [(16, [255, 1023, 0, 17], [1, 1, 30, 5], 2, 4),
-                                      (1, [40, 0], [3, 9], 1, 3)]:
+                                      (1, [40, 0], [3, 9], 1, 3),
+                                      (16, [600, 20], [1, 1], 24, 1)]:  # generated rows in spans of KV heads
         stored, values = quantized_case(make_case(ctx, qlen, bs, hkv, group, d, torch.float32, d), dtype)
         torch.testing.assert_close(run_kernel(isa, stored).double(), reference(values), rtol=1e-5, atol=1e-5)
 

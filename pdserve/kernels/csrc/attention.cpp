@@ -10,8 +10,9 @@
 // busy) or one after the other in one task changes nothing in that sequence of operations. Within a partition
 // the kernels walk keys in tiles at fixed offsets, and a row's arithmetic does not depend on the rows beside it.
 //
-// Work: groups (sequence, KV head, tile of query tokens); tasks are claimed dynamically from an atomic counter,
-// largest first, by the threads of parallel_for (parallel.h); the last partition of a split group to finish folds them all.
+// Work: groups (sequence, KV head, tile of query tokens; generated rows' groups span several KV heads where their
+// kernel takes them: AttnItem::nkvh); tasks are claimed dynamically from an atomic counter, largest first, by the
+// threads of parallel_for (parallel.h); the last partition of a split group to finish folds them all.
 //
 // Sliding window (Gemma 3's local layers, sliding_window = W > 0): the row at position p sees keys p - W < j <= p.
 // Its group holds that one token (its G query heads), so the window's first key is the group's k0 and no kernel
@@ -176,8 +177,21 @@ AttnItem partition(const AttnItem& whole, int p) {
   return it;
 }
 
+// The kernels that take items spanning several KV heads (AttnItem::nkvh).
+bool takes_head_spans(AttnFn fn) {
+#if defined(__x86_64__)
+  if (fn == attn_item_avx512 || fn == attn_item_avx2) return true;
+#endif
+  return fn == attn_item_generic;
+}
+
+// Rows (all heads) of a generated-row group spanning several KV heads: heads are added while the group stays
+// within this many rows, so its state (acc, m, l per row) stays in L1/L2.
+constexpr int64_t kHeadSpanRows = 64;
+
+// `head_spans`: generated rows' groups may span several KV heads (their kernel takes them).
 std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, const int32_t* prompt_lens,
-                               int64_t nseq, int64_t t, int64_t width, int64_t window) {
+                               int64_t nseq, int64_t t, int64_t width, int64_t window, bool head_spans) {
   const int64_t g = a.hq / a.hkv;
   // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does).
   // Prompt groups: ~128 rows (64 for d 128) in whole 16-token steps: a key tile's K/V preparation is shared by
@@ -189,13 +203,15 @@ std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int3
     const int64_t qlen = check_sequence(a, s, qsl, sl, t, width), ctx = sl[s] - qlen;
     // rows [qsl[s], split) are prompt rows, [split, qsl[s + 1]) generated ones; no group spans both
     const int64_t split = prompt_split(qsl[s], qsl[s + 1], sl[s], prompt_lens ? prompt_lens[s] : 0);
-    for (int64_t h = 0; h < a.hkv; ++h) {
-      for (int64_t t0 = qsl[s], t1; t0 < qsl[s + 1]; t0 = t1) {
-        t1 = t0 < split ? std::min<int64_t>(split, t0 + prompt_tile) : std::min<int64_t>(qsl[s + 1], t0 + tile);
+    for (int64_t t0 = qsl[s], t1; t0 < qsl[s + 1]; t0 = t1) {
+      t1 = t0 < split ? std::min<int64_t>(split, t0 + prompt_tile) : std::min<int64_t>(qsl[s + 1], t0 + tile);
+      const int64_t span = t0 >= split && head_spans ? std::clamp<int64_t>(kHeadSpanRows / ((t1 - t0) * g), 1, a.hkv)
+                                                     : 1;
+      for (int64_t h = 0; h < a.hkv; h += span) {
         const int64_t pos0 = ctx + (t0 - qsl[s]);
         const int64_t k0 = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
         const AttnItem it{int32_t(s), int32_t(h), int32_t(t0), int32_t(t1), int32_t(pos0), int32_t(k0),
-                          int32_t(pos0 + (t1 - t0)), nullptr};
+                          int32_t(pos0 + (t1 - t0)), nullptr, int32_t(std::min(span, a.hkv - h))};
         const int64_t nparts = (it.k1 + kPartition - 1) / kPartition - k0 / kPartition;
         groups.push_back({it, t0 < split, static_cast<int>(nparts), false, nullptr, 0});
       }
@@ -210,7 +226,7 @@ std::vector<Task> make_tasks(std::vector<Group>& groups, std::vector<float>& par
   const bool split = nthreads > 1 && static_cast<int64_t>(groups.size()) < 4 * nthreads;
   int64_t total = 0;
   for (Group& gr : groups) {
-    gr.part_floats = (gr.whole.t1 - gr.whole.t0) * hq_per_kv * (d + 2);
+    gr.part_floats = (gr.whole.t1 - gr.whole.t0) * hq_per_kv * gr.whole.nkvh * (d + 2);
     gr.split = split && gr.nparts > 1;
     if (gr.split) total += gr.nparts * gr.part_floats;
   }
@@ -219,7 +235,7 @@ std::vector<Task> make_tasks(std::vector<Group>& groups, std::vector<float>& par
   float* next = parts.data();
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     Group& gr = groups[gi];
-    const int64_t rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv, keys = gr.whole.k1 - gr.whole.k0;
+    const int64_t rows = (gr.whole.t1 - gr.whole.t0) * hq_per_kv * gr.whole.nkvh, keys = gr.whole.k1 - gr.whole.k0;
     if (!gr.split) {
       tasks.push_back({gr.whole, int32_t(gi), rows * keys});
       continue;
@@ -260,10 +276,10 @@ void fold_partition(float* state, const float* part, int64_t rows, int64_t d) {
 
 // out rows of a group = acc / l of the folded state (the same multiply by 1 / l as the kernels' direct output).
 void write_state(const AttnArgs& a, const Group& gr, const float* state) {
-  const int64_t g = a.hq / a.hkv, d = a.d, rows = (gr.whole.t1 - gr.whole.t0) * g;
+  const int64_t g = a.hq / a.hkv, d = a.d, rows = (gr.whole.t1 - gr.whole.t0) * g * gr.whole.nkvh;
   const float* l = state + rows * d + rows;
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = a.out + (gr.whole.t0 + r / g) * a.out_stride + (gr.whole.kvh * g + r % g) * d;
+    float* dst = a.out + item_row_offset(gr.whole, r, g, d, a.out_stride);
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     for (int64_t i = 0; i < d; ++i) dst[i] = state[r * d + i] * inv;
   }
@@ -274,7 +290,7 @@ void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
   thread_local std::vector<float> buf;
   buf.assign(2 * gr.part_floats, 0.f);  // the state (l = 0: empty) and, unsplit, the current partition
   float *state = buf.data(), *cur = state + gr.part_floats;
-  const int64_t rows = (gr.whole.t1 - gr.whole.t0) * (a.hq / a.hkv);
+  const int64_t rows = (gr.whole.t1 - gr.whole.t0) * (a.hq / a.hkv) * gr.whole.nkvh;
   for (int p = 0; p < gr.nparts; ++p) {
     if (!gr.split) {
       AttnItem it = partition(gr.whole, p);
@@ -342,9 +358,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                    fmt == KVFormat::kBF16, fmt, kv.size(1), kv.size(2), hkv, hq, d,
                    block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale),
                    static_cast<float>(softcap)};
+  const bool head_spans = takes_head_spans(pick_kernel(d, fmt, hq / hkv, softcap > 0));
   std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                           prompt_lens ? prompt_lens->data_ptr<int32_t>() : nullptr, nseq, t,
-                                          block_table.size(1), sliding_window);
+                                          block_table.size(1), sliding_window, head_spans);
   const int64_t nthreads = num_threads();
   std::vector<float> parts;
   const std::vector<Task> tasks = make_tasks(groups, parts, nthreads, hq / hkv, d);

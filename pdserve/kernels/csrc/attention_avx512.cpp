@@ -149,14 +149,14 @@ inline void row_step(__m512 s, int nvalid, float& m, float* l16, float* acc, con
 
 template <int D>
 void run(const AttnArgs& a, const AttnItem& it) {
-  const int64_t g = a.hq / a.hkv, nt = it.t1 - it.t0, rows = nt * g;
+  const int64_t g = a.hq / a.hkv, nt = it.t1 - it.t0, per_head = nt * g, rows = per_head * it.nkvh;
   thread_local std::vector<float> scratch;
   scratch.resize(2 * rows * D + 17 * rows + 32 * D);
   float *qs = scratch.data(), *acc = qs + rows * D, *m = acc + rows * D, *l16 = m + rows, *kbuf = l16 + 16 * rows;
   float* vbuf = kbuf + 16 * D;
   const __m512 sc = _mm512_set1_ps(a.scale);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = a.q + (it.t0 + r / g) * a.q_stride + (it.kvh * g + r % g) * D;
+    const float* src = a.q + item_row_offset(it, r, g, D, a.q_stride);
     for (int j = 0; j < D; j += 16) {
       _mm512_storeu_ps(qs + r * D + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), sc));
       _mm512_storeu_ps(acc + r * D + j, _mm512_setzero_ps());
@@ -168,18 +168,22 @@ void run(const AttnArgs& a, const AttnItem& it) {
   const float* vp[16];
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
-    locate_tile<D>(a, it, kt, n, kp, vp, kbuf, vbuf);
-    for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
-      const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
-      for (int64_t r = t * g; r < (t + 1) * g; ++r) {
-        __m512 s = scores16<D>(qs + r * D, kp);
-        if (a.softcap > 0.f) {
-          alignas(64) float sb[16];
-          _mm512_store_ps(sb, s);
-          softcap_scores(sb, 16, a.softcap);
-          s = _mm512_load_ps(sb);
+    for (int64_t hl = 0; hl < it.nkvh; ++hl) {  // every head of the item on this tile
+      AttnItem head = it;
+      head.kvh = it.kvh + static_cast<int32_t>(hl);
+      locate_tile<D>(a, head, kt, n, kp, vp, kbuf, vbuf);
+      for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
+        const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
+        for (int64_t r = hl * per_head + t * g; r < hl * per_head + (t + 1) * g; ++r) {
+          __m512 s = scores16<D>(qs + r * D, kp);
+          if (a.softcap > 0.f) {
+            alignas(64) float sb[16];
+            _mm512_store_ps(sb, s);
+            softcap_scores(sb, 16, a.softcap);
+            s = _mm512_load_ps(sb);
+          }
+          row_step<D>(s, nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
         }
-        row_step<D>(s, nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
       }
     }
   }
@@ -191,7 +195,7 @@ void run(const AttnArgs& a, const AttnItem& it) {
       it.part[rows * D + rows + r] = l;
       continue;
     }
-    float* dst = a.out + (it.t0 + r / g) * a.out_stride + (it.kvh * g + r % g) * D;
+    float* dst = a.out + item_row_offset(it, r, g, D, a.out_stride);
     const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
     for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + j), inv));
   }

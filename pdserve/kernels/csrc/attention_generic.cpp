@@ -28,25 +28,29 @@ const float* kv_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t ke
 }  // namespace
 
 void attn_item_generic(const AttnArgs& a, const AttnItem& it) {
-  const int64_t g = a.hq / a.hkv, d = a.d, rows = (it.t1 - it.t0) * g;
+  const int64_t g = a.hq / a.hkv, d = a.d, per_head = (it.t1 - it.t0) * g, rows = per_head * it.nkvh;
   std::vector<float> acc(rows * d, 0.f), m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f);
   std::vector<float> ktmp(d), vtmp(d);
   for (int64_t key = it.k0; key < it.k1; ++key) {
-    const float* k = kv_row(a, it, 0, key, ktmp.data());
-    const float* v = kv_row(a, it, 1, key, vtmp.data());
-    // rows of tokens before t_first do not see this key (causal)
-    const int64_t t_first = std::max<int64_t>(0, key - it.pos0);
-    for (int64_t r = t_first * g; r < rows; ++r) {
-      const float* q = a.q + (it.t0 + r / g) * a.q_stride + (it.kvh * g + r % g) * d;
-      float s = 0.f;
-      for (int64_t i = 0; i < d; ++i) s += q[i] * k[i];
-      s *= a.scale;
-      if (a.softcap > 0.f) softcap_scores(&s, 1, a.softcap);
-      const float mn = std::max(m[r], s), alpha = std::exp(m[r] - mn), p = std::exp(s - mn);
-      float* o = acc.data() + r * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = o[i] * alpha + p * v[i];
-      l[r] = l[r] * alpha + p;
-      m[r] = mn;
+    for (int64_t hl = 0; hl < it.nkvh; ++hl) {  // every head of the item on this key
+      AttnItem head = it;
+      head.kvh = it.kvh + static_cast<int32_t>(hl);
+      const float* k = kv_row(a, head, 0, key, ktmp.data());
+      const float* v = kv_row(a, head, 1, key, vtmp.data());
+      // rows of tokens before t_first do not see this key (causal)
+      const int64_t t_first = std::max<int64_t>(0, key - it.pos0);
+      for (int64_t r = hl * per_head + t_first * g; r < (hl + 1) * per_head; ++r) {
+        const float* q = a.q + item_row_offset(it, r, g, d, a.q_stride);
+        float s = 0.f;
+        for (int64_t i = 0; i < d; ++i) s += q[i] * k[i];
+        s *= a.scale;
+        if (a.softcap > 0.f) softcap_scores(&s, 1, a.softcap);
+        const float mn = std::max(m[r], s), alpha = std::exp(m[r] - mn), p = std::exp(s - mn);
+        float* o = acc.data() + r * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = o[i] * alpha + p * v[i];
+        l[r] = l[r] * alpha + p;
+        m[r] = mn;
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -58,7 +62,7 @@ void attn_item_generic(const AttnArgs& a, const AttnItem& it) {
       it.part[rows * d + rows + r] = l[r];
       continue;
     }
-    float* dst = a.out + (it.t0 + r / g) * a.out_stride + (it.kvh * g + r % g) * d;
+    float* dst = a.out + item_row_offset(it, r, g, d, a.out_stride);
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     for (int64_t i = 0; i < d; ++i) dst[i] = o[i] * inv;
   }

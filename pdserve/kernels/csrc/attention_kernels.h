@@ -40,10 +40,24 @@ inline void softcap_scores(float* s, int n, float cap) {
 // row t sees keys <= pos0 + (t - t0). With part == nullptr the normalised output goes to out; otherwise the
 // unnormalised accumulator [rows][d], the running max m[rows] and the sum l[rows] (rows = (t1 - t0) * G) go to part,
 // to be merged with the other key partitions of the same rows by merge_partitions.
+//
+// Items of generated rows may span nkvh consecutive KV heads (kvh .. kvh + nkvh - 1; the fp32 kernels generic, avx2
+// and avx512 take them): the kernel walks the key tiles once and, per tile, every head in turn, so a decode step
+// reads each token's K/V rows of all heads together (they are adjacent in a block) instead of one head's rows a
+// whole row of heads apart (4 KiB for 32 heads of 64 bf16: each touches a new page, which the hardware prefetchers
+// do not follow). Each head's rows keep their own state and arithmetic. Rows are head-major: with R = (t1 - t0) * G
+// rows per head, row r is head kvh + r / R and, within it, row r % R as above (item_row_offset).
 struct AttnItem {
   int32_t seq, kvh, t0, t1, pos0, k0, k1;
   float* part;
+  int32_t nkvh = 1;
 };
+
+// Offset of an item's row r in q or out (token stride `stride`, head_dim d, G query heads per KV head).
+inline int64_t item_row_offset(const AttnItem& it, int64_t r, int64_t g, int64_t d, int64_t stride) {
+  const int64_t per_head = (it.t1 - it.t0) * g, h = it.kvh + r / per_head, rr = r % per_head;
+  return (it.t0 + rr / g) * stride + (h * g + rr % g) * d;
+}
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
 
