@@ -96,6 +96,18 @@ def test_paged_attention_quantized(isa: Any, dtype: torch.dtype, d: int) -> None
         torch.testing.assert_close(run_kernel(isa, stored).double(), reference(values), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_a_rows_arithmetic_does_not_depend_on_its_item(isa: Any, dtype: torch.dtype, group: int) -> None:  # noqa: F811
+    # a decode row reads the codes in place, a row of a 4-token item (speculative verification) reads them widened
+    # once per tile: the same row must come out bit for bit the same (greedy equality under speculation)
+    many, _ = quantized_case(make_case([300], [4], 16, 3, group, 64, torch.float32, 7), dtype)
+    hq = 3 * group
+    last = many.q[3:4].clone()
+    one = Case(last, many.kv, many.block_table, torch.tensor([0, 1], dtype=torch.int32), many.seq_lens, many.scale)
+    torch.testing.assert_close(run_kernel(isa, one), run_kernel(isa, many)[3:4].reshape(1, hq, 64), rtol=0, atol=0)
+
+
 def test_argument_errors(isa: Any) -> None:  # noqa: F811
     c = make_case([10], [2], 16, 3, 1, 64, torch.float32, 9)
     out = torch.empty(c.q.shape)

@@ -1,9 +1,10 @@
 // AVX-512 paged attention for head_dim 64, 128 and 256 (flash-attention style, online softmax).
 //
 // A work item (see attention_kernels.h) walks its keys in tiles of 16. Per tile the K/V rows of the item's KV head
-// are located once (bf16 and quantized rows converted to f32 once) and shared by all rows = query tokens x the G
-// query heads of that KV head. Per row: 16 dot products (16 accumulators, reduced by a transpose-add tree into one vector of 16
-// scores), the online-softmax update, then acc = acc * alpha + sum_i p_i v_i. q is pre-scaled by `scale`.
+// are located once (bf16 rows converted to f32 once) and shared by all rows = query tokens x the G query heads of
+// that KV head; quantized rows are read in place when the item has few rows (decode) and widened once otherwise.
+// Per row: 16 dot products (16 accumulators, reduced by a transpose-add tree into one vector of 16 scores), the
+// online-softmax update, then acc = acc * alpha + sum_i p_i v_i. q is pre-scaled by `scale`.
 #include "attention_kernels.h"
 
 #if defined(__x86_64__)
@@ -18,7 +19,6 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
 #include "vec_avx512.h"
-#include "attention_quant_tile.h"
 
 namespace pdserve {
 namespace {
@@ -43,22 +43,28 @@ inline __m512 reduce16(__m512* s) {
                        _mm512_shuffle_f32x4(w0, w1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// Scores of one query row against the 16 keys kp[0..15].
-template <int D>
-inline __m512 scores16(const float* q, const float* const* kp) {
+// Row readers: rows(i, j) = elements j .. j + 15 of key/value row i as floats.
+struct FloatRows {
+  const float* const* p;
+  __m512 operator()(int i, int j) const { return _mm512_loadu_ps(p[i] + j); }
+};
+
+// Scores of one query row against the 16 rows of k.
+template <int D, class Rows>
+inline __m512 scores16(const float* q, const Rows& k) {
   __m512 s[16];
   const __m512 q0 = _mm512_loadu_ps(q);
-  for (int i = 0; i < 16; ++i) s[i] = _mm512_mul_ps(q0, _mm512_loadu_ps(kp[i]));
+  for (int i = 0; i < 16; ++i) s[i] = _mm512_mul_ps(q0, k(i, 0));
   for (int j = 16; j < D; j += 16) {
     const __m512 qj = _mm512_loadu_ps(q + j);
-    for (int i = 0; i < 16; ++i) s[i] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(kp[i] + j), s[i]);
+    for (int i = 0; i < 16; ++i) s[i] = _mm512_fmadd_ps(qj, k(i, j), s[i]);
   }
   return reduce16(s);
 }
 
-// acc = acc * alpha + sum_{i < n} p[i] * vp[i]; two accumulator sets for D = 64 so 8 FMA chains are in flight.
-template <int D>
-inline void pv(float* acc, float alpha, const float* p, const float* const* vp, int n) {
+// acc = acc * alpha + sum_{i < n} p[i] * v(i); two accumulator sets for D = 64 so 8 FMA chains are in flight.
+template <int D, class Rows>
+inline void pv(float* acc, float alpha, const float* p, const Rows& v, int n) {
   constexpr int NV = D / 16;
   const __m512 al = _mm512_set1_ps(alpha);
   __m512 a0[NV], a1[NV];
@@ -70,45 +76,88 @@ inline void pv(float* acc, float alpha, const float* p, const float* const* vp, 
   for (; i + 2 <= n; i += 2) {
     const __m512 p0 = _mm512_set1_ps(p[i]), p1 = _mm512_set1_ps(p[i + 1]);
     for (int j = 0; j < NV; ++j) {
-      a0[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vp[i] + 16 * j), a0[j]);
-      a1[j] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vp[i + 1] + 16 * j), a1[j]);
+      a0[j] = _mm512_fmadd_ps(p0, v(i, 16 * j), a0[j]);
+      a1[j] = _mm512_fmadd_ps(p1, v(i + 1, 16 * j), a1[j]);
     }
   }
   if (i < n) {
     const __m512 p0 = _mm512_set1_ps(p[i]);
-    for (int j = 0; j < NV; ++j) a0[j] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vp[i] + 16 * j), a0[j]);
+    for (int j = 0; j < NV; ++j) a0[j] = _mm512_fmadd_ps(p0, v(i, 16 * j), a0[j]);
   }
   for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(a0[j], a1[j]));
 }
 
-// A quantized row (kv_quant.h: D codes, then the bf16 scale) as D floats in dst: scale * decode(code), the
-// codes widened in registers (int8: sign-extend; fp8: to half bits, vcvtph2ps).
-template <int D>
-inline void dequant_row(KVFormat f, const uint8_t* src, float* dst) {
-  const __m512 s = _mm512_set1_ps(kv_row_scale(src, D) * kv_code_factor(f));
-  for (int j = 0; j < D; j += 16) {
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j));
-    __m512 x;
-    if (f == KVFormat::kInt8) {
-      x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+// A quantized row's codes j .. j + 15 (kv_quant.h) as floats, unscaled: exact (int8 sign-extended; fp8 through
+// its half bits, vcvtph2ps), so widening in registers or into a buffer first gives the same arithmetic.
+template <KVFormat F>
+inline __m512 codes16(const uint8_t* src) {
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  if constexpr (F == KVFormat::kInt8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  } else {
+    __m256i h = _mm256_cvtepu8_epi16(c);
+    if constexpr (F == KVFormat::kFp8E5M2) {
+      h = _mm256_slli_epi16(h, 8);
     } else {
-      __m256i h = _mm256_cvtepu8_epi16(c);
-      h = f == KVFormat::kFp8E5M2 ? _mm256_slli_epi16(h, 8)
-                                  : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                                                    _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-      x = _mm512_cvtph_ps(h);
+      h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                          _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
     }
-    _mm512_storeu_ps(dst + j, _mm512_mul_ps(x, s));
+    return _mm512_cvtph_ps(h);
   }
 }
 
-// K/V row pointers of keys kt .. kt + n - 1 (bf16 and quantized rows converted into kbuf/vbuf); entries n..15
-// repeat key kt so the 16-wide score code reads valid memory (their scores are masked).
+// A key tile of a quantized cache read in place: the rows' codes and their scales (kv_code_factor folded in). A
+// score is scale_k * (q . codes) and a value row enters as (p * scale_v) * codes, so the codes are never scaled.
+struct CodeTile {
+  const uint8_t* k[16];
+  const uint8_t* v[16];
+  alignas(64) float ks[16];
+  alignas(64) float vs[16];
+};
+
+// Keys kt .. kt + n - 1; entries n..15 repeat key kt (their scores are masked, their value scale is 0).
+template <int D>
+void locate_codes(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, CodeTile& t) {
+  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
+  const int64_t rb = kv_row_bytes(a.kv_format, D), plane = a.num_blocks * a.block_size * a.hkv * rb;
+  const uint8_t* base = static_cast<const uint8_t*>(a.kv);
+  const float f = kv_code_factor(a.kv_format);
+  int64_t bi = kt / a.block_size, off = kt % a.block_size;
+  for (int i = 0; i < n; ++i) {
+    t.k[i] = base + ((bt[bi] * a.block_size + off) * a.hkv + it.kvh) * rb;
+    t.v[i] = t.k[i] + plane;
+    if (++off == a.block_size) off = 0, ++bi;
+    t.ks[i] = kv_row_scale(t.k[i], D) * f;
+    t.vs[i] = kv_row_scale(t.v[i], D) * f;
+  }
+  for (int i = n; i < 16; ++i) t.k[i] = t.k[0], t.v[i] = t.v[0], t.ks[i] = t.ks[0], t.vs[i] = 0.f;
+}
+
+// The tile's codes widened once into kbuf/vbuf ([16][D] floats), for items whose many rows share the tile.
+template <int D, KVFormat F>
+void widen_codes(const CodeTile& t, int n, float* kbuf, float* vbuf, const float** kp, const float** vp) {
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < D; j += 16) {
+      _mm512_storeu_ps(kbuf + i * D + j, codes16<F>(t.k[i] + j));
+      _mm512_storeu_ps(vbuf + i * D + j, codes16<F>(t.v[i] + j));
+    }
+    kp[i] = kbuf + i * D;
+    vp[i] = vbuf + i * D;
+  }
+  for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
+}
+
+template <KVFormat F>
+struct CodeRows {  // a quantized tile's codes read in place (unscaled)
+  const uint8_t* const* p;
+  __m512 operator()(int i, int j) const { return codes16<F>(p[i] + j); }
+};
+
+// K/V row pointers of keys kt .. kt + n - 1 of an f32 or bf16 cache (bf16 rows converted into kbuf/vbuf); entries
+// n..15 repeat key kt so the 16-wide score code reads valid memory (their scores are masked).
 template <int D>
 void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const float** kp, const float** vp,
                  float* kbuf, float* vbuf) {
-  if (kv_quantized(a.kv_format))
-    return locate_tile_quantized<D, dequant_row<D>>(a, it, kt, n, kp, vp, kbuf, vbuf);
   const int32_t* bt = a.block_table + it.seq * a.bt_stride;
   const int64_t row = a.hkv * D, plane = a.num_blocks * a.block_size * row;
   int64_t bi = kt / a.block_size, off = kt % a.block_size;
@@ -132,22 +181,60 @@ void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const
   for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
 }
 
-// One row's online-softmax step on a tile: s = scores (lanes >= nvalid masked), update m, l (16 lane-wise partial
-// sums), fold the tile's p into acc.
-template <int D>
-inline void row_step(__m512 s, int nvalid, float& m, float* l16, float* acc, const float* const* vp) {
+// One row's online-softmax step on a tile: s = scores (lanes >= nvalid masked), update m and l (16 lane-wise partial
+// sums); pb = the tile's p; returns alpha, the factor on the row's accumulator.
+inline float softmax_step(__m512 s, int nvalid, float& m, float* l16, float* pb) {
   const __mmask16 mask = nvalid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nvalid) - 1);
   const float mn = std::max(m, _mm512_mask_reduce_max_ps(mask, s));
   const float alpha = mn == m ? 1.f : std::exp(m - mn);  // m = -inf on the first tile: alpha = 0
   m = mn;
   const __m512 p = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
   _mm512_storeu_ps(l16, _mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(alpha), p));
-  alignas(64) float pb[16];
   _mm512_store_ps(pb, p);
-  pv<D>(acc, alpha, pb, vp, nvalid);
+  return alpha;
 }
 
-template <int D>
+// Rows per KV head of an item up to which an int8 tile is read in place (every row widens the codes again); above
+// it, and for fp8 (whose widening costs more than the L1 round trip), the tile is widened once into L1 and shared.
+// Both give the same arithmetic. Measured on Sapphire Rapids (BENCHMARKS.md).
+template <KVFormat F>
+constexpr int64_t kCodesInPlaceRows = F == KVFormat::kInt8 ? 4 : 0;
+
+// The rows of one key tile and one KV head: scores, softmax step, p . V. F is the cache's format; kF32 stands for
+// f32 and bf16 rows (kp/vp). For a quantized F the rows read the codes in place (ct) or widened (kp/vp).
+template <int D, KVFormat F>
+struct TileRows {
+  const float* kp[16];
+  const float* vp[16];
+  CodeTile ct;
+  bool in_place = false;
+
+  void run(const AttnArgs& a, const float* q, int nvalid, float& m, float* l16, float* acc) const {
+    constexpr bool kQuant = F != KVFormat::kF32;
+    __m512 s;
+    if constexpr (kQuant) {
+      s = in_place ? scores16<D>(q, CodeRows<F>{ct.k}) : scores16<D>(q, FloatRows{kp});
+      s = _mm512_mul_ps(s, _mm512_load_ps(ct.ks));
+    } else {
+      s = scores16<D>(q, FloatRows{kp});
+    }
+    if (a.softcap > 0.f) {
+      alignas(64) float sb[16];
+      _mm512_store_ps(sb, s);
+      softcap_scores(sb, 16, a.softcap);
+      s = _mm512_load_ps(sb);
+    }
+    alignas(64) float pb[16];
+    const float alpha = softmax_step(s, nvalid, m, l16, pb);
+    if constexpr (kQuant) {
+      _mm512_store_ps(pb, _mm512_mul_ps(_mm512_load_ps(pb), _mm512_load_ps(ct.vs)));
+      if (in_place) return pv<D>(acc, alpha, pb, CodeRows<F>{ct.v}, nvalid);
+    }
+    pv<D>(acc, alpha, pb, FloatRows{vp}, nvalid);
+  }
+};
+
+template <int D, KVFormat F>
 void run(const AttnArgs& a, const AttnItem& it) {
   const int64_t g = a.hq / a.hkv, nt = it.t1 - it.t0, per_head = nt * g, rows = per_head * it.nkvh;
   thread_local std::vector<float> scratch;
@@ -164,26 +251,23 @@ void run(const AttnArgs& a, const AttnItem& it) {
     _mm512_storeu_ps(l16 + 16 * r, _mm512_setzero_ps());
     m[r] = kNegInf;
   }
-  const float* kp[16];
-  const float* vp[16];
+  TileRows<D, F> tile;
+  tile.in_place = per_head <= kCodesInPlaceRows<F>;
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
     for (int64_t hl = 0; hl < it.nkvh; ++hl) {  // every head of the item on this tile
       AttnItem head = it;
       head.kvh = it.kvh + static_cast<int32_t>(hl);
-      locate_tile<D>(a, head, kt, n, kp, vp, kbuf, vbuf);
+      if constexpr (F == KVFormat::kF32) {
+        locate_tile<D>(a, head, kt, n, tile.kp, tile.vp, kbuf, vbuf);
+      } else {
+        locate_codes<D>(a, head, kt, n, tile.ct);
+        if (!tile.in_place) widen_codes<D, F>(tile.ct, n, kbuf, vbuf, tile.kp, tile.vp);
+      }
       for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
         const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
-        for (int64_t r = hl * per_head + t * g; r < hl * per_head + (t + 1) * g; ++r) {
-          __m512 s = scores16<D>(qs + r * D, kp);
-          if (a.softcap > 0.f) {
-            alignas(64) float sb[16];
-            _mm512_store_ps(sb, s);
-            softcap_scores(sb, 16, a.softcap);
-            s = _mm512_load_ps(sb);
-          }
-          row_step<D>(s, nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
-        }
+        for (int64_t r = hl * per_head + t * g; r < hl * per_head + (t + 1) * g; ++r)
+          tile.run(a, qs + r * D, nvalid, m[r], l16 + 16 * r, acc + r * D);
       }
     }
   }
@@ -201,15 +285,29 @@ void run(const AttnArgs& a, const AttnItem& it) {
   }
 }
 
+template <int D>
+void run_format(const AttnArgs& a, const AttnItem& it) {
+  switch (a.kv_format) {
+    case KVFormat::kInt8:
+      return run<D, KVFormat::kInt8>(a, it);
+    case KVFormat::kFp8E4M3:
+      return run<D, KVFormat::kFp8E4M3>(a, it);
+    case KVFormat::kFp8E5M2:
+      return run<D, KVFormat::kFp8E5M2>(a, it);
+    default:
+      return run<D, KVFormat::kF32>(a, it);  // f32 and bf16 rows
+  }
+}
+
 }  // namespace
 
 void attn_item_avx512(const AttnArgs& a, const AttnItem& it) {
   if (a.d == 64) {
-    run<64>(a, it);
+    run_format<64>(a, it);
   } else if (a.d == 128) {
-    run<128>(a, it);
+    run_format<128>(a, it);
   } else {
-    run<256>(a, it);
+    run_format<256>(a, it);
   }
 }
 

@@ -76,7 +76,8 @@ constexpr int64_t kPartition = 256;
 
 void attn_item_generic(const AttnArgs& a, const AttnItem& it);
 #if defined(__x86_64__)
-// d in {64, 128, 256}; every format (quantized rows are dequantized once per key tile into L1, shared by its rows)
+// d in {64, 128, 256}; every format (quantized rows are dequantized once per key tile into L1, shared by its rows;
+// avx512 reads int8 codes in place for items of few rows and scales the scores and probabilities instead)
 void attn_item_avx2(const AttnArgs& a, const AttnItem& it);
 void attn_item_avx512(const AttnArgs& a, const AttnItem& it);
 // bf16 caches only, d in {64, 128}: bf16 dot products (attention_bf16.h)
