@@ -96,12 +96,13 @@ def test_paged_attention_quantized(isa: Any, dtype: torch.dtype, d: int) -> None
         torch.testing.assert_close(run_kernel(isa, stored).double(), reference(values), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, *QUANTIZED])
 @pytest.mark.parametrize("group", [1, 2, 3])
 def test_a_rows_arithmetic_does_not_depend_on_its_item(isa: Any, dtype: torch.dtype, group: int) -> None:  # noqa: F811
-    # a decode row reads the codes in place, a row of a 4-token item (speculative verification) reads them widened
-    # once per tile: the same row must come out bit for bit the same (greedy equality under speculation)
-    many, _ = quantized_case(make_case([300], [4], 16, 3, group, 64, torch.float32, 7), dtype)
+    # a decode row reads the stored rows in place, a row of a 4-token item (speculative verification) reads them
+    # widened once per tile: the same row must come out bit for bit the same (greedy equality under speculation)
+    case = make_case([300], [4], 16, 3, group, 64, torch.float32, 7)
+    many = quantized_case(case, dtype)[0] if dtype in QUANTIZED else make_case([300], [4], 16, 3, group, 64, dtype, 7)
     hq = 3 * group
     last = many.q[3:4].clone()
     one = Case(last, many.kv, many.block_table, torch.tensor([0, 1], dtype=torch.int32), many.seq_lens, many.scale)

@@ -87,28 +87,39 @@ inline void pv(float* acc, float alpha, const float* p, const Rows& v, int n) {
   for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(a0[j], a1[j]));
 }
 
-// A quantized row's codes j .. j + 15 (kv_quant.h) as floats, unscaled: exact (int8 sign-extended; fp8 through
-// its half bits, vcvtph2ps), so widening in registers or into a buffer first gives the same arithmetic.
+// Elements j .. j + 15 of a stored bf16 or quantized row (kv_quant.h) as floats, unscaled: exact (bf16 shifted into
+// an f32; int8 sign-extended; fp8 through its half bits, vcvtph2ps), so reading in place or widening into a buffer
+// first gives the same arithmetic.
 template <KVFormat F>
-inline __m512 codes16(const uint8_t* src) {
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  if constexpr (F == KVFormat::kInt8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+inline __m512 stored16(const uint8_t* row, int j) {
+  if constexpr (F == KVFormat::kBF16) {
+    return vec::bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * j)));
   } else {
-    __m256i h = _mm256_cvtepu8_epi16(c);
-    if constexpr (F == KVFormat::kFp8E5M2) {
-      h = _mm256_slli_epi16(h, 8);
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
+    if constexpr (F == KVFormat::kInt8) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
     } else {
-      h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                          _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+      __m256i h = _mm256_cvtepu8_epi16(c);
+      if constexpr (F == KVFormat::kFp8E5M2) {
+        h = _mm256_slli_epi16(h, 8);
+      } else {
+        h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                            _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+      }
+      return _mm512_cvtph_ps(h);
     }
-    return _mm512_cvtph_ps(h);
   }
 }
 
-// A key tile of a quantized cache read in place: the rows' codes and their scales (kv_code_factor folded in). A
-// score is scale_k * (q . codes) and a value row enters as (p * scale_v) * codes, so the codes are never scaled.
-struct CodeTile {
+template <KVFormat F>
+struct StoredRows {  // a tile's rows read in place, unscaled
+  const uint8_t* const* p;
+  __m512 operator()(int i, int j) const { return stored16<F>(p[i], j); }
+};
+
+// A key tile of a bf16 or quantized cache: the rows as stored and, quantized, their scales (kv_code_factor folded
+// in). A score is scale_k * (q . codes) and a value row enters as (p * scale_v) * codes: codes are never scaled.
+struct StoredTile {
   const uint8_t* k[16];
   const uint8_t* v[16];
   alignas(64) float ks[16];
@@ -116,30 +127,31 @@ struct CodeTile {
 };
 
 // Keys kt .. kt + n - 1; entries n..15 repeat key kt (their scores are masked, their value scale is 0).
-template <int D>
-void locate_codes(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, CodeTile& t) {
+template <int D, KVFormat F>
+void locate_stored(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, StoredTile& t) {
   const int32_t* bt = a.block_table + it.seq * a.bt_stride;
-  const int64_t rb = kv_row_bytes(a.kv_format, D), plane = a.num_blocks * a.block_size * a.hkv * rb;
+  const int64_t rb = kv_row_bytes(F, D), plane = a.num_blocks * a.block_size * a.hkv * rb;
   const uint8_t* base = static_cast<const uint8_t*>(a.kv);
-  const float f = kv_code_factor(a.kv_format);
   int64_t bi = kt / a.block_size, off = kt % a.block_size;
   for (int i = 0; i < n; ++i) {
     t.k[i] = base + ((bt[bi] * a.block_size + off) * a.hkv + it.kvh) * rb;
     t.v[i] = t.k[i] + plane;
     if (++off == a.block_size) off = 0, ++bi;
-    t.ks[i] = kv_row_scale(t.k[i], D) * f;
-    t.vs[i] = kv_row_scale(t.v[i], D) * f;
+    if constexpr (F != KVFormat::kBF16) {
+      t.ks[i] = kv_row_scale(t.k[i], D) * kv_code_factor(F);
+      t.vs[i] = kv_row_scale(t.v[i], D) * kv_code_factor(F);
+    }
   }
   for (int i = n; i < 16; ++i) t.k[i] = t.k[0], t.v[i] = t.v[0], t.ks[i] = t.ks[0], t.vs[i] = 0.f;
 }
 
-// The tile's codes widened once into kbuf/vbuf ([16][D] floats), for items whose many rows share the tile.
+// The tile's rows widened once into kbuf/vbuf ([16][D] floats), for items whose many rows share the tile.
 template <int D, KVFormat F>
-void widen_codes(const CodeTile& t, int n, float* kbuf, float* vbuf, const float** kp, const float** vp) {
+void widen_stored(const StoredTile& t, int n, float* kbuf, float* vbuf, const float** kp, const float** vp) {
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < D; j += 16) {
-      _mm512_storeu_ps(kbuf + i * D + j, codes16<F>(t.k[i] + j));
-      _mm512_storeu_ps(vbuf + i * D + j, codes16<F>(t.v[i] + j));
+      _mm512_storeu_ps(kbuf + i * D + j, stored16<F>(t.k[i], j));
+      _mm512_storeu_ps(vbuf + i * D + j, stored16<F>(t.v[i], j));
     }
     kp[i] = kbuf + i * D;
     vp[i] = vbuf + i * D;
@@ -147,36 +159,17 @@ void widen_codes(const CodeTile& t, int n, float* kbuf, float* vbuf, const float
   for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
 }
 
-template <KVFormat F>
-struct CodeRows {  // a quantized tile's codes read in place (unscaled)
-  const uint8_t* const* p;
-  __m512 operator()(int i, int j) const { return codes16<F>(p[i] + j); }
-};
-
-// K/V row pointers of keys kt .. kt + n - 1 of an f32 or bf16 cache (bf16 rows converted into kbuf/vbuf); entries
-// n..15 repeat key kt so the 16-wide score code reads valid memory (their scores are masked).
+// K/V row pointers of keys kt .. kt + n - 1 of an f32 cache; entries n..15 repeat key kt so the 16-wide score code
+// reads valid memory (their scores are masked).
 template <int D>
-void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const float** kp, const float** vp,
-                 float* kbuf, float* vbuf) {
+void locate_f32(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const float** kp, const float** vp) {
   const int32_t* bt = a.block_table + it.seq * a.bt_stride;
   const int64_t row = a.hkv * D, plane = a.num_blocks * a.block_size * row;
   int64_t bi = kt / a.block_size, off = kt % a.block_size;
   for (int i = 0; i < n; ++i) {
-    const int64_t e = (bt[bi] * a.block_size + off) * row + it.kvh * D;
+    kp[i] = static_cast<const float*>(a.kv) + (bt[bi] * a.block_size + off) * row + it.kvh * D;
+    vp[i] = kp[i] + plane;
     if (++off == a.block_size) off = 0, ++bi;
-    if (!a.kv_bf16) {
-      kp[i] = static_cast<const float*>(a.kv) + e;
-      vp[i] = kp[i] + plane;
-      continue;
-    }
-    const uint16_t* ks = static_cast<const uint16_t*>(a.kv) + e;
-    for (int j = 0; j < D; j += 16) {
-      _mm512_storeu_ps(kbuf + i * D + j, vec::bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + j))));
-      _mm512_storeu_ps(vbuf + i * D + j,
-                       vec::bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ks + plane + j))));
-    }
-    kp[i] = kbuf + i * D;
-    vp[i] = vbuf + i * D;
   }
   for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
 }
@@ -194,30 +187,25 @@ inline float softmax_step(__m512 s, int nvalid, float& m, float* l16, float* pb)
   return alpha;
 }
 
-// Rows per KV head of an item up to which an int8 tile is read in place (every row widens the codes again); above
-// it, and for fp8 (whose widening costs more than the L1 round trip), the tile is widened once into L1 and shared.
-// Both give the same arithmetic. Measured on Sapphire Rapids (BENCHMARKS.md).
+// Rows per KV head of an item up to which a bf16 or int8 tile is read in place (every row widens the rows again);
+// above it, and for fp8 (whose widening costs more than the L1 round trip), the tile is widened once into L1 and
+// shared. Both give the same arithmetic. Measured on Sapphire Rapids (BENCHMARKS.md).
 template <KVFormat F>
-constexpr int64_t kCodesInPlaceRows = F == KVFormat::kInt8 ? 4 : 0;
+constexpr int64_t kInPlaceRows = F == KVFormat::kInt8 || F == KVFormat::kBF16 ? 4 : 0;
 
-// The rows of one key tile and one KV head: scores, softmax step, p . V. F is the cache's format; kF32 stands for
-// f32 and bf16 rows (kp/vp). For a quantized F the rows read the codes in place (ct) or widened (kp/vp).
+// The rows of one key tile and one KV head: scores, softmax step, p . V. F is the cache's format: f32 rows are read
+// through kp/vp; bf16 and quantized rows in place (st) or widened (kp/vp), quantized ones scaled.
 template <int D, KVFormat F>
 struct TileRows {
   const float* kp[16];
   const float* vp[16];
-  CodeTile ct;
+  StoredTile st;
   bool in_place = false;
 
   void run(const AttnArgs& a, const float* q, int nvalid, float& m, float* l16, float* acc) const {
-    constexpr bool kQuant = F != KVFormat::kF32;
-    __m512 s;
-    if constexpr (kQuant) {
-      s = in_place ? scores16<D>(q, CodeRows<F>{ct.k}) : scores16<D>(q, FloatRows{kp});
-      s = _mm512_mul_ps(s, _mm512_load_ps(ct.ks));
-    } else {
-      s = scores16<D>(q, FloatRows{kp});
-    }
+    constexpr bool kQuant = kv_quantized(F);
+    __m512 s = in_place ? scores16<D>(q, StoredRows<F>{st.k}) : scores16<D>(q, FloatRows{kp});
+    if constexpr (kQuant) s = _mm512_mul_ps(s, _mm512_load_ps(st.ks));
     if (a.softcap > 0.f) {
       alignas(64) float sb[16];
       _mm512_store_ps(sb, s);
@@ -226,10 +214,8 @@ struct TileRows {
     }
     alignas(64) float pb[16];
     const float alpha = softmax_step(s, nvalid, m, l16, pb);
-    if constexpr (kQuant) {
-      _mm512_store_ps(pb, _mm512_mul_ps(_mm512_load_ps(pb), _mm512_load_ps(ct.vs)));
-      if (in_place) return pv<D>(acc, alpha, pb, CodeRows<F>{ct.v}, nvalid);
-    }
+    if constexpr (kQuant) _mm512_store_ps(pb, _mm512_mul_ps(_mm512_load_ps(pb), _mm512_load_ps(st.vs)));
+    if (in_place) return pv<D>(acc, alpha, pb, StoredRows<F>{st.v}, nvalid);
     pv<D>(acc, alpha, pb, FloatRows{vp}, nvalid);
   }
 };
@@ -252,17 +238,17 @@ void run(const AttnArgs& a, const AttnItem& it) {
     m[r] = kNegInf;
   }
   TileRows<D, F> tile;
-  tile.in_place = per_head <= kCodesInPlaceRows<F>;
+  tile.in_place = F != KVFormat::kF32 && per_head <= kInPlaceRows<F>;
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
     for (int64_t hl = 0; hl < it.nkvh; ++hl) {  // every head of the item on this tile
       AttnItem head = it;
       head.kvh = it.kvh + static_cast<int32_t>(hl);
       if constexpr (F == KVFormat::kF32) {
-        locate_tile<D>(a, head, kt, n, tile.kp, tile.vp, kbuf, vbuf);
+        locate_f32<D>(a, head, kt, n, tile.kp, tile.vp);
       } else {
-        locate_codes<D>(a, head, kt, n, tile.ct);
-        if (!tile.in_place) widen_codes<D, F>(tile.ct, n, kbuf, vbuf, tile.kp, tile.vp);
+        locate_stored<D, F>(a, head, kt, n, tile.st);
+        if (!tile.in_place) widen_stored<D, F>(tile.st, n, kbuf, vbuf, tile.kp, tile.vp);
       }
       for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
         const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
@@ -288,6 +274,8 @@ void run(const AttnArgs& a, const AttnItem& it) {
 template <int D>
 void run_format(const AttnArgs& a, const AttnItem& it) {
   switch (a.kv_format) {
+    case KVFormat::kBF16:
+      return run<D, KVFormat::kBF16>(a, it);
     case KVFormat::kInt8:
       return run<D, KVFormat::kInt8>(a, it);
     case KVFormat::kFp8E4M3:
@@ -295,7 +283,7 @@ void run_format(const AttnArgs& a, const AttnItem& it) {
     case KVFormat::kFp8E5M2:
       return run<D, KVFormat::kFp8E5M2>(a, it);
     default:
-      return run<D, KVFormat::kF32>(a, it);  // f32 and bf16 rows
+      return run<D, KVFormat::kF32>(a, it);
   }
 }
 

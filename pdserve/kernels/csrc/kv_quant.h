@@ -23,7 +23,7 @@ namespace pdserve {
 
 enum class KVFormat : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8E4M3 = 3, kFp8E5M2 = 4 };
 
-inline bool kv_quantized(KVFormat f) { return f == KVFormat::kInt8 || f == KVFormat::kFp8E4M3 || f == KVFormat::kFp8E5M2; }
+constexpr bool kv_quantized(KVFormat f) { return f == KVFormat::kInt8 || f == KVFormat::kFp8E4M3 || f == KVFormat::kFp8E5M2; }
 
 // Bytes of one (token, KV head) row of head_dim d.
 inline int64_t kv_row_bytes(KVFormat f, int64_t d) {
