@@ -1,13 +1,17 @@
 """Decode attention time by KV cache dtype (`--kv-cache-dtype`): fp32, bf16, int8, fp8 (e4m3) side by side.
 
-    PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--threads 2] [--rounds 5] [--isa avx512]
+    PYTHONPATH=. python benchmarks/kv_cache_dtype.py [--threads 2] [--rounds 5] [--isa avx512] [--cpu-time]
+        [--cases 8x4096,1x8192] [--cycle 3]
 
 One decode step's attention (reshape_and_cache + paged_attention of every layer) at long context, for the default
 model's shape (SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64) and the 1.7B shape (Qwen3-1.7B: 28 layers,
 16 / 8 heads of 128): batch 8 at 4k context and batch 1 at 8k. Each format gets caches for `--cycle` layers (cycled,
 so the working set is well past the last-level cache and the step reads its KV from memory, as serving does); the
 step time is the mean per-layer call times the model's layer count. Formats run interleaved, round after round, so
-a busy machine slows them alike; the table gives the median over rounds and the ratio to fp32 of the same round.
+a busy machine slows them alike; the table gives the median over rounds and the ratio to the first format of the
+same round. `--cpu-time`: one kernel thread, timed by the CPU time of the calling thread (the kernels run on it), so
+another process on the machine hardly moves the figures; with `--cycle 1` the caches of short contexts stay in L2
+and the figures are the kernels' arithmetic, not the memory's.
 """
 
 from __future__ import annotations
@@ -57,12 +61,12 @@ class Case:
         mod.paged_attention(self.out, self.q, cache, self.bt, self.qsl, self.lens, self.scale)  # type: ignore
 
 
-def time_layers(mod: object, case: Case, calls: int) -> float:
+def time_layers(mod: object, case: Case, calls: int, clock=time.perf_counter) -> float:
     """Mean seconds per layer call over `calls` back-to-back calls."""
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(calls):
         case.layer(mod)
-    return (time.perf_counter() - t0) / calls
+    return (clock() - t0) / calls
 
 
 def main() -> None:
@@ -74,28 +78,32 @@ def main() -> None:
     ap.add_argument("--isa", default=None, help="force a kernel ISA level (default: the CPU's best)")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--cases", default="8x4096,1x8192", help="batch x context pairs")
+    ap.add_argument("--cpu-time", action="store_true", help="one thread, timed in its CPU time")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads or args.cpu_time:
+        torch.set_num_threads(1 if args.cpu_time else args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     mod = K.require()
     if args.isa:
         mod.set_active_isa(args.isa)
     formats = args.formats.split(",")
-    print(f"ISA {mod.active_isa()}, {torch.get_num_threads()} threads, load average "
+    timing = "CPU" if args.cpu_time else "wall"
+    print(f"ISA {mod.active_isa()}, {torch.get_num_threads()} threads ({timing} time), load average "
           f"{open('/proc/loadavg').read().split()[0]}")
     print("| shape | batch x context | " + " | ".join(f"{f} ms/step" for f in formats) + " | "
-          + " | ".join(f"{f} / fp32" for f in formats[1:]) + " |")
+          + " | ".join(f"{f} / {formats[0]}" for f in formats[1:]) + " |")
     print("|---|---|" + "---:|" * (2 * len(formats) - 1))
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        for batch, ctx in ((8, 4096), (1, 8192)):
+        for batch, ctx in (tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")):
             cases = {f: Case(shape, batch, ctx, FORMATS[f], args.cycle) for f in formats}
             per: dict[str, list[float]] = {f: [] for f in formats}
             for f in formats:
-                time_layers(mod, cases[f], 2)  # warm: pages touched, threads up
+                time_layers(mod, cases[f], max(2, args.cycle))  # warm: pages touched, threads up
             for _ in range(args.rounds):
                 for f in formats:
-                    per[f].append(time_layers(mod, cases[f], args.calls) * shape[0] * 1e3)
+                    per[f].append(time_layers(mod, cases[f], args.calls, clock) * shape[0] * 1e3)
             ratios = [statistics.median(a / b for a, b in zip(per[f], per[formats[0]])) for f in formats[1:]]
             print(f"| {name} | {batch} x {ctx} | " + " | ".join(f"{statistics.median(per[f]):.2f}" for f in formats)
                   + " | " + " | ".join(f"{r:.2f}" for r in ratios) + " |", flush=True)

@@ -49,42 +49,85 @@ struct FloatRows {
   __m512 operator()(int i, int j) const { return _mm512_loadu_ps(p[i] + j); }
 };
 
-// Scores of one query row against the 16 rows of k.
-template <int D, class Rows>
-inline __m512 scores16(const float* q, const Rows& k) {
-  __m512 s[16];
-  const __m512 q0 = _mm512_loadu_ps(q);
-  for (int i = 0; i < 16; ++i) s[i] = _mm512_mul_ps(q0, k(i, 0));
-  for (int j = 16; j < D; j += 16) {
-    const __m512 qj = _mm512_loadu_ps(q + j);
-    for (int i = 0; i < 16; ++i) s[i] = _mm512_fmadd_ps(qj, k(i, j), s[i]);
-  }
-  return reduce16(s);
+// reduce16's tree on 8 vectors (half a tile's keys): lane i of the result = sum of the lanes of s[i], added in the
+// same order as reduce16 adds them.
+inline __m256 reduce8(const __m512* s) {
+  __m512 t[4];
+  for (int k = 0; k < 4; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * k], s[2 * k + 1]), _mm512_unpackhi_ps(s[2 * k], s[2 * k + 1]));
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_ps(t[2], t[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_ps(t[2], t[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m128 lo = _mm_add_ps(_mm512_extractf32x4_ps(w, 0), _mm512_extractf32x4_ps(w, 1));
+  const __m128 hi = _mm_add_ps(_mm512_extractf32x4_ps(w, 2), _mm512_extractf32x4_ps(w, 3));
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 
-// acc = acc * alpha + sum_{i < n} p[i] * v(i); two accumulator sets for D = 64 so 8 FMA chains are in flight.
-template <int D, class Rows>
-inline void pv(float* acc, float alpha, const float* p, const Rows& v, int n) {
-  constexpr int NV = D / 16;
-  const __m512 al = _mm512_set1_ps(alpha);
-  __m512 a0[NV], a1[NV];
-  for (int j = 0; j < NV; ++j) {
-    a0[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), al);
-    a1[j] = _mm512_setzero_ps();
+// Scores of R query rows (q, D apart) against the 16 rows of k, into s[0..R): each K element is read once for all R
+// rows (the G query heads of a KV head share their keys), half a tile at a time so R x 8 accumulators fit the
+// registers. A row's arithmetic does not depend on R.
+template <int D, int R, class Rows>
+inline void scores_rows(const float* q, const Rows& k, __m512* s) {
+  __m256 half[R][2];
+  for (int h = 0; h < 2; ++h) {
+    __m512 acc[R][8];
+    for (int j = 0; j < D; j += 16) {
+      __m512 qj[R];
+      for (int r = 0; r < R; ++r) qj[r] = _mm512_loadu_ps(q + r * D + j);
+      for (int i = 0; i < 8; ++i) {
+        const __m512 kv = k(8 * h + i, j);
+        for (int r = 0; r < R; ++r) acc[r][i] = j == 0 ? _mm512_mul_ps(qj[r], kv) : _mm512_fmadd_ps(qj[r], kv, acc[r][i]);
+      }
+    }
+    for (int r = 0; r < R; ++r) half[r][h] = reduce8(acc[r]);
   }
-  int i = 0;
-  for (; i + 2 <= n; i += 2) {
-    const __m512 p0 = _mm512_set1_ps(p[i]), p1 = _mm512_set1_ps(p[i + 1]);
-    for (int j = 0; j < NV; ++j) {
-      a0[j] = _mm512_fmadd_ps(p0, v(i, 16 * j), a0[j]);
-      a1[j] = _mm512_fmadd_ps(p1, v(i + 1, 16 * j), a1[j]);
+  for (int r = 0; r < R; ++r)
+    s[r] = _mm512_insertf32x8(_mm512_castps256_ps512(half[r][0]), half[r][1], 1);
+}
+
+// acc_r = acc_r * alpha_r + sum_{i < n} p_r[i] * v(i) for R rows (acc D apart, p 16 apart), each V element read once
+// for all R rows, in column chunks of JB vectors so R x JB accumulators fit the registers. With few chains (R x JB
+// <= 8) even and odd keys accumulate apart so enough FMAs are in flight. A row's arithmetic does not depend on R.
+template <int D, int R, class Rows>
+inline void pv_rows(float* acc, const float* alpha, const float* p, const Rows& v, int n) {
+  constexpr int NV = D / 16, JB = NV < 8 ? NV : 8, SETS = R * JB <= 8 ? 2 : 1;
+  for (int j0 = 0; j0 < NV; j0 += JB) {
+    __m512 a[SETS][R][JB];
+    for (int r = 0; r < R; ++r) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      for (int j = 0; j < JB; ++j) {
+        a[0][r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * (j0 + j)), al);
+        if constexpr (SETS == 2) a[1][r][j] = _mm512_setzero_ps();
+      }
+    }
+    int i = 0;
+    if constexpr (SETS == 2) {
+      for (; i + 2 <= n; i += 2) {
+        for (int j = 0; j < JB; ++j) {
+          const __m512 v0 = v(i, 16 * (j0 + j)), v1 = v(i + 1, 16 * (j0 + j));
+          for (int r = 0; r < R; ++r) {
+            a[0][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[16 * r + i]), v0, a[0][r][j]);
+            a[1][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[16 * r + i + 1]), v1, a[1][r][j]);
+          }
+        }
+      }
+    }
+    for (; i < n; ++i) {
+      for (int j = 0; j < JB; ++j) {
+        const __m512 v0 = v(i, 16 * (j0 + j));
+        for (int r = 0; r < R; ++r) a[0][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[16 * r + i]), v0, a[0][r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < JB; ++j) {
+        const __m512 x = SETS == 2 ? _mm512_add_ps(a[0][r][j], a[SETS - 1][r][j]) : a[0][r][j];
+        _mm512_storeu_ps(acc + r * D + 16 * (j0 + j), x);
+      }
     }
   }
-  if (i < n) {
-    const __m512 p0 = _mm512_set1_ps(p[i]);
-    for (int j = 0; j < NV; ++j) a0[j] = _mm512_fmadd_ps(p0, v(i, 16 * j), a0[j]);
-  }
-  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_add_ps(a0[j], a1[j]));
 }
 
 // Elements j .. j + 15 of a stored bf16 or quantized row (kv_quant.h) as floats, unscaled: exact (bf16 shifted into
@@ -193,6 +236,9 @@ inline float softmax_step(__m512 s, int nvalid, float& m, float* l16, float* pb)
 template <KVFormat F>
 constexpr int64_t kInPlaceRows = F == KVFormat::kInt8 || F == KVFormat::kBF16 ? 4 : 0;
 
+// Query rows sharing a tile's keys at once, at most (R x 8 score accumulators in the registers).
+constexpr int kRowBlock = 3;
+
 // The rows of one key tile and one KV head: scores, softmax step, p . V. F is the cache's format: f32 rows are read
 // through kp/vp; bf16 and quantized rows in place (st) or widened (kp/vp), quantized ones scaled.
 template <int D, KVFormat F>
@@ -202,21 +248,31 @@ struct TileRows {
   StoredTile st;
   bool in_place = false;
 
-  void run(const AttnArgs& a, const float* q, int nvalid, float& m, float* l16, float* acc) const {
+  // R consecutive rows of one token (q, acc D apart; m; l16 16 apart).
+  template <int R>
+  void run(const AttnArgs& a, const float* q, int nvalid, float* m, float* l16, float* acc) const {
     constexpr bool kQuant = kv_quantized(F);
-    __m512 s = in_place ? scores16<D>(q, StoredRows<F>{st.k}) : scores16<D>(q, FloatRows{kp});
-    if constexpr (kQuant) s = _mm512_mul_ps(s, _mm512_load_ps(st.ks));
-    if (a.softcap > 0.f) {
-      alignas(64) float sb[16];
-      _mm512_store_ps(sb, s);
-      softcap_scores(sb, 16, a.softcap);
-      s = _mm512_load_ps(sb);
+    __m512 s[R];
+    if (F != KVFormat::kF32 && in_place) {
+      scores_rows<D, R>(q, StoredRows<F>{st.k}, s);
+    } else {
+      scores_rows<D, R>(q, FloatRows{kp}, s);
     }
-    alignas(64) float pb[16];
-    const float alpha = softmax_step(s, nvalid, m, l16, pb);
-    if constexpr (kQuant) _mm512_store_ps(pb, _mm512_mul_ps(_mm512_load_ps(pb), _mm512_load_ps(st.vs)));
-    if (in_place) return pv<D>(acc, alpha, pb, StoredRows<F>{st.v}, nvalid);
-    pv<D>(acc, alpha, pb, FloatRows{vp}, nvalid);
+    alignas(64) float pb[16 * R];
+    float alpha[R];
+    for (int r = 0; r < R; ++r) {
+      if constexpr (kQuant) s[r] = _mm512_mul_ps(s[r], _mm512_load_ps(st.ks));
+      if (a.softcap > 0.f) {
+        alignas(64) float sb[16];
+        _mm512_store_ps(sb, s[r]);
+        softcap_scores(sb, 16, a.softcap);
+        s[r] = _mm512_load_ps(sb);
+      }
+      alpha[r] = softmax_step(s[r], nvalid, m[r], l16 + 16 * r, pb + 16 * r);
+      if constexpr (kQuant) _mm512_store_ps(pb + 16 * r, _mm512_mul_ps(_mm512_load_ps(pb + 16 * r), _mm512_load_ps(st.vs)));
+    }
+    if (F != KVFormat::kF32 && in_place) return pv_rows<D, R>(acc, alpha, pb, StoredRows<F>{st.v}, nvalid);
+    pv_rows<D, R>(acc, alpha, pb, FloatRows{vp}, nvalid);
   }
 };
 
@@ -252,8 +308,17 @@ void run(const AttnArgs& a, const AttnItem& it) {
       }
       for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
         const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
-        for (int64_t r = hl * per_head + t * g; r < hl * per_head + (t + 1) * g; ++r)
-          tile.run(a, qs + r * D, nvalid, m[r], l16 + 16 * r, acc + r * D);
+        for (int64_t r = hl * per_head + t * g, e = r + g; r < e; r += kRowBlock) {  // the token's G rows
+          const int64_t rr = std::min<int64_t>(kRowBlock, e - r);
+          float *mr = m + r, *lr = l16 + 16 * r, *ar = acc + r * D;
+          if (rr == 3) {
+            tile.template run<3>(a, qs + r * D, nvalid, mr, lr, ar);
+          } else if (rr == 2) {
+            tile.template run<2>(a, qs + r * D, nvalid, mr, lr, ar);
+          } else {
+            tile.template run<1>(a, qs + r * D, nvalid, mr, lr, ar);
+          }
+        }
       }
     }
   }
