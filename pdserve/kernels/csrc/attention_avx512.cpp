@@ -67,22 +67,29 @@ inline __m256 reduce8(const __m512* s) {
 }
 
 // Scores of R query rows (q, D apart) against the 16 rows of k, into s[0..R): each K element is read once for all R
-// rows (the G query heads of a KV head share their keys), half a tile at a time so R x 8 accumulators fit the
-// registers. A row's arithmetic does not depend on R.
+// rows (the G query heads of a KV head share their keys). One row takes all 16 keys in one pass (16 rows' misses
+// overlap); more rows take half a tile at a time so R x 8 accumulators fit the registers. A row's arithmetic (the
+// order of its multiply-adds and of reduce16's tree) does not depend on R.
 template <int D, int R, class Rows>
 inline void scores_rows(const float* q, const Rows& k, __m512* s) {
+  constexpr int KB = R == 1 ? 16 : 8;
   __m256 half[R][2];
-  for (int h = 0; h < 2; ++h) {
-    __m512 acc[R][8];
+  for (int h = 0; h < 16 / KB; ++h) {
+    __m512 acc[R][KB];
     for (int j = 0; j < D; j += 16) {
       __m512 qj[R];
       for (int r = 0; r < R; ++r) qj[r] = _mm512_loadu_ps(q + r * D + j);
-      for (int i = 0; i < 8; ++i) {
-        const __m512 kv = k(8 * h + i, j);
+      for (int i = 0; i < KB; ++i) {
+        const __m512 kv = k(KB * h + i, j);
         for (int r = 0; r < R; ++r) acc[r][i] = j == 0 ? _mm512_mul_ps(qj[r], kv) : _mm512_fmadd_ps(qj[r], kv, acc[r][i]);
       }
     }
-    for (int r = 0; r < R; ++r) half[r][h] = reduce8(acc[r]);
+    if constexpr (KB == 16) {
+      s[0] = reduce16(acc[0]);
+      return;
+    } else {
+      for (int r = 0; r < R; ++r) half[r][h] = reduce8(acc[r]);
+    }
   }
   for (int r = 0; r < R; ++r)
     s[r] = _mm512_insertf32x8(_mm512_castps256_ps512(half[r][0]), half[r][1], 1);
@@ -106,19 +113,23 @@ inline void pv_rows(float* acc, const float* alpha, const float* p, const Rows& 
     int i = 0;
     if constexpr (SETS == 2) {
       for (; i + 2 <= n; i += 2) {
+        __m512 p0[R], p1[R];
+        for (int r = 0; r < R; ++r) p0[r] = _mm512_set1_ps(p[16 * r + i]), p1[r] = _mm512_set1_ps(p[16 * r + i + 1]);
         for (int j = 0; j < JB; ++j) {
           const __m512 v0 = v(i, 16 * (j0 + j)), v1 = v(i + 1, 16 * (j0 + j));
           for (int r = 0; r < R; ++r) {
-            a[0][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[16 * r + i]), v0, a[0][r][j]);
-            a[1][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[16 * r + i + 1]), v1, a[1][r][j]);
+            a[0][r][j] = _mm512_fmadd_ps(p0[r], v0, a[0][r][j]);
+            a[1][r][j] = _mm512_fmadd_ps(p1[r], v1, a[1][r][j]);
           }
         }
       }
     }
     for (; i < n; ++i) {
+      __m512 p0[R];
+      for (int r = 0; r < R; ++r) p0[r] = _mm512_set1_ps(p[16 * r + i]);
       for (int j = 0; j < JB; ++j) {
         const __m512 v0 = v(i, 16 * (j0 + j));
-        for (int r = 0; r < R; ++r) a[0][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[16 * r + i]), v0, a[0][r][j]);
+        for (int r = 0; r < R; ++r) a[0][r][j] = _mm512_fmadd_ps(p0[r], v0, a[0][r][j]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -236,8 +247,10 @@ inline float softmax_step(__m512 s, int nvalid, float& m, float* l16, float* pb)
 template <KVFormat F>
 constexpr int64_t kInPlaceRows = F == KVFormat::kInt8 || F == KVFormat::kBF16 ? 4 : 0;
 
-// Query rows sharing a tile's keys at once, at most (R x 8 score accumulators in the registers).
-constexpr int kRowBlock = 3;
+// Query rows sharing a tile's keys at once, at most (R x 8 score accumulators in the registers). f32 rows, read
+// from memory, go one at a time: a single row's scores touch all 16 keys at once, so their misses overlap.
+template <KVFormat F>
+constexpr int kRowBlock = F == KVFormat::kF32 ? 1 : 3;
 
 // The rows of one key tile and one KV head: scores, softmax step, p . V. F is the cache's format: f32 rows are read
 // through kp/vp; bf16 and quantized rows in place (st) or widened (kp/vp), quantized ones scaled.
@@ -308,10 +321,12 @@ void run(const AttnArgs& a, const AttnItem& it) {
       }
       for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
         const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
-        for (int64_t r = hl * per_head + t * g, e = r + g; r < e; r += kRowBlock) {  // the token's G rows
-          const int64_t rr = std::min<int64_t>(kRowBlock, e - r);
+        for (int64_t r = hl * per_head + t * g, e = r + g; r < e; r += kRowBlock<F>) {  // the token's G rows
+          const int64_t rr = std::min<int64_t>(kRowBlock<F>, e - r);
           float *mr = m + r, *lr = l16 + 16 * r, *ar = acc + r * D;
-          if (rr == 3) {
+          if constexpr (kRowBlock<F> == 1) {
+            tile.template run<1>(a, qs + r * D, nvalid, mr, lr, ar);
+          } else if (rr == 3) {
             tile.template run<3>(a, qs + r * D, nvalid, mr, lr, ar);
           } else if (rr == 2) {
             tile.template run<2>(a, qs + r * D, nvalid, mr, lr, ar);

@@ -26,7 +26,7 @@ enum class KVFormat : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2, kFp8E4M3 = 3, kF
 constexpr bool kv_quantized(KVFormat f) { return f == KVFormat::kInt8 || f == KVFormat::kFp8E4M3 || f == KVFormat::kFp8E5M2; }
 
 // Bytes of one (token, KV head) row of head_dim d.
-inline int64_t kv_row_bytes(KVFormat f, int64_t d) {
+constexpr int64_t kv_row_bytes(KVFormat f, int64_t d) {
   return f == KVFormat::kF32 ? 4 * d : f == KVFormat::kBF16 ? 2 * d : d + 2;
 }
 
