@@ -384,6 +384,12 @@ class EngineConfig:
         "head), `fp8` = `fp8_e4m3` or `fp8_e5m2` (fp8 codes with the same scales); `auto`: as `dtype`. The one-byte "
         "formats hold ~2x the tokens of bf16 (4x fp32) in the same `kv_cache_memory`")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    kv_offload_dir: str | None = option(
+        None, "a disk tier for the prefix cache: full blocks are also written here (stored format, named by their "
+        "prefix hash) and read back on a prefix miss, so shared prompts survive eviction and restarts; files of "
+        "another model, KV layout or dtype are kept apart and checked on read")
+    kv_offload_max_size: str | int = option(
+        "10GiB", "most bytes the disk tier keeps for this model and KV layout (least recently used go first)")
     kv_cache_prefault: bool = option(
         True, "while the engine is idle, commit the KV cache's memory a few steps' worth of blocks ahead of the "
         "blocks in use (the cache is allocated lazily: a never-used block's pages are otherwise zeroed by the OS "

@@ -75,6 +75,8 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         # never-used blocks leave the free queue in id order: every block below this one has been handed out
         self.high_water = 0
+        # blocks hashed since the disk tier last took them (engine/kv_offload.py); None: nobody records them
+        self.newly_cached: list[KVCacheBlock] | None = None
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -139,6 +141,8 @@ class BlockManager:
                 if h not in self.cached:  # keep the first copy if two requests computed the same prefix
                     self.cached[h] = blk
                     self.cache_version += 1
+                    if self.newly_cached is not None:
+                        self.newly_cached.append(blk)
             parent = blk.block_hash
         self.req_num_hashed[rid] = max(done, n_full)
 
@@ -193,6 +197,26 @@ class BlockManager:
                     self.free_queue.move_to_end(blk.block_id, last=False)  # uncached: reuse first
                 else:
                     self.free_queue[blk.block_id] = blk
+
+    def refresh(self, blk: KVCacheBlock) -> None:
+        """A cached block just looked up: a free one becomes the most recently freed (evicted last)."""
+        if blk.ref_cnt == 0:
+            self.free_queue.move_to_end(blk.block_id)
+
+    def adopt_cached(self, block_hash: int, parent_hash: int, token_ids: Sequence[int]) -> KVCacheBlock:
+        """A free block (the LRU victim) to hold a prefix block whose K/V the caller writes now, from outside the
+        pool (the disk tier): hashed and queued as the most recently freed, as if a request had computed and freed
+        it. The caller checks there is a free block and that no block holds the hash."""
+        assert block_hash not in self.cached
+        _, blk = self.free_queue.popitem(last=False)
+        self.high_water = max(self.high_water, blk.block_id + 1)
+        if blk.block_hash is not None:
+            self._drop_hash(blk)
+        blk.block_hash, blk.parent_hash, blk.token_ids = block_hash, parent_hash, tuple(token_ids)
+        self.cached[block_hash] = blk
+        self.cache_version += 1
+        self.free_queue[blk.block_id] = blk
+        return blk
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _touch(self, blk: KVCacheBlock) -> None:

@@ -29,7 +29,7 @@ from pdserve.engine.client_lora import ClientLoRAs, LoRAExists, LoRAInUse, LoRAN
 from pdserve.engine.engine import LLMEngine, PromptType, StepResult
 from pdserve.engine.engine_thread import EngineThread, StepTurns
 from pdserve.engine.explain import ExplanationHistory, RequestExplainer, StallThreshold
-from pdserve.engine.messages import LoRAStats, SchedulerStats, StepStats
+from pdserve.engine.messages import KVOffloadStats, LoRAStats, SchedulerStats, StepStats
 from pdserve.engine.published import KVSnapshot, PrefixSummary
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.stats import SpecDecodeStats
@@ -48,7 +48,8 @@ logger = logging.getLogger("pdserve.engine_client")
 
 EngineRequest = Request  # what process_inputs makes: the server reads only its inputs
 
-__all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVSnapshot", "LLMEngine",
+__all__ = ["EngineClient", "EngineDead", "EngineRequest", "EngineThread", "FinishedLoad", "KVOffloadStats",
+           "KVSnapshot", "LLMEngine",
            "LoRAAdapterError", "LoRAExists", "LoRAInUse", "LoRANotLoaded", "LoRARequest", "LoRAStats",
            "ModelInfo",
            "PrefixSummary", "ProfilerState", "PromptType", "QueueFull", "RequestStream", "SchedulerStats",
@@ -522,7 +523,8 @@ class EngineClient:
         bm, sched = eng.block_manager, eng.scheduler
         self.stat_logger.observe_step(stats, SchedulerStats(
             sched.num_running, sched.num_waiting, bm.usage, bm.stats.queries, bm.stats.hits, sched.num_preemptions,
-            eng.spec.stats if eng.spec is not None else None, eng.lora_stats() if eng.lora is not None else None))
+            eng.spec.stats if eng.spec is not None else None, eng.lora_stats() if eng.lora is not None else None,
+            eng.kv_offload.stats if eng.kv_offload is not None else None))
 
     def _explain(self, req: Request, out: RequestOutput, tenant: str | None) -> None:
         """Keep a finished request's explanation (engine thread; never takes the loop down)."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.kv_offload import KVOffloadStore
 from pdserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, StepStats
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind, is_decode
@@ -39,6 +40,7 @@ class EngineCore:
         self.kv_transfer = kv_transfer
         self.spec = spec
         self.step_log = StepLog()  # what each recent step carried: per-request explanations (explain.py)
+        self.kv_offload: KVOffloadStore | None = None  # the prefix cache's disk tier (set by the engine)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -81,6 +83,8 @@ class EngineCore:
         now = time.perf_counter()
         self._log_step(sched, t0, now, t_grammar, t_kv, t_run)
         outputs += self.scheduler.update_from_output(sched, result, now)
+        if self.kv_offload is not None:  # blocks this step filled, copied out before a later step reuses them
+            self.kv_offload.save_new_blocks()
         self._release_finished()
         stats = self._stats(sched, 0.0)
         if self.spec is not None:

@@ -21,6 +21,7 @@ from pdserve.config import EngineConfig, dtype_reason, parse_size
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.core import EngineCore
 from pdserve.engine.input_processor import MAX_PRIORITY, InputLimits, InputProcessor, PromptType
+from pdserve.engine.kv_offload import KVOffloadStore
 from pdserve.engine.messages import EngineCoreOutput, LoRAStats, StepStats
 from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request
@@ -101,6 +102,7 @@ class LLMEngine:
         self.kv_transfer: KVTransfer | None = None
         if config.kv_role != "both":
             self.kv_transfer = make_kv_transfer(config, self.block_manager, self.runner.kv_cache)
+        self.kv_offload = self._make_kv_offload(config)  # the prefix cache's disk tier (--kv-offload-dir)
         self.step_budget = StepBudget(self.runner.step_cost_model(), config.max_step_ms)
         self.step_cost = self.step_budget.cost
         spec_config = config.speculative
@@ -123,7 +125,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core = EngineCore(self.scheduler, self.runner, self.step_budget,
                                RooflineMeter(device_peaks, config.torch_dtype), self.kv_transfer, self.spec)
+        self.scheduler.kv_offload = self.core.kv_offload = self.kv_offload
         self.roofline, self.step_log = self.core.roofline, self.core.step_log
+        self._log_start(config)
+
+    def _log_start(self, config: EngineConfig) -> None:
         logger.info("engine ready: %s, %s, %d KV blocks x %d tokens in %s (%.1f MiB), max_model_len %d, kernels %s",
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size, config.kv_storage,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
@@ -137,6 +143,14 @@ class LLMEngine:
             prompt, generated = attention_path(config.kv_storage, arch.num_attention_heads // arch.num_key_value_heads,
                                                arch.head_dim, arch.attn_logit_softcapping > 0)
             logger.info("native attention: prompt rows %s; generated rows %s", prompt, generated)
+
+    def _make_kv_offload(self, config: EngineConfig) -> KVOffloadStore | None:
+        if config.kv_offload_dir is None or not config.enable_prefix_caching:
+            return None
+        # the K/V a file holds depend on the weights and how they are multiplied, not only on the layout
+        weights = repr([self.model_name, self.arch, config.torch_dtype, self.kernels, config.quantization])
+        return KVOffloadStore(config.kv_offload_dir, parse_size(config.kv_offload_max_size), weights,
+                              self.runner.kv_cache, self.block_manager)
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:

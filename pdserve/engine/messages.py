@@ -84,6 +84,22 @@ class SchedulerStats:
     spec: SpecDecodeStats | None = None  # speculative decoding's totals (None: off)
     # with --enable-lora: the adapter names of the running and of the waiting requests, and --max-loras
     lora: LoRAStats | None = None
+    offload: KVOffloadStats | None = None  # the prefix cache's disk tier (None: off)
+
+
+@dataclass
+class KVOffloadStats:
+    """Totals since start (metrics: pdserve:kv_offload_*)."""
+
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    lookups: int = 0  # blocks looked up on disk (past the last block in memory)
+    hits: int = 0  # of which found and read back
+    rejected: int = 0  # files that failed a check (corrupt, foreign): deleted
+    evicted: int = 0  # files removed by the size bound
+    disk_bytes: int = 0  # bytes of files under this fingerprint now
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_offload import KVOffloadStore
 from pdserve.engine.messages import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.spec_decode import SpecDecoder
@@ -74,6 +75,7 @@ class Scheduler:
         # tokens (the output processor's) finishes them here (finish_by_stop_string)
         self._stepped: dict[str, Request] = {}
         self._in_runner: set[str] = set()  # requests whose state the model runner holds (sent as new_requests)
+        self.kv_offload: KVOffloadStore | None = None  # the prefix cache's disk tier (set by the engine)
         self._finished_req_ids: list[str] = []  # of those, finished since take_finished_req_ids
 
     # ---- admission / removal -------------------------------------------------------------------------------
@@ -237,6 +239,8 @@ class Scheduler:
         while (self.waiting and not out.preempted_req_ids and budget > 0
                and len(self.running) + num_loading < self.max_num_seqs):
             req = self.waiting[0]
+            if self.kv_offload is not None:  # prefix blocks on disk become cached blocks before the lookup
+                self.kv_offload.promote(req)
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
             if kv is not None and kv.wants_remote_load(req, num_cached):
                 # PD decode side: hold blocks, pull the prompt's KV in a connector thread (no token budget)

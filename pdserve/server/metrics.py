@@ -8,13 +8,14 @@ chunk in the same step, a preemption) that a request's mean hides.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
-from pdserve.engine.client import LoRAStats, SchedulerStats, SpecDecodeStats, StepStats
+from pdserve.engine.client import KVOffloadStats, LoRAStats, SchedulerStats, SpecDecodeStats, StepStats
 from pdserve.outputs import RequestOutput
 from pdserve.roofline import DeviceSpec
 from pdserve.server.allocator import heap_in_use_bytes
@@ -103,6 +104,8 @@ class Metrics:
         self.preemptions = Counter("pdserve:num_preemptions", "Preemptions (recompute).", lbl, registry=r)
         self._spec_counters(lbl, r)
         self._last_spec = SpecDecodeStats()
+        self._offload_metrics(r)
+        self._last_offload = KVOffloadStats()
         self.success = Counter("pdserve:request_success", "Finished requests by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.errors = Counter("pdserve:request_errors", "Failed requests by kind.", ["model_name", "kind"],
@@ -154,6 +157,8 @@ class Metrics:
                               num_preemptions)
         if sched.spec is not None:
             self.observe_spec(sched.spec)
+        if sched.offload is not None:
+            self.observe_offload(sched.offload)
         if sched.lora is not None and sched.lora != self._last_lora:
             self._last_lora = lora = sched.lora
             self.lora_info.clear()  # one series: the current adapters (vLLM's lora_requests_info), set to now
@@ -175,6 +180,37 @@ class Metrics:
                                            "no drafts, by the policy's reason (batch_size, compute_bound, "
                                            "low_acceptance, prefill_pending, measured_slower).",
                                            ["model_name", "reason"], registry=r)
+
+    def _offload_metrics(self, r: CollectorRegistry) -> None:
+        # the prefix cache's disk tier (--kv-offload-dir); memory hits are pdserve:prefix_cache_hits
+        lbl = ["model_name", "direction"]
+        self.offload_blocks = Counter("pdserve:kv_offload_blocks", "KV blocks the disk tier wrote (direction=saved) "
+                                      "and read back (loaded).", lbl, registry=r)
+        self.offload_bytes = Counter("pdserve:kv_offload_bytes", "K/V bytes the disk tier wrote (saved) and read "
+                                     "back (loaded).", lbl, registry=r)
+        self.offload_lookups = Counter("pdserve:kv_offload_lookups", "Prefix blocks looked up on disk after a "
+                                       "memory miss.", ["model_name"], registry=r)
+        self.offload_hits = Counter("pdserve:kv_offload_hits", "Of those, found on disk and read back.",
+                                    ["model_name"], registry=r)
+        self.offload_files = Counter("pdserve:kv_offload_files_removed", "Disk-tier files removed: failed a check "
+                                     "(reason=rejected) or over the size bound (evicted).", ["model_name", "reason"],
+                                     registry=r)
+        self.offload_disk = Gauge("pdserve:kv_offload_disk_bytes", "Bytes of the disk tier's files for this model.",
+                                  ["model_name"], registry=r)
+
+    def observe_offload(self, stats: KVOffloadStats) -> None:
+        """Bring the kv_offload counters up to the engine's totals."""
+        m, last = self.model_name, self._last_offload
+        self.offload_blocks.labels(m, "saved").inc(stats.blocks_saved - last.blocks_saved)
+        self.offload_blocks.labels(m, "loaded").inc(stats.blocks_loaded - last.blocks_loaded)
+        self.offload_bytes.labels(m, "saved").inc(stats.bytes_saved - last.bytes_saved)
+        self.offload_bytes.labels(m, "loaded").inc(stats.bytes_loaded - last.bytes_loaded)
+        self.offload_lookups.labels(m).inc(stats.lookups - last.lookups)
+        self.offload_hits.labels(m).inc(stats.hits - last.hits)
+        self.offload_files.labels(m, "rejected").inc(stats.rejected - last.rejected)
+        self.offload_files.labels(m, "evicted").inc(stats.evicted - last.evicted)
+        self.offload_disk.labels(m).set(stats.disk_bytes)
+        self._last_offload = dataclasses.replace(stats)
 
     def observe_spec(self, stats: SpecDecodeStats) -> None:
         """Bring the spec_decode counters up to the engine's totals."""

@@ -1,0 +1,169 @@
+"""The prefix cache's disk tier (--kv-offload-dir, engine/kv_offload.py): blocks written after the step that filled
+them, read back after a restart as cached blocks with the same output as a cold prefill; corrupt, foreign and
+other-salt files never served; the size bound; the KV pool back at its baseline; the Prometheus series."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.messages import KVOffloadStats
+from pdserve.prefix_hash import chain_hashes
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.metrics import Metrics
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+
+
+def prompt_ids(seed: int, n: int = 200) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 20000) for _ in range(n)]
+
+
+def run(llm: Any, ids: list[int], cache_salt: str | None = None) -> Any:
+    eng = llm.engine
+    (req,) = eng.make_requests([{"prompt_token_ids": ids}], GREEDY, f"r{random.random()}", cache_salt=cache_salt)
+    eng.add_request(req)
+    out = None
+    while eng.has_unfinished_requests():
+        out = next((o for o in eng.step().outputs if o.finished), out)
+    eng.kv_offload.flush()
+    assert llm.engine.block_manager.is_at_baseline()
+    llm.engine.block_manager.check_integrity()
+    return out
+
+
+def files(d: Path) -> list[Path]:
+    return sorted(d.glob("*/*.kvb"))
+
+
+def block_file(d: Path, ids: list[int], i: int) -> Path:
+    """The file of the prompt's block i (no salt), named by its chained hash."""
+    h = chain_hashes(ids, 16, None)[i]
+    (path,) = d.glob(f"*/{h & (2**64 - 1):016x}.kvb")
+    return path
+
+
+@pytest.fixture
+def offload_llm(make_llm: Any, tmp_path: Path) -> Any:
+    made = []
+
+    def factory(**options: Any) -> Any:
+        options.setdefault("kv_offload_dir", str(tmp_path / "kv"))
+        llm = make_llm(**options)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        llm.engine.kv_offload.close()
+
+
+def test_a_restart_reads_the_prefix_back_with_the_cold_output(offload_llm: Any, make_llm: Any,
+                                                              tmp_path: Path) -> None:
+    ids = prompt_ids(1)
+    cold = make_llm().generate([{"prompt_token_ids": ids}], GREEDY)[0]
+    first = offload_llm()
+    out1 = run(first, ids)
+    stats = first.engine.kv_offload.stats
+    assert stats.blocks_saved == (len(ids) // 16) and stats.disk_bytes > 0  # every full block of the prompt
+    assert len(files(tmp_path / "kv")) == stats.blocks_saved
+    first.engine.kv_offload.close()
+
+    second = offload_llm()  # a restart: a new engine on the same directory
+    out2 = run(second, ids)
+    s2 = second.engine.kv_offload.stats
+    assert s2.hits == s2.blocks_loaded == (len(ids) - 1) // 16 and s2.rejected == 0
+    assert out2.num_cached_tokens == s2.hits * 16
+    for out in (out1, out2):
+        assert out.outputs[0].token_ids == cold.outputs[0].token_ids
+        for a, b in zip(out.outputs[0].logprobs, cold.outputs[0].logprobs):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert s2.blocks_saved == 0  # the blocks read back are not written again
+
+
+def test_corrupt_and_foreign_files_are_rejected_and_recomputed(offload_llm: Any, tmp_path: Path) -> None:
+    ids = prompt_ids(2)
+    first = offload_llm()
+    ref = run(first, ids).outputs[0].token_ids
+    first.engine.kv_offload.close()
+    bad, head = block_file(tmp_path / "kv", ids, 3), block_file(tmp_path / "kv", ids, 0)
+    raw = bytearray(bad.read_bytes())
+    raw[-5] ^= 0xFF  # a flipped payload byte: the CRC fails
+    bad.write_bytes(bytes(raw))
+    second = offload_llm()
+    out = run(second, ids)
+    s = second.engine.kv_offload.stats
+    assert s.rejected == 1 and s.hits == 3  # the chain stops at the bad block; the rest is computed
+    assert out.num_cached_tokens == 3 * 16 and out.outputs[0].token_ids == ref
+    assert bad.read_bytes() != bytes(raw)  # deleted, then written again from the recomputed block
+
+    # a file of another fingerprint copied in under this one's name: its header says so
+    second.engine.kv_offload.close()
+    head.write_bytes(head.read_bytes().replace(head.parent.name.encode(), b"ffffffffffff", 1))
+    third = offload_llm()
+    out3 = run(third, ids)
+    assert third.engine.kv_offload.stats.rejected == 1 and out3.num_cached_tokens == 0
+    assert out3.outputs[0].token_ids == ref
+
+
+def test_other_dtype_and_other_salt_never_read_the_files(offload_llm: Any, tmp_path: Path) -> None:
+    ids = prompt_ids(3)
+    run(offload_llm(), ids, cache_salt="tenant-a")
+    other_kv = offload_llm(kv_cache_dtype="int8")  # another KV layout: its own fingerprint directory
+    assert run(other_kv, ids, cache_salt="tenant-a").num_cached_tokens == 0
+    assert other_kv.engine.kv_offload.stats.hits == 0
+    assert len({p.parent for p in files(tmp_path / "kv")}) == 2
+    same = offload_llm()
+    assert run(same, ids, cache_salt="tenant-b").num_cached_tokens == 0  # another tenant's salt: another chain
+    assert run(same, ids).num_cached_tokens == 0  # no salt
+    assert run(same, ids, cache_salt="tenant-a").num_cached_tokens == ((len(ids) - 1) // 16) * 16
+
+
+def test_the_size_bound_drops_the_least_recently_used(offload_llm: Any, tmp_path: Path) -> None:
+    llm = offload_llm()
+    run(llm, prompt_ids(4, 64))
+    per_file = llm.engine.kv_offload.stats.disk_bytes // 4
+    llm.engine.kv_offload.close()
+    small = offload_llm(kv_offload_max_size=int(per_file * 6.5))  # (headers differ by a few bytes)
+    first = prompt_ids(5, 64)
+    run(small, first)  # 4 more blocks: 8 > 6, the oldest (the first run's) go
+    s = small.engine.kv_offload.stats
+    assert s.evicted == 2 and s.disk_bytes <= per_file * 6.5 and len(files(tmp_path / "kv")) == 6
+    assert run(small, first).num_cached_tokens == 3 * 16  # the newest survive (in memory and on disk)
+
+
+def test_a_small_pool_takes_what_fits_and_returns_to_baseline(offload_llm: Any) -> None:
+    ids = prompt_ids(6, 400)
+    run(offload_llm(), ids)
+    tight = offload_llm(num_kv_blocks=30)  # the prompt needs 26 blocks: room for a few loaded ones only
+    out = run(tight, ids)
+    assert 0 < tight.engine.kv_offload.stats.hits < (len(ids) - 1) // 16
+    assert out.num_cached_tokens == tight.engine.kv_offload.stats.hits * 16
+
+
+def test_adopted_blocks_are_cached_free_blocks() -> None:
+    bm = BlockManager(4, 16)
+    bm.newly_cached = []
+    blk = bm.adopt_cached(1234, 0, range(16))
+    assert bm.cached[1234] is blk and blk.ref_cnt == 0 and list(bm.free_queue)[-1] == blk.block_id
+    bm.check_integrity()
+    assert bm.is_at_baseline() and bm.newly_cached == []  # read back, not to be written again
+
+
+def test_prometheus_series() -> None:
+    m = Metrics("tiny")
+    m.observe_offload(KVOffloadStats(blocks_saved=5, bytes_saved=500, blocks_loaded=3, bytes_loaded=300, lookups=4,
+                                     hits=3, rejected=1, evicted=2, disk_bytes=1000))
+    m.observe_offload(KVOffloadStats(blocks_saved=6, bytes_saved=600, blocks_loaded=3, bytes_loaded=300, lookups=4,
+                                     hits=3, rejected=1, evicted=2, disk_bytes=1100))
+    text = generate_latest(m.registry).decode()
+    assert 'pdserve:kv_offload_blocks_total{direction="saved",model_name="tiny"} 6.0' in text
+    assert 'pdserve:kv_offload_hits_total{model_name="tiny"} 3.0' in text
+    assert 'pdserve:kv_offload_files_removed_total{model_name="tiny",reason="evicted"} 2.0' in text
+    assert 'pdserve:kv_offload_disk_bytes{model_name="tiny"} 1100.0' in text
