@@ -34,7 +34,7 @@ def add_engine_args(parser: argparse.ArgumentParser, repeat_model: bool = False)
         elif hints[f.name] is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            conv: Any = int if "int" in str(hints[f.name]) and f.name != "kv_cache_memory" else str
+            conv: Any = int if "int" in str(hints[f.name]) and "str" not in str(hints[f.name]) else str  # sizes
             if "float" in str(hints[f.name]):
                 conv = float
             parser.add_argument(flag, type=conv, default=default, help=text)

@@ -167,3 +167,33 @@ def test_prometheus_series() -> None:
     assert 'pdserve:kv_offload_hits_total{model_name="tiny"} 3.0' in text
     assert 'pdserve:kv_offload_files_removed_total{model_name="tiny",reason="evicted"} 2.0' in text
     assert 'pdserve:kv_offload_disk_bytes{model_name="tiny"} 1100.0' in text
+
+
+@pytest.mark.slow
+def test_a_served_prompt_survives_a_server_restart(tmp_path: Path, tiny_dir: Path) -> None:
+    """`pdserve serve --kv-offload-dir`: the prompt's blocks are on disk when the server stops (SIGTERM lets the
+    writer finish), and the next server answers the same prompt from them (cached_tokens, /metrics)."""
+    import httpx
+
+    from conftest import TINY_SERVER_ARGS
+    from pdserve.launch import start_server
+
+    ids = prompt_ids(7, 100)
+    body = {"model": str(tiny_dir), "prompt": ids, "max_tokens": 4, "temperature": 0}
+    answers = []
+    for run_no in range(2):
+        srv = start_server(tmp_path / f"log{run_no}", "--model", str(tiny_dir), *TINY_SERVER_ARGS,
+                           "--kv-offload-dir", str(tmp_path / "kv"))
+        try:
+            r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+            metrics = httpx.get(srv.base_url + "/metrics", timeout=30).text
+        finally:
+            assert srv.stop() in (0, -15)
+    first, second = answers
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
+    assert 'pdserve:kv_offload_hits_total{model_name=' in metrics
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("pdserve:kv_offload_hits_total")]
+    assert hits and float(hits[0].split()[-1]) == 6

@@ -274,9 +274,12 @@ class LLMEngine:
         return end < target
 
     def close(self) -> None:
-        """Stop background parts (the KV connector's threads and sockets)."""
+        """Stop background parts (the KV connector's threads and sockets; the disk tier's writer, once the blocks
+        queued for it are written)."""
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+        if self.kv_offload is not None:
+            self.kv_offload.close()
 
     # ---- one iteration -------------------------------------------------------------------------------------
     def step(self) -> StepResult:
