@@ -175,8 +175,9 @@ def test_a_served_prompt_survives_a_server_restart(tmp_path: Path, tiny_dir: Pat
     writer finish), and the next server answers the same prompt from them (cached_tokens, /metrics)."""
     import httpx
 
-    from conftest import TINY_SERVER_ARGS
     from pdserve.launch import start_server
+
+    from conftest import TINY_SERVER_ARGS
 
     ids = prompt_ids(7, 100)
     body = {"model": str(tiny_dir), "prompt": ids, "max_tokens": 4, "temperature": 0}
