@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pdserve.bench.diagnose import RunStats, Thresholds, Verdict, analyze_window
-from pdserve.engine.client import StepStats
+from pdserve.engine.client import KVOffloadStats, StepStats
 from pdserve.engine.request import RequestStatus
 from pdserve.model.inputs import StepKind
 from pdserve.outputs import CompletionOutput, RequestOutput, RequestTimes
@@ -66,7 +66,7 @@ def test_window_drops_old_samples_and_counters_are_deltas() -> None:
     assert b["latency_ms"]["itl"]["count"] == 2 and b["latency_ms"]["itl"]["p50"] == pytest.approx(25.0)
     assert b["latency_ms"]["queue"]["p50"] == pytest.approx(10.0)
     # counters over the window: totals after its last step minus totals before it
-    assert b["prefix_cache"] == {"queries": 60, "hits": 30, "hit_rate": 0.5}
+    assert b["prefix_cache"] == {"queries": 60, "hits": 30, "hit_rate": 0.5, "disk": None}
     assert b["preemptions"] == 2
     assert b["load"] == {"running": 2, "waiting": 1, "running_peak": 2, "waiting_peak": 1}
     assert b["kv_cache"]["usage"] == 0.5 and b["kv_cache"]["watermark"] == 0.5
@@ -74,6 +74,17 @@ def test_window_drops_old_samples_and_counters_are_deltas() -> None:
     whole = live.snapshot(600)  # a longer window sees both
     assert whole["requests"]["finished"] == 2 and whole["preemptions"] == 3
     assert whole["kv_cache"]["watermark"] == 0.5 and whole["prefix_cache"]["hit_rate"] == pytest.approx(40 / 160)
+
+
+def test_the_disk_tier_in_the_window() -> None:
+    clock = Clock()
+    live = LiveStats("m", clock)
+    live.record_step(step(StepKind.PREFILL, 0.1, prefill=32), 1, 0, 0.2, 100, 10, 0,
+                     KVOffloadStats(lookups=10, hits=4, disk_bytes=1000))
+    clock.t += 120
+    live.record_step(step(StepKind.PREFILL, 0.1, prefill=32), 1, 0, 0.2, 200, 60, 0,
+                     KVOffloadStats(lookups=30, hits=19, disk_bytes=5000))
+    assert live.snapshot(60)["prefix_cache"]["disk"] == {"lookups": 20, "hits": 15, "hit_rate": 0.75, "bytes": 5000}
 
 
 def test_storage_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

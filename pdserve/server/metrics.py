@@ -154,7 +154,7 @@ class Metrics:
         c["preemptions"].inc(num_preemptions - self._last_preemptions)
         self._last_preemptions = num_preemptions
         self.live.record_step(step, num_running, num_waiting, kv_usage, prefix_queries, prefix_hits,
-                              num_preemptions)
+                              num_preemptions, sched.offload)
         if sched.spec is not None:
             self.observe_spec(sched.spec)
         if sched.offload is not None:

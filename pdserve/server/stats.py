@@ -23,7 +23,7 @@ import numpy as np
 from pdserve.api.dashboard_page import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from pdserve.bench.diagnose.rules import Thresholds, analyze_window, ttft_limit_ms
 from pdserve.bench.diagnose.stats import RunStats
-from pdserve.engine.client import StepStats
+from pdserve.engine.client import KVOffloadStats, StepStats
 from pdserve.outputs import RequestOutput
 from pdserve.roofline import DeviceSpec, RooflineMeter
 
@@ -54,6 +54,9 @@ class StepSample:
     prefix_queries: int  # running totals; a window's figure is last - first
     prefix_hits: int
     preemptions: int
+    disk_lookups: int = 0  # the prefix cache's disk tier (--kv-offload-dir): blocks looked up there, found there
+    disk_hits: int = 0
+    disk_bytes: int = -1  # its files' bytes now (-1: no disk tier)
 
 
 @dataclass(frozen=True)
@@ -126,11 +129,12 @@ class LiveStats:
 
     # ---- recording (engine thread) -------------------------------------------------------------------------
     def record_step(self, step: StepStats, running: int, waiting: int, kv_usage: float, prefix_queries: int,
-                    prefix_hits: int, preemptions: int) -> None:
+                    prefix_hits: int, preemptions: int, disk: KVOffloadStats | None = None) -> None:
         now = self.clock()
+        tier = (disk.lookups, disk.hits, disk.disk_bytes) if disk is not None else (0, 0, -1)
         s = StepSample(now, str(step.kind), step.duration, step.model_time, step.flops, step.bytes,
                        step.num_prefill_tokens, step.num_decode_tokens, running, waiting, kv_usage, prefix_queries,
-                       prefix_hits, preemptions)
+                       prefix_hits, preemptions, *tier)
         with self._lock:
             _prune(self._s.steps, now - MAX_WINDOW_S)
             self._s.steps.append(s)
@@ -271,10 +275,16 @@ class LiveStats:
     @staticmethod
     def _prefix(steps: list[StepSample], base: StepSample | None) -> dict[str, Any]:
         if not steps:
-            return {"queries": 0, "hits": 0, "hit_rate": None}
-        q = steps[-1].prefix_queries - (base.prefix_queries if base else 0)
-        h = steps[-1].prefix_hits - (base.prefix_hits if base else 0)
-        return {"queries": q, "hits": h, "hit_rate": h / q if q else None}
+            return {"queries": 0, "hits": 0, "hit_rate": None, "disk": None}
+        last = steps[-1]
+        q = last.prefix_queries - (base.prefix_queries if base else 0)
+        h = last.prefix_hits - (base.prefix_hits if base else 0)
+        disk = None
+        if last.disk_bytes >= 0:  # blocks: a lookup there follows a miss in memory; a hit becomes a memory hit
+            dq = last.disk_lookups - (base.disk_lookups if base else 0)
+            dh = last.disk_hits - (base.disk_hits if base else 0)
+            disk = {"lookups": dq, "hits": dh, "hit_rate": dh / dq if dq else None, "bytes": last.disk_bytes}
+        return {"queries": q, "hits": h, "hit_rate": h / q if q else None, "disk": disk}
 
     def _steps(self, steps: list[StepSample], span: float) -> dict[str, Any]:
         """Per step kind: count, time share, tokens/s, step-time percentiles, and the live roofline (achieved

@@ -106,6 +106,9 @@ function renderModel(name, b, id) {
       `mean prompt ${num(r.mean_prompt_tokens, 0)} tok`),
     card("prefix-cache hit rate", "prefix_cache.hit_rate", pct(b.prefix_cache.hit_rate), b.prefix_cache.hit_rate,
       `${b.prefix_cache.hits} / ${b.prefix_cache.queries} tokens`),
+    ...(b.prefix_cache.disk ? [card("disk-tier hit rate", "prefix_cache.disk.hit_rate",
+      pct(b.prefix_cache.disk.hit_rate), b.prefix_cache.disk.hit_rate,
+      `${b.prefix_cache.disk.hits} / ${b.prefix_cache.disk.lookups} blocks · ${num(b.prefix_cache.disk.bytes / 2 ** 20, 0)} MiB on disk`)] : []),
     ...rooflineCards(b.steps, ["prefill", "mixed"], "var(--prefill)"));
   const dec = node.querySelector(".phase.decode .cards");
   dec.append(latencyCard("ITL", "itl", lat.itl), latencyCard("TPOT", "tpot", lat.tpot),
