@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
+from pdserve.engine import kv_offload
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.messages import KVOffloadStats
 from pdserve.prefix_hash import chain_hashes
@@ -198,3 +199,31 @@ def test_a_served_prompt_survives_a_server_restart(tmp_path: Path, tiny_dir: Pat
     assert 'pdserve:kv_offload_hits_total{model_name=' in metrics
     hits = [ln for ln in metrics.splitlines() if ln.startswith("pdserve:kv_offload_hits_total")]
     assert hits and float(hits[0].split()[-1]) == 6
+
+
+def test_a_long_prefix_is_read_a_bounded_amount_a_step(offload_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk tier reads at most READ_BYTES_PER_STEP a step while the request waits; the running requests keep
+    decoding meanwhile, and the request then hits the whole prefix."""
+    ids = prompt_ids(8)
+    ref = run(offload_llm(), ids).outputs[0].token_ids
+    llm = offload_llm()
+    eng = llm.engine
+    kv = eng.runner.kv_cache
+    monkeypatch.setattr(kv_offload, "READ_BYTES_PER_STEP", 2 * kv[:, :, 0].numel() * kv.element_size())
+    decode40 = SamplingParams(max_tokens=40, ignore_eos=True)
+    (other,) = eng.make_requests([{"prompt_token_ids": prompt_ids(9, 20)}], decode40, "other")
+    eng.add_request(other)
+    eng.step()  # its prefill
+    (req,) = eng.make_requests([{"prompt_token_ids": ids}], GREEDY, "long")
+    eng.add_request(req)
+    reads, final = [], None
+    while eng.has_unfinished_requests():
+        before, other_tokens = eng.kv_offload.stats.blocks_loaded, len(other.all_token_ids)
+        outs = eng.step().outputs
+        got = eng.kv_offload.stats.blocks_loaded - before
+        if got:
+            reads.append((got, len(other.all_token_ids) > other_tokens))
+        final = next((o for o in outs if o.request_id == req.request_id and o.finished), final)
+    assert [n for n, _ in reads] == [2, 2, 2, 2, 2, 2] and all(decoded for _, decoded in reads)
+    assert final is not None and final.num_cached_tokens == 12 * 16 and final.outputs[0].token_ids == ref
+    assert eng.block_manager.is_at_baseline()

@@ -9,8 +9,8 @@ eviction from memory and restarts of the server.
 - Read: before a waiting request's prefix lookup, the chain of its full blocks is followed past the last block
   held in memory; the blocks found on disk (consecutive, from there on) are read, checked and placed into free
   blocks as cached blocks (BlockManager.adopt_cached), so the lookup that follows finds them like any cached block.
-  They are read in the engine thread before the request is scheduled (a 4k-token prompt of the default model is
-  ~90 MB: tens of milliseconds from the page cache, against a prefill of seconds).
+  They are read in the engine thread, READ_BYTES_PER_STEP a step, while the request waits at the head of the queue
+  and the running requests keep stepping (a 4k-token prompt of the default model is ~90 MB: three steps).
 - Checks: a file holds a header (format version, the fingerprint of model, KV layout and dtype, the block's hash,
   its parent hash and token ids, the payload's length and CRC-32) and the payload. A lookup is confirmed as in
   memory (parent hash and tokens), so a hash collision never returns wrong K/V; files of another model, layout,
@@ -50,6 +50,7 @@ MAGIC = b"PDSKVB01"  # file format version in the magic: a new format never read
 _HEAD = struct.Struct("<8sI")  # magic, header length
 SUFFIX = ".kvb"
 MAX_PENDING_BYTES = 256 * 2**20  # K/V copied out and not yet written: past this, new blocks are not queued
+READ_BYTES_PER_STEP = 32 * 2**20  # read back per scheduling step (a bound on the stall of the step's other requests)
 
 
 def layout_fingerprint(model: str, kv_cache: torch.Tensor, block_size: int) -> str:
@@ -186,12 +187,13 @@ class KVOffloadStore:
         self._writer.join(timeout=60)
 
     # ---- read ----------------------------------------------------------------------------------------------
-    def promote(self, request: Request) -> int:
+    def promote(self, request: Request) -> bool:
         """Bring the request's prefix blocks that are on disk but not in memory into free KV blocks, as cached
-        blocks; returns how many. Leaves enough free blocks for the rest of the request."""
+        blocks, at most READ_BYTES_PER_STEP a call; leaves enough free blocks for the rest of the request. False
+        while more may follow (the request should wait for the next step), True when nothing more is to be read."""
         bm = self.block_manager
         if not bm.enable_prefix_caching or request.needs_prompt_rows:
-            return 0
+            return True
         tokens, bs = request.all_token_ids, self.block_size
         max_blocks = (len(tokens) - 1) // bs
         parent = root_hash(request.cache_salt, request.lora_int_id)
@@ -205,8 +207,11 @@ class KVOffloadStore:
             bm.refresh(blk)  # most recently used: the blocks adopted below must not evict them
             parent, i = h, i + 1
         room = bm.num_free_blocks - bm.blocks_needed(len(tokens) + 1)
+        budget = max(1, READ_BYTES_PER_STEP // self._block_bytes())
         loaded = 0
         while i < max_blocks and loaded < room:
+            if loaded == budget:
+                return False
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = hash_block(parent, chunk)
             self.stats.lookups += 1
@@ -222,7 +227,7 @@ class KVOffloadStore:
             self.stats.blocks_loaded += 1
             self.stats.bytes_loaded += payload.numel()
             parent, i, loaded = h, i + 1, loaded + 1
-        return loaded
+        return True
 
     def _block_bytes(self) -> int:
         kv = self.kv_cache

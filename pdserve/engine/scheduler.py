@@ -239,8 +239,8 @@ class Scheduler:
         while (self.waiting and not out.preempted_req_ids and budget > 0
                and len(self.running) + num_loading < self.max_num_seqs):
             req = self.waiting[0]
-            if self.kv_offload is not None:  # prefix blocks on disk become cached blocks before the lookup
-                self.kv_offload.promote(req)
+            if self.kv_offload is not None and not self.kv_offload.promote(req):
+                break  # its prefix is read from disk a bounded amount a step (cached blocks, then the lookup)
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
             if kv is not None and kv.wants_remote_load(req, num_cached):
                 # PD decode side: hold blocks, pull the prompt's KV in a connector thread (no token budget)
