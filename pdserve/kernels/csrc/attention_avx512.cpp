@@ -75,17 +75,13 @@ inline void scores_rows(const float* q, const Rows& k, __m512* s) {
   constexpr int KB = R == 1 ? 16 : 8;
   __m256 half[R][2];
   for (int h = 0; h < 16 / KB; ++h) {
-    __m512 acc[R][KB], qj[R];
-    for (int r = 0; r < R; ++r) qj[r] = _mm512_loadu_ps(q + r * D);
-    for (int i = 0; i < KB; ++i) {
-      const __m512 kv = k(KB * h + i, 0);
-      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_mul_ps(qj[r], kv);
-    }
-    for (int j = 16; j < D; j += 16) {
+    __m512 acc[R][KB];
+    for (int j = 0; j < D; j += 16) {
+      __m512 qj[R];
       for (int r = 0; r < R; ++r) qj[r] = _mm512_loadu_ps(q + r * D + j);
       for (int i = 0; i < KB; ++i) {
         const __m512 kv = k(KB * h + i, j);
-        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(qj[r], kv, acc[r][i]);
+        for (int r = 0; r < R; ++r) acc[r][i] = j == 0 ? _mm512_mul_ps(qj[r], kv) : _mm512_fmadd_ps(qj[r], kv, acc[r][i]);
       }
     }
     if constexpr (KB == 16) {
