@@ -86,3 +86,24 @@ def test_decode_reads_only_chosen_experts() -> None:
 def test_top_k_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="top_k"):
         SparseMoE(HIDDEN, INTER, 4, 5, True, KernelSelection(SDPABackend()))
+
+
+@pytest.mark.parametrize("type_name", ["F32", "Q8_0"])
+def test_gguf_expert_slices_are_views_in_stored_type(type_name: str) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    from pdserve.model.moe_gguf import expert_matrices
+
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 16, 64)).astype(np.float32)  # [n_expert, rows, cols]
+    stored = quants.quantize(w, qtype)
+    raw = np.frombuffer(bytearray(stored.tobytes()), dtype=np.uint8)
+    parts = expert_matrices(raw, int(qtype), 4, 16, 64)
+    for e, part in enumerate(parts):
+        assert np.shares_memory(part.data, raw) and part.type_name == type_name
+        expected = quants.dequantize(quants.quantize(w[e], qtype), qtype)
+        np.testing.assert_array_equal(part.dequantize().numpy(), expected)
+    with pytest.raises(ValueError, match="experts"):
+        expert_matrices(raw[:-1], int(qtype), 4, 16, 64)
