@@ -1,0 +1,71 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks top-k experts per token, each a SwiGLU MLP.
+
+Router: logits = x @ W_gate.T [T, E]; probs = softmax in fp32; top-k; renormalised over the k when `norm_topk_prob`
+(Mixtral always: softmax over the top-k logits equals the renormalised top-k probs). Output = sum_k w_k * expert_k(x).
+Each expert holds its own Linear modules (gate_up [2I, H], down [H, I]) so a loader can give each its packed weight
+as stored (a 2-D slice of a GGUF 3-D expert tensor); tokens are grouped by expert and only the experts some token
+chose are run, so a decode step reads only those experts' weights. Plain tensors in and out, no engine objects.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.model.layers.activation import SiluAndMul
+from pdserve.model.layers.linear import Linear
+from pdserve.model.native_ops import KernelSelection
+
+
+class Expert(nn.Module):
+    """down(silu(gate x) * up x) with gate | up fused in one [2I, H] projection (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, kernels: KernelSelection) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, kernels)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, kernels)
+        self.act_fn = SiluAndMul(kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in logits' dtype, expert ids [T, k]) from router logits [T, E]; softmax and sums in fp32."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+class SparseMoE(nn.Module):
+    """x [T, H] -> [T, H]: the top-k experts of each token, weighted by the router and summed."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalise: bool, kernels: KernelSelection) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the expert count)")
+        self.gate = Linear(hidden_size, num_experts, False, kernels)
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, kernels) for _ in range(num_experts))
+        self.top_k, self.renormalise = top_k, renormalise
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalise)
+        out = torch.zeros_like(x)
+        # sort the T*k (token, expert) assignments by expert: each chosen expert runs once on its contiguous rows
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        w = weights.reshape(-1)[order]
+        start = 0
+        for expert_id, n in enumerate(counts):
+            if n == 0:
+                continue  # an expert no token chose: its weights are never read
+            rows = tokens[start:start + n]
+            y = self.experts[expert_id](x[rows]) * w[start:start + n, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += n
+        return out
