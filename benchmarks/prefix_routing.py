@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/prefix_routing.py --model DIR [--conversations 16] [--systems 4] [--system-words 600]
                                                   [--turns 3] [--concurrency 8] [--rounds 2] [--out bench.json]
+                                                  [--kv-offload off|own|shared]
 
 Two `pdserve serve` instances (`--num-threads 1` each, pinned to cores 0 and 1 when the machine has two or more) and
 two `pdserve router`s over both (no prefill pool: colocated), one `--routing prefix --tokenizer DIR`, one
@@ -99,10 +100,12 @@ def start_all(tmp: Path, args: argparse.Namespace) -> tuple[list[ServerProc], di
     insts = []
     for core in (0, 1):
         port = free_port()
+        offload = [] if args.kv_offload == "off" else [  # the prefix cache's disk tier: each its own, or one shared
+            "--kv-offload-dir", str(tmp / ("kv" if args.kv_offload == "shared" else f"kv-{core}"))]
         insts.append(start_pdserve(tmp, f"inst-{port}", [
             "serve", "--port", str(port), "--model", args.model, "--num-threads", "1", "--kv-cache-memory",
-            args.kv_cache_memory, "--log-level", "warning", "--device-peaks", "off"], f"http://127.0.0.1:{port}", 300,
-            prefix=["taskset", "-c", str(core)] if pin else None))
+            args.kv_cache_memory, "--log-level", "warning", "--device-peaks", "off", *offload],
+            f"http://127.0.0.1:{port}", 300, prefix=["taskset", "-c", str(core)] if pin else None))
     routers = {}
     for mode in ("least-loaded", "prefix"):
         port = free_port()
@@ -122,6 +125,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (least-loaded and prefix, alternating)")
     ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--kv-offload", choices=("off", "own", "shared"), default="off",
+                    help="the instances' disk tier (--kv-offload-dir): none, one directory each, or one shared")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-prefix-"))
