@@ -506,6 +506,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if parse_size(self.kv_cache_memory) <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if parse_size(self.kv_offload_max_size) <= 0:
+            raise ValueError("kv_offload_max_size must be positive")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         self.priority_aging_s = float(self.priority_aging_s)

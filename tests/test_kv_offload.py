@@ -227,3 +227,11 @@ def test_a_long_prefix_is_read_a_bounded_amount_a_step(offload_llm: Any, monkeyp
     assert [n for n, _ in reads] == [2, 2, 2, 2, 2, 2] and all(decoded for _, decoded in reads)
     assert final is not None and final.num_cached_tokens == 12 * 16 and final.outputs[0].token_ids == ref
     assert eng.block_manager.is_at_baseline()
+
+
+def test_a_bad_size_is_refused_by_the_config() -> None:
+    from pdserve.config import EngineConfig
+
+    for bad in ("0", "-1GiB", "lots"):
+        with pytest.raises(ValueError):
+            EngineConfig(kv_offload_max_size=bad)

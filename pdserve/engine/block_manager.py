@@ -104,11 +104,18 @@ class BlockManager:
         prompt positions must be computed (prompt logprobs not yet scored) takes no hits, as vLLM."""
         if not self.enable_prefix_caching or request.needs_prompt_rows:
             return [], 0
+        hits, _ = self.match_prefix(request)
+        self.stats.queries += len(request.all_token_ids)
+        self.stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def match_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the request's longest matching prefix (of its first num_tokens - 1 tokens, full
+        blocks) and the hash the next block chains from. Counts nothing."""
         tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         parent = root_hash(request.cache_salt, request.lora_int_id)
-        for i in range(max_blocks):
+        for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = hash_block(parent, chunk)
             blk = self.cached.get(h)
@@ -116,9 +123,7 @@ class BlockManager:
                 break
             hits.append(blk)
             parent = h
-        self.stats.queries += len(tokens)
-        self.stats.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        return hits, parent
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register hashes of the request's blocks that became full of computed tokens."""
@@ -208,10 +213,8 @@ class BlockManager:
         pool (the disk tier): hashed and queued as the most recently freed, as if a request had computed and freed
         it. The caller checks there is a free block and that no block holds the hash."""
         assert block_hash not in self.cached
-        _, blk = self.free_queue.popitem(last=False)
-        self.high_water = max(self.high_water, blk.block_id + 1)
-        if blk.block_hash is not None:
-            self._drop_hash(blk)
+        blk = self._pop_free()
+        blk.ref_cnt = 0
         blk.block_hash, blk.parent_hash, blk.token_ids = block_hash, parent_hash, tuple(token_ids)
         self.cached[block_hash] = blk
         self.cache_version += 1

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager, KVCacheBlock
 from pdserve.engine.messages import KVOffloadStats
 from pdserve.engine.request import Request
-from pdserve.prefix_hash import hash_block, root_hash
+from pdserve.prefix_hash import hash_block
 
 __all__ = ["KVOffloadStore", "layout_fingerprint"]
 
@@ -72,12 +72,12 @@ class KVOffloadStore:
 
     def __init__(self, directory: str, max_bytes: int, model: str, kv_cache: torch.Tensor,
                  block_manager: BlockManager) -> None:
-        if max_bytes <= 0:
-            raise ValueError("kv_offload_max_size must be positive")
         self.kv_cache = kv_cache
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_bytes = max_bytes
+        self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()  # one block, every layer's K and V
+        self._settled: str | None = None  # the request whose disk walk ended: not walked again while it waits
         self.fingerprint = layout_fingerprint(model, kv_cache, self.block_size)
         self.dir = Path(directory) / self.fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -86,7 +86,7 @@ class KVOffloadStore:
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> file bytes, least recently used first
         self._load_index()
         block_manager.newly_cached = []  # the block manager now records the blocks it hashes for save_new_blocks
-        self._queue: queue.Queue[tuple[int, bytes, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[KVCacheBlock, int, memoryview] | None] = queue.Queue()
         self._pending = 0  # bytes in the queue (under the lock)
         self._writer = threading.Thread(target=self._write_loop, name="pdserve-kv-offload", daemon=True)
         self._writer.start()
@@ -133,20 +133,19 @@ class KVOffloadStore:
         pending, bm.newly_cached = bm.newly_cached or [], []
         todo = [b for b in pending if b.block_hash is not None and b.block_hash not in self]
         with self._lock:  # the disk is behind: drop what does not fit (those blocks may be computed again later)
-            todo = todo[:max(0, (MAX_PENDING_BYTES - self._pending) // self._block_bytes())]
-            self._pending += len(todo) * self._block_bytes()
+            todo = todo[:max(0, (MAX_PENDING_BYTES - self._pending) // self.block_bytes)]
+            self._pending += len(todo) * self.block_bytes
         if not todo:
             return 0
+        # the one copy the engine thread makes; the writer hashes, frames and writes the rows of this buffer
         ids = torch.tensor([b.block_id for b in todo])
         data = self.kv_cache.index_select(2, ids).movedim(2, 0).contiguous()  # [n, layers, 2, bs, heads, row]
-        raw = data.view(torch.uint8).reshape(len(todo), -1).numpy()
-        for blk, payload in zip(todo, raw):
+        rows = data.view(torch.uint8).reshape(len(todo), -1).numpy()
+        for i, blk in enumerate(todo):
             assert blk.block_hash is not None and blk.parent_hash is not None
-            body = payload.tobytes()
-            header = json.dumps({"fingerprint": self.fingerprint, "hash": blk.block_hash,
-                                 "parent": blk.parent_hash, "tokens": list(blk.token_ids), "bytes": len(body),
-                                 "crc32": zlib.crc32(body)}).encode()
-            self._queue.put((blk.block_hash, header, body))
+            # the block's identity travels as a copy: the block may be reused before the writer gets to it
+            ident = KVCacheBlock(blk.block_id, 0, blk.block_hash, blk.parent_hash, blk.token_ids)
+            self._queue.put((ident, blk.block_hash, memoryview(rows[i])))
         return len(todo)
 
     def _write_loop(self) -> None:
@@ -155,26 +154,30 @@ class KVOffloadStore:
                 self._write(*item)
             finally:
                 with self._lock:
-                    self._pending -= len(item[2])
+                    self._pending -= item[2].nbytes
                 self._queue.task_done()
 
-    def _write(self, h: int, header: bytes, body: bytes) -> None:
+    def _write(self, blk: KVCacheBlock, h: int, body: memoryview) -> None:
+        header = json.dumps({"fingerprint": self.fingerprint, "hash": h, "parent": blk.parent_hash,
+                             "tokens": list(blk.token_ids), "bytes": body.nbytes,
+                             "crc32": zlib.crc32(body)}).encode()
         path, tmp = self.dir / _name(h), self.dir / f".{_name(h)}.{os.getpid()}.{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
-                f.write(_HEAD.pack(MAGIC, len(header)) + header + body)
+                f.write(_HEAD.pack(MAGIC, len(header)) + header)
+                f.write(body)
             os.replace(tmp, path)
         except OSError:
             logger.exception("KV offload: writing %s failed", path)
             tmp.unlink(missing_ok=True)
             return
-        size = _HEAD.size + len(header) + len(body)
+        size = _HEAD.size + len(header) + body.nbytes
         with self._lock:
             old = self._index.pop(h, None)
             self.stats.disk_bytes += size - (old or 0)
             self._index[h] = size
             self.stats.blocks_saved += 1
-            self.stats.bytes_saved += len(body)
+            self.stats.bytes_saved += body.nbytes
             self._evict_locked()
 
     def flush(self) -> None:
@@ -192,22 +195,16 @@ class KVOffloadStore:
         blocks, at most READ_BYTES_PER_STEP a call; leaves enough free blocks for the rest of the request. False
         while more may follow (the request should wait for the next step), True when nothing more is to be read."""
         bm = self.block_manager
-        if not bm.enable_prefix_caching or request.needs_prompt_rows:
+        if not bm.enable_prefix_caching or request.needs_prompt_rows or request.request_id == self._settled:
             return True
         tokens, bs = request.all_token_ids, self.block_size
         max_blocks = (len(tokens) - 1) // bs
-        parent = root_hash(request.cache_salt, request.lora_int_id)
-        i = 0
-        while i < max_blocks:  # the blocks held in memory
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash_block(parent, chunk)
-            blk = bm.cached.get(h)
-            if blk is None or blk.parent_hash != parent or blk.token_ids != chunk:
-                break
+        hits, parent = bm.match_prefix(request)
+        for blk in hits:
             bm.refresh(blk)  # most recently used: the blocks adopted below must not evict them
-            parent, i = h, i + 1
+        i = len(hits)
         room = bm.num_free_blocks - bm.blocks_needed(len(tokens) + 1)
-        budget = max(1, READ_BYTES_PER_STEP // self._block_bytes())
+        budget = max(1, READ_BYTES_PER_STEP // self.block_bytes)
         loaded = 0
         while i < max_blocks and loaded < room:
             if loaded == budget:
@@ -227,23 +224,23 @@ class KVOffloadStore:
             self.stats.blocks_loaded += 1
             self.stats.bytes_loaded += payload.numel()
             parent, i, loaded = h, i + 1, loaded + 1
+        self._settled = request.request_id  # while it waits for seats or blocks, its walk is not repeated each step
         return True
-
-    def _block_bytes(self) -> int:
-        kv = self.kv_cache
-        return kv[:, :, 0].numel() * kv.element_size()
 
     def _read(self, block_hash: int, parent: int, tokens: Sequence[int]) -> torch.Tensor | None:
         """The payload of the block's file when every check passes; otherwise the file is deleted and None."""
         path = self.dir / _name(block_hash)
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as f:  # read into a buffer torch can view: the payload is copied once, into the cache
+                raw = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(raw)
             magic, hlen = _HEAD.unpack_from(raw)
             head = json.loads(raw[_HEAD.size:_HEAD.size + hlen])
-            body = memoryview(raw)[_HEAD.size + hlen:]
+            start = _HEAD.size + hlen
+            body = memoryview(raw)[start:]
             ok = (magic == MAGIC and head.get("fingerprint") == self.fingerprint and head.get("hash") == block_hash
                   and head.get("parent") == parent and head.get("tokens") == list(tokens)
-                  and head.get("bytes") == len(body) == self._block_bytes()
+                  and head.get("bytes") == len(body) == self.block_bytes
                   and head.get("crc32") == zlib.crc32(body))
         except (OSError, ValueError, struct.error, UnicodeDecodeError):
             ok = False
@@ -259,4 +256,4 @@ class KVOffloadStore:
             os.utime(path)  # the LRU order survives a restart
         except OSError:
             pass
-        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        return torch.frombuffer(raw, dtype=torch.uint8, offset=start)
