@@ -1,5 +1,6 @@
 """The per-architecture fields of ModelArchConfig that config.json spells its own way (config.py reads the common
-ones): YaRN's completed scaling dict, Gemma 2/3's layer kinds and soft-caps, Phi-3's partial rotary and LongRoPE."""
+ones): YaRN's completed scaling dict, Gemma 2/3's layer kinds and soft-caps, Phi-3's partial rotary and LongRoPE,
+Mistral/Mixtral's sliding window, Qwen3-MoE and Mixtral's experts."""
 
 from __future__ import annotations
 
@@ -62,3 +63,35 @@ def phi3_fields(cfg: dict[str, Any], arch: str, rope_params: Any,
         out["rope_scaling"] = {**kept, "rope_type": "longrope", "original_max_position_embeddings": orig,
                                "factor": factor}
     return out
+
+
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The sparse-MLP fields: expert count, experts per token, each expert's intermediate size, renormalisation of the
+    top-k weights, and which layers are sparse. Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, when
+    (i + 1) % decoder_sparse_step == 0 (transformers' rule); Mixtral: every layer, always renormalised."""
+    if arch == "MixtralForCausalLM":
+        n = int(cfg.get("num_local_experts", 8))
+        return {"num_experts": n, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+                "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
+                "moe_layers": (True,) * cfg["num_hidden_layers"]}
+    if arch != "Qwen3MoeForCausalLM":
+        return {}
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the second
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(n > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"]))
+    return {"num_experts": n, "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "moe_layers": sparse}
+
+
+def mistral_window_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Mistral 7B v0.1 (and Mixtral configs that set one): one sliding window on every layer, as transformers' mask
+    applies it; later Mistral releases set none."""
+    if arch not in ("MistralForCausalLM", "MixtralForCausalLM") or not cfg.get("sliding_window"):
+        return {}
+    return {"sliding_window": int(cfg["sliding_window"]),
+            "layer_types": ("sliding_attention",) * cfg["num_hidden_layers"]}

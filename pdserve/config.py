@@ -15,7 +15,7 @@ import re
 from dataclasses import Field, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pdserve.arch_fields import gemma_fields, phi3_fields, yarn_defaults
+from pdserve.arch_fields import gemma_fields, mistral_window_fields, moe_fields, phi3_fields, yarn_defaults
 
 if TYPE_CHECKING:
     import torch
@@ -152,6 +152,13 @@ class ModelArchConfig:
     # Gemma 2: score s -> c * tanh(s / c) before the softmax (attention) and on the final logits; 0: none
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
+    # Qwen3-MoE / Mixtral: a sparse MLP of num_experts SwiGLU experts of moe_intermediate_size on the layers
+    # moe_layers marks (None: none), num_experts_per_tok of them per token, weights renormalised when norm_topk_prob
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -165,10 +172,23 @@ class ModelArchConfig:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need a positive sliding_window")
+        if self.moe_layers is not None and any(self.moe_layers):
+            if len(self.moe_layers) != self.num_hidden_layers:
+                raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_hidden_layers} layers")
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(f"a sparse MLP needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                                 f"num_experts ({self.num_experts}) and a moe_intermediate_size")
         scaling = self.rope_scaling or {}
         kind = str(scaling.get("rope_type", scaling.get("type", "default")))
         if kind not in ROPE_TYPES and kind != "su":  # "su": LongRoPE's old name
             raise ValueError(unsupported_rope_message(kind))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layers is not None and self.moe_layers[layer]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_layers is not None and any(self.moe_layers)
 
     def layer_window(self, layer: int) -> int:
         """Keys layer `layer`'s queries see (their own included); 0: all earlier keys (a global layer)."""
@@ -180,7 +200,8 @@ class ModelArchConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                   "gemma2": "Gemma2ForCausalLM"}
+                   "gemma2": "Gemma2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                   "mixtral": "MixtralForCausalLM"}
         archs = cfg.get("architectures") or [by_type.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")]
         arch = archs[0]
         n_heads = cfg["num_attention_heads"]
@@ -199,6 +220,7 @@ class ModelArchConfig:
             rope_scaling = None
         rope_scaling = yarn_defaults(cfg, rope_scaling)
         phi3 = phi3_fields(cfg, arch, rope_params, rope_scaling)
+        window = mistral_window_fields(cfg, arch)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -214,12 +236,14 @@ class ModelArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),  # Qwen2: always
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             **gemma,
             **phi3,
+            **window,
+            **moe_fields(cfg, arch),
         )
 
     def kv_bytes_per_token(self, kv_dtype: str | torch.dtype) -> int:

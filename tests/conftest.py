@@ -71,9 +71,16 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kw.setdefault("head_dim", 16)
+    if arch == "qwen3_moe":  # one dense layer between sparse ones; top-2 of 8 experts, weights not renormalised
+        kw = {**kw, "num_hidden_layers": 3, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+              "mlp_only_layers": [1], "norm_topk_prob": False, **overrides}
+    if arch == "mixtral":  # top-2 of 4 experts on every layer
+        kw = {**kw, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, **overrides}
     if arch == "gemma3":  # local layers with a window shorter than the test prompts, each rope base its own
         kw = {**kw, **GEMMA3_TINY, **overrides}
     if arch == "gemma2":  # local layers with a window shorter than the test prompts, soft-capping that bites
@@ -83,7 +90,7 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
     model = cls_model(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3-D: experts held fused (transformers 5)
                 p.normal_(0, 0.35 if "embed" in name else 0.25)
             elif "bias" in name:
                 p.normal_(0, 0.1)

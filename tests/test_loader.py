@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pdserve.config import ModelArchConfig
 from pdserve.kernels.gguf_random import random_blocks
-from pdserve.model import loader
+from pdserve.model import gguf_config, gguf_rope, loader
 from pdserve.model.convert import convert_gguf_to_hf
 from pdserve.model.loader import (
     DEFAULT_GGUF_FILE,
@@ -81,8 +81,41 @@ _HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
+
+
+def _hf_tensors(model: transformers.PreTrainedModel, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict as llama.cpp's converter sees it: transformers 5's fused 3-D experts split into gate,
+    up and down ([E, I, H], [E, I, H], [E, H, I]); with `arch` "mixtral-per-expert", one 2-D tensor per expert (the
+    older Mixtral GGUF layout, written under the name blk.N.ffn_gate.E)."""
+    sd = model.state_dict()
+    for name, p in sd.items():
+        if not name.endswith("mlp.experts.gate_up_proj"):
+            if not name.endswith("mlp.experts.down_proj"):
+                yield name, p
+            continue
+        mlp = name.removesuffix("experts.gate_up_proj")
+        inter = p.shape[1] // 2
+        parts = {"gate_proj": p[:, :inter], "up_proj": p[:, inter:], "down_proj": sd[mlp + "experts.down_proj"]}
+        for proj, w in parts.items():
+            if arch == "mixtral-per-expert":
+                for e in range(w.shape[0]):
+                    yield f"{mlp}experts.{e}.{proj}.weight", w[e]
+            else:
+                yield f"{mlp}experts.{proj}", w
+
+
+def _add_expert_keys(w: gguf.GGUFWriter, cfg: Any) -> None:
+    n = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not n:
+        return
+    w.add_expert_count(n)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
 _GEMMA3_TO_GGUF = {  # llama.cpp's gemma2/gemma3 names of the sandwich norms
@@ -94,6 +127,12 @@ _PHI3_TO_GGUF = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 def _gguf_name(hf: str, arch: str = "llama") -> str:
     arch_names = {"gemma2": _GEMMA3_TO_GGUF, "gemma3": _GEMMA3_TO_GGUF, "phi3": _PHI3_TO_GGUF}
     names = {**_HF_TO_GGUF, **arch_names.get(arch, {})}
+    if hf.endswith(("_exps", "_proj")) and ".experts." in hf:  # a 3-D expert tensor: no weight suffix in its HF name
+        hf += ".weight"
+    if ".experts." in hf and hf.split(".experts.")[1].split(".")[0].isdigit():  # blk.N.ffn_gate.E (older Mixtral)
+        layer = hf.split(".")[2]
+        expert, proj = hf.split(".experts.")[1].split(".")[:2]
+        return f"blk.{layer}.{names['mlp.' + proj]}.{expert}.weight"
     base, suffix = hf.rsplit(".", 1)
     if base in names:
         return f"{names[base]}.{suffix}"
@@ -152,7 +191,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
     """Write `model` as GGUF; returns the ggml type chosen for each HF parameter. Types gguf cannot quantize to
     (RANDOM_ONLY: K-quants, IQ4) get random blocks instead of the model's weights."""
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch.removesuffix("-per-expert").replace("mixtral", "llama"))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_name("tiny")
     w.add_block_count(cfg.num_hidden_layers)
@@ -166,7 +205,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if arch in ("llama", "mistral"):
+    if arch in ("llama", "mistral", "mixtral", "mixtral-per-expert"):
         w.add_rope_dimension_count(head_dim)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(head_dim)
@@ -184,20 +223,21 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
     w.add_pad_token_id(EOS)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    _add_expert_keys(w, cfg)
     if extra is not None:
         extra(w)
     chosen = {}
-    for name, p in model.state_dict().items():
+    for name, p in _hf_tensors(model, arch):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = p.detach().float().numpy()
-        if arch in ("llama", "mistral") and ".q_proj." in name:
+        if arch.startswith(("llama", "mistral", "mixtral")) and ".q_proj." in name:
             data = _llamacpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif arch in ("llama", "mistral") and ".k_proj." in name:
+        elif arch.startswith(("llama", "mistral", "mixtral")) and ".k_proj." in name:
             data = _llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp stores Gemma's norms as 1 + w
-        qt = qtype(name, data) if data.ndim == 2 else Q.F32  # llama.cpp keeps 1-D tensors in F32
+        qt = qtype(name, data) if data.ndim >= 2 else Q.F32  # llama.cpp keeps 1-D tensors in F32
         chosen[name] = qt
         if qt == Q.F32:
             w.add_tensor(_gguf_name(name, arch), data.astype(np.float32))
@@ -351,7 +391,7 @@ def test_k_quants_dequantize(tmp_path: Path, qt: Q) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    info = loader.GGUFFile(str(path)).tensors["blk.0.ffn_up.weight"]
+    info = gguf_config.GGUFFile(str(path)).tensors["blk.0.ffn_up.weight"]
     got = loader._dequantize(info)
     assert got.shape == (rows, cols)
     torch.testing.assert_close(got, torch.from_numpy(gguf.quants.dequantize(raw, qt)), rtol=0, atol=0)
@@ -402,7 +442,7 @@ def _hf_inv_freq(rope: dict[str, Any], theta: float, dim: int) -> torch.Tensor:
 def test_llama3_rope_freqs_recovered(theta: float, dim: int, factor: float, low: float, high: float,
                                      orig: int) -> None:
     freqs = _llamacpp_rope_freqs(theta, dim, factor, low, high, orig)
-    rope = loader.llama3_rope_scaling_from_freqs(freqs, theta, dim)
+    rope = gguf_rope.llama3_rope_scaling_from_freqs(freqs, theta, dim)
     assert rope is not None and rope["rope_type"] == "llama3" and rope["factor"] == factor
     true = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
             "original_max_position_embeddings": orig}

@@ -30,6 +30,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[GemmaForCausalLM]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     # Phi-3/3.5/4-mini: fused qkv/gate_up as stored; LongRoPE, partial rotary, sliding window: ModelArchConfig
     "Phi3ForCausalLM": LlamaForCausalLM,
+    # sparse MLP (top-k experts) on the layers ModelArchConfig.moe_layers marks; Qwen3-MoE adds q/k norm
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
 }
 
 

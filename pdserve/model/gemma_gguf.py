@@ -63,8 +63,8 @@ def _softcap(value: Any) -> float | None:
 
 
 def gemma_hf_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """`cfg` (loader.gguf_hf_config's Llama-family fields of the file `meta`: a loader.GGUFFile) completed into a
-    Gemma2Config / Gemma3TextConfig-style config.json dict."""
+    """`cfg` (gguf_config.gguf_hf_config's Llama-family fields of the file `meta`: a gguf_config.GGUFFile)
+    completed into a Gemma2Config / Gemma3TextConfig-style config.json dict."""
     n_layers, head_dim, arch = cfg["num_hidden_layers"], cfg["head_dim"], meta.arch
     window = meta.get("{arch}.attention.sliding_window")
     if window is None:

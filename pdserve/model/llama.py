@@ -3,7 +3,10 @@
 Qwen2 adds a bias to q/k/v, Qwen3 an RMSNorm per head on q and k (config flags, ModelArchConfig). Weights are loaded
 from Hugging Face parameter names; q/k/v and gate/up are fused into single matrices (Phi-3's checkpoints store them
 fused already: `qkv_proj`, `gate_up_proj` with the gate rows first; its LongRoPE, partial rotary and sliding window
-come from the config). Gemma 2/3 (model/gemma.py) reuse
+come from the config). Qwen3-MoE and Mixtral are this decoder with a sparse MLP (layers/moe.py) on the layers
+`ModelArchConfig.moe_layers` marks; their checkpoints name experts per expert (Qwen3: `mlp.experts.E.gate_proj`,
+Mixtral: `block_sparse_moe.experts.E.w1/w3/w2`) or, as transformers 5 holds them, as 3-D `mlp.experts.gate_up_proj`
+/ `down_proj`. Gemma 2/3 (model/gemma.py) reuse
 the attention (its scale, sliding window, soft-capping and rope from the config) and the MLP (GeGLU by `hidden_act`).
 """
 
@@ -17,6 +20,7 @@ from pdserve.model.attention import ForwardContext
 from pdserve.model.causal_lm import CausalLM, WeightLoader
 from pdserve.model.layers.activation import GeluTanhAndMul, SiluAndMul
 from pdserve.model.layers.linear import Linear
+from pdserve.model.layers.moe import Expert, SparseMoE
 from pdserve.model.layers.norm import HeadRMSNorm, RMSNorm
 from pdserve.model.layers.paged_attention import PagedAttention
 from pdserve.model.layers.rotary import RotaryEmbedding
@@ -70,7 +74,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = LlamaMLP(cfg, kernels)
+        self.mlp: LlamaMLP | SparseMoE = SparseMoE(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+            kernels) if cfg.is_moe_layer(layer_idx) else LlamaMLP(cfg, kernels)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,14 +97,17 @@ class LlamaForCausalLM(CausalLM):
     def load_hf_state_dict(self, sd: StateDict) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up. Raises on missing or unexpected names.
         GGUF matrices are packed as stored (model/packed_weights.py)."""
-        load = WeightLoader(sd)
+        load = WeightLoader(split_fused_experts(sd) if self.cfg.is_moe else sd)
         load_embeddings(self, load)
         load.copy(self.norm.weight, "model.norm.weight")
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             p = f"model.layers.{i}."
             load_attention(load, layer.self_attn, p + "self_attn.", self.cfg.attention_bias)
-            load_mlp(load, layer.mlp, p + "mlp.")
+            if isinstance(layer.mlp, SparseMoE):
+                load_moe(load, layer.mlp, p)
+            else:
+                load_mlp(load, layer.mlp, p + "mlp.")
             load.copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             load.copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         load.finish()
@@ -133,3 +142,48 @@ def load_mlp(load: WeightLoader, mlp: LlamaMLP, prefix: str) -> None:
     load.matrix(mlp.gate_up_proj, [prefix + f"{n}_proj.weight" for n in parts])
     load.matrix(mlp.down_proj, [prefix + "down_proj.weight"])
 
+
+
+# Mixtral's checkpoint names -> Qwen3-MoE's (w1 = gate, w3 = up, w2 = down), as transformers renames them
+_MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def split_fused_experts(sd: StateDict) -> StateDict:
+    """`sd` with transformers 5's fused 3-D expert tensors (mlp.experts.gate_up_proj [E, 2I, H], gate rows first;
+    mlp.experts.down_proj [E, H, I]) replaced by per-expert views under the checkpoint names; `sd` itself when none."""
+    fused = [k for k in sd if k.endswith("mlp.experts.gate_up_proj")]
+    if not fused:
+        return sd
+    out = dict(sd)
+    for key in fused:
+        mlp = key.removesuffix("experts.gate_up_proj")
+        gate_up, down = out.pop(key), out.pop(mlp + "experts.down_proj")
+        assert isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            out[f"{mlp}experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
+            out[f"{mlp}experts.{e}.up_proj.weight"] = gate_up[e, inter:]
+            out[f"{mlp}experts.{e}.down_proj.weight"] = down[e]
+    return out
+
+
+def _expert_names(sd: StateDict, layer_prefix: str, num_experts: int) -> tuple[str, list[list[str]]]:
+    """The router's name and each expert's [gate, up, down] names under `layer_prefix` ("model.layers.N."), in the
+    checkpoint's spelling (Qwen3-MoE's, or Mixtral's block_sparse_moe with w1/w3/w2)."""
+    mlp = layer_prefix + "mlp."
+    if mlp + "gate.weight" in sd:
+        return mlp + "gate.weight", [[f"{mlp}experts.{e}.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+                                     for e in range(num_experts)]
+    moe = layer_prefix + "block_sparse_moe."
+    return moe + "gate.weight", [[f"{moe}experts.{e}.{w}.weight" for w in _MIXTRAL_EXPERT_NAMES]
+                                 for e in range(num_experts)]
+
+
+def load_moe(load: WeightLoader, moe: SparseMoE, layer_prefix: str) -> None:
+    """The router and every expert's gate|up (fused) and down; GGUF experts packed as stored, one matrix each."""
+    router, experts = _expert_names(load.sd, layer_prefix, len(moe.experts))
+    load.matrix(moe.gate, [router])
+    for expert, (gate, up, down) in zip(moe.experts, experts):
+        assert isinstance(expert, Expert)
+        load.matrix(expert.gate_up_proj, [gate, up])
+        load.matrix(expert.down_proj, [down])

@@ -28,12 +28,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdserve.arch_fields import MOE_ARCHS
 from pdserve.cache import cache_root
 from pdserve.config import ModelArchConfig
-from pdserve.model import gemma_gguf, phi3_gguf
+from pdserve.model import gemma_gguf, moe_gguf, phi3_gguf
 from pdserve.model.file_errors import ModelFileError, ModelFileErrorCode
-from pdserve.model.gguf_rope import llama3_rope_scaling_from_freqs, round_f32
-from pdserve.model.gguf_split import read_gguf_parts, split_parts
+from pdserve.model.gguf_config import (
+    GGUF_ARCHS,
+    PERMUTED_QK_ARCHS,
+    GGUFFile,
+    GGUFTensorInfo,
+    gguf_hf_config,
+)
+from pdserve.model.gguf_split import split_parts
 from pdserve.model.load_progress import LoadProgress, ProgressFn
 from pdserve.model.packaged_models import packaged_gguf_path
 from pdserve.model.packed_weights import GGUFMatrix, StateDict, reverse_permute_qk
@@ -157,25 +164,6 @@ def load_model(model: str | None, dtype: torch.dtype = torch.float32, keep_quant
 # GGUF
 # --------------------------------------------------------------------------------------------------------------------
 
-GGUF_ARCHS = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    **gemma_gguf.GEMMA_GGUF_ARCHS,
-    **phi3_gguf.PHI3_GGUF_ARCHS,
-}
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Phi3ForCausalLM": "phi3",
-}
-_PERMUTED_QK_ARCHS = {"llama", "mistral"}  # llama.cpp's converter permutes q/k rows only for these
-
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -199,175 +187,24 @@ _IGNORED_TENSORS = {"rope_freqs.weight", *phi3_gguf.ROPE_FACTOR_TENSORS.values()
 _ARCH_BLOCK_TENSORS = {**gemma_gguf.GGUF_BLOCK_TENSORS, **phi3_gguf.GGUF_BLOCK_TENSORS}  # names that differ
 
 
-def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama", moe: bool = False) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for names this loader doesn't know.
-    `arch` (general.architecture) picks its own names where they differ (gemma_gguf.py, phi3_gguf.py)."""
+    `arch` (general.architecture) picks its own names where they differ (gemma_gguf.py, phi3_gguf.py); expert
+    tensors have names only in a MoE file (`moe`; a 3-D one's name is split per expert by moe_gguf.split_experts)."""
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     parts = base.split(".")
+    if moe and parts[0] == "blk" and len(parts) > 1 and parts[1].isdigit() and (hf := moe_gguf.moe_tensor_name(parts)):
+        return hf if ".experts." in hf and len(parts) == 3 else f"{hf}.{suffix}"
     block = {**_BLOCK_TENSORS, **_ARCH_BLOCK_TENSORS.get(arch, {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
         return f"model.layers.{int(parts[1])}.{block[parts[2]]}.{suffix}"
     return None
 
 
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    """One tensor of a GGUF file: `ne` in ggml order (innermost first); `data` the raw memmapped bytes/values laid
-    out as gguf.GGUFReader does (numeric types in reversed-ne shape, quantized types as [..., bytes_per_row])."""
-
-    name: str
-    qtype: Any  # gguf.GGMLQuantizationType
-    ne: tuple[int, ...]
-    data: np.ndarray
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.ne))
-
-
-class GGUFFile:
-    """Key/values and tensor infos of a GGUF file, or of every part of a split one (gguf_split.py) with `path` its
-    first part (gguf_reader.read_gguf: tensor payloads stay memory-mapped; dequantization is gguf.quants.dequantize)."""
-
-    def __init__(self, path: str) -> None:
-        from gguf import GGMLQuantizationType
-
-        try:
-            self.path, self.fields, raw = read_gguf_parts(path)
-        except ModelFileError:
-            raise
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{path} is not a readable GGUF file ({e})") from e
-        self.tensors: dict[str, GGUFTensorInfo] = {
-            name: GGUFTensorInfo(name, GGMLQuantizationType(t.ggml_type), t.ne, t.data) for name, t in raw.items()}
-        self.arch: str = self.fields.get("general.architecture", "")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """Value of `key`, where `{arch}` expands to general.architecture."""
-        return self.fields.get(key.format(arch=self.arch), default)
-
-
-def _rope_scaling_from_gguf(meta: GGUFFile, rope_freqs: np.ndarray | None, theta: float, head_dim: int,
-                            ctx: int) -> dict[str, Any] | None:
-    stype = meta.get("{arch}.rope.scaling.type")
-    factor = meta.get("{arch}.rope.scaling.factor")
-    if stype is None and meta.get("{arch}.rope.scale_linear") is not None:  # legacy key
-        stype, factor = "linear", meta.get("{arch}.rope.scale_linear")
-    if stype in (None, "none"):
-        if rope_freqs is not None:
-            return llama3_rope_scaling_from_freqs(rope_freqs, theta, head_dim)
-        return None
-    if factor is None:
-        raise ValueError(f"GGUF rope scaling type {stype!r} without {meta.arch}.rope.scaling.factor")
-    out: dict[str, Any] = {"rope_type": stype, "factor": round_f32(factor)}
-    if stype == "linear":
-        return out
-    if stype == "yarn":
-        return _yarn_from_gguf(meta, out, ctx)
-    raise ValueError(f"unsupported GGUF rope scaling type {stype!r} (supported: none, linear, yarn, llama3 rope_freqs)")
-
-
-_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_attn_factor": "attention_factor",
-              "attn_factor": "attention_factor"}  # llama.cpp's rope.scaling.* -> Hugging Face's yarn keys
-
-
-def _yarn_from_gguf(meta: GGUFFile, out: dict[str, Any], ctx: int) -> dict[str, Any]:
-    """YaRN as llama.cpp's converter writes it (from Hugging Face's factor, original length, beta_fast/slow and
-    attention_factor); the two keys with no Hugging Face counterpart are refused unless neutral."""
-    out["original_max_position_embeddings"] = int(meta.get("{arch}.rope.scaling.original_context_length",
-                                                           round(ctx / out["factor"])))
-    for gguf_key, hf_key in _YARN_KEYS.items():
-        value = meta.get("{arch}.rope.scaling." + gguf_key)
-        if value is not None:
-            out[hf_key] = round_f32(value)
-    for key, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
-        value = meta.get("{arch}.rope.scaling." + key)
-        if value is not None and float(value) != neutral:
-            raise ValueError(f"{meta.path}: YaRN with {meta.arch}.rope.scaling.{key} = {round_f32(value)} is not "
-                             f"supported (only {neutral}, as the Hugging Face YaRN of Qwen/Llama checkpoints has it)")
-    return out
-
-
-def gguf_hf_config(meta: GGUFFile, rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    tensors = meta.tensors
-    arch = meta.arch
-    architecture = GGUF_ARCHS[arch]
-    hidden = int(meta.get("{arch}.embedding_length"))
-    n_head = int(meta.get("{arch}.attention.head_count"))
-    n_kv = int(meta.get("{arch}.attention.head_count_kv", n_head))
-    n_layers = int(meta.get("{arch}.block_count"))
-    q_rows = tensors["blk.0.attn_q.weight"].hf_shape[0] if "blk.0.attn_q.weight" in tensors else None
-    head_dim = meta.get("{arch}.attention.key_length")
-    if head_dim is None and arch in _PERMUTED_QK_ARCHS:
-        head_dim = meta.get("{arch}.rope.dimension_count")
-    if head_dim is None:
-        head_dim = q_rows // n_head if q_rows else hidden // n_head
-    head_dim = int(head_dim)
-    if q_rows is not None and q_rows != n_head * head_dim:
-        raise ValueError(f"attn_q has {q_rows} rows but metadata says {n_head} heads x {head_dim}")
-    embd_rows = tensors["token_embd.weight"].hf_shape[0]
-    vocab = meta.get("{arch}.vocab_size")
-    if vocab is None:
-        tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens is not None else embd_rows
-    if int(vocab) != embd_rows:
-        logger.warning("GGUF vocab_size %s != token_embd rows %s; using the embedding size", vocab, embd_rows)
-        vocab = embd_rows
-    theta = round_f32(meta.get("{arch}.rope.freq_base", 10000.0))
-    ctx = int(meta.get("{arch}.context_length", 4096))
-    ffn = meta.get("{arch}.feed_forward_length")
-    if isinstance(ffn, list):  # some converters store one value per layer
-        ffn = ffn[0]
-    rope_scaling = _rope_scaling_from_gguf(meta, rope_freqs, theta, head_dim, ctx)
-    # llama.cpp stops on eos and on eot/eom (e.g. Llama 3's <|eot_id|>); HF expresses that as a list
-    eos_ids = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                     "tokenizer.ggml.eom_token_id")]
-    eos_unique = list(dict.fromkeys(int(t) for t in eos_ids if t is not None))
-    eos: int | list[int] | None = None if not eos_unique else eos_unique[0] if len(eos_unique) == 1 else eos_unique
-    attention_bias = "blk.0.attn_q.bias" in tensors
-    cfg: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": _MODEL_TYPES[architecture],
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(ffn),
-        "num_hidden_layers": n_layers,
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": ctx,
-        "rms_norm_eps": round_f32(meta.get("{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": theta,
-        "rope_scaling": rope_scaling,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta} if rope_scaling is None
-        else {**rope_scaling, "rope_theta": theta},
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": attention_bias,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-    }
-    if architecture in ("LlamaForCausalLM", "MistralForCausalLM"):
-        cfg["mlp_bias"] = False
-    if architecture == "MistralForCausalLM":
-        cfg["sliding_window"] = None
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
-    if arch in gemma_gguf.GEMMA_GGUF_ARCHS:
-        cfg = gemma_gguf.gemma_hf_config(meta, cfg)
-    if arch in phi3_gguf.PHI3_GGUF_ARCHS:
-        cfg = phi3_gguf.phi3_hf_config(meta, cfg)
-    return cfg
 
 
 def _dequantize(t: GGUFTensorInfo) -> torch.Tensor:
@@ -398,14 +235,15 @@ def check_servable(meta: GGUFFile, packable: frozenset[int]) -> None:
         raise ModelFileError(f"unsupported GGUF architecture {meta.arch!r} in {meta.path}; supported: "
                              f"{sorted(GGUF_ARCHS)}", ModelFileErrorCode.UNSUPPORTED_ARCHITECTURE)
     tensors = meta.tensors
-    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch) is None)
+    moe = moe_gguf.is_moe_file(meta)
+    unknown = sorted(n for n in tensors if n not in _IGNORED_TENSORS and gguf_to_hf_name(n, meta.arch, moe) is None)
     if unknown:
         raise ModelFileError(f"unsupported tensors for architecture {meta.arch!r} in {meta.path}: {unknown[:8]}"
                              f"{' ...' if len(unknown) > 8 else ''}", ModelFileErrorCode.UNSUPPORTED_TENSORS)
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     probed: dict[Any, bool] = {}
     for t in tensors.values():
-        if t.qtype in plain or (int(t.qtype) in packable and len(t.ne) == 2):
+        if t.qtype in plain or (int(t.qtype) in packable and len(t.ne) in (2, 3)):  # 3-D: experts
             continue
         if t.qtype not in probed:
             try:
@@ -447,35 +285,40 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32, keep_quantized: boo
         rope_freqs = _dequantize(tensors["rope_freqs.weight"]).float().numpy()
     hf_config = gguf_hf_config(meta, rope_freqs)
     n_head, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
-    permuted = meta.arch in _PERMUTED_QK_ARCHS
+    permuted = meta.arch in PERMUTED_QK_ARCHS
     arch, norm_shift = meta.arch, gemma_gguf.GGUF_NORM_SHIFT.get(meta.arch, 0.0)
+    moe = moe_gguf.is_moe_file(meta)
 
-    def convert(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | GGUFMatrix]:
-        name = gguf_to_hf_name(t.name, arch)
+    def convert(t: GGUFTensorInfo) -> list[tuple[str, torch.Tensor | GGUFMatrix]]:
+        name = gguf_to_hf_name(t.name, arch, moe)
         assert name is not None
         qk_heads = (n_head if ".attn_q." in t.name else n_kv) if permuted and (
             ".attn_q." in t.name or ".attn_k." in t.name) else 0
+        if len(t.ne) == 3:  # experts, cut per expert (as stored when the kernels read the type)
+            stored = int(t.qtype) in packable
+            value = np.asarray(t.data) if stored else _dequantize(t).to(dtype)
+            return moe_gguf.split_experts(name, value, int(t.qtype), t.hf_shape)
         if int(t.qtype) in packable and len(t.ne) == 2:
             rows, cols = t.hf_shape
-            return name, GGUFMatrix(np.asarray(t.data).reshape(rows, -1), int(t.qtype), (rows, cols), qk_heads)
+            return [(name, GGUFMatrix(np.asarray(t.data).reshape(rows, -1), int(t.qtype), (rows, cols), qk_heads))]
         w = _dequantize(t)
         if qk_heads:
             w = reverse_permute_qk(w, qk_heads)
         if norm_shift and name.endswith("norm.weight"):
             w = w - norm_shift
-        return name, w.to(dtype).contiguous()
+        return [(name, w.to(dtype).contiguous())]
 
     items = [t for n, t in tensors.items() if n not in _IGNORED_TENSORS]
     tracker = LoadProgress(os.path.basename(path), sum(t.data.nbytes for t in items), progress)
 
-    def convert_tracked(t: GGUFTensorInfo) -> tuple[str, torch.Tensor | GGUFMatrix]:
+    def convert_tracked(t: GGUFTensorInfo) -> list[tuple[str, torch.Tensor | GGUFMatrix]]:
         out = convert(t)
         tracker.advance(t.data.nbytes)
         return out
 
     # numpy dequantization releases the GIL in its vector ops; a small pool overlaps the per-tensor Python overhead.
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        state_dict = dict(pool.map(convert_tracked, items))
+        state_dict = {k: v for pairs in pool.map(convert_tracked, items) for k, v in pairs}
     del meta, tensors, items
     expected = _expected_param_names(hf_config)
     missing = sorted(expected - state_dict.keys())
@@ -497,11 +340,15 @@ def _expected_param_names(cfg: dict[str, Any]) -> set[str]:
         per_layer = gemma_gguf.gemma_layer_names(arch)
     if arch in phi3_gguf.PHI3_GGUF_ARCHS.values():
         per_layer = phi3_gguf.phi3_layer_names()
-    if arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     if cfg.get("attention_bias") or arch == "Qwen2ForCausalLM":
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    return names | {f"model.layers.{i}.{p}" for i in range(cfg["num_hidden_layers"]) for p in per_layer}
+    sparse = moe_gguf.moe_layer_names(cfg) if arch in MOE_ARCHS else {}
+    for i in range(cfg["num_hidden_layers"]):
+        layer = [p for p in per_layer if not p.startswith("mlp.")] + sparse[i] if i in sparse else per_layer
+        names |= {f"model.layers.{i}.{p}" for p in layer}
+    return names
 
 
 # --------------------------------------------------------------------------------------------------------------------

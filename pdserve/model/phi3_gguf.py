@@ -30,8 +30,8 @@ def phi3_layer_names() -> list[str]:
 
 
 def phi3_hf_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """`cfg` (loader.gguf_hf_config's Llama-family fields of the file `meta`: a loader.GGUFFile) completed into a
-    Phi3Config-style config.json dict."""
+    """`cfg` (gguf_config.gguf_hf_config's Llama-family fields of the file `meta`: a gguf_config.GGUFFile)
+    completed into a Phi3Config-style config.json dict."""
     head_dim = cfg["head_dim"]
     rotary = int(meta.get("{arch}.rope.dimension_count", head_dim))
     window = int(meta.get("{arch}.attention.sliding_window", 0) or 0)

@@ -22,6 +22,7 @@ from pdserve.model.inputs import ModelRunnerOutput, ScheduledRequest, SchedulerO
 from pdserve.model.kv_cache_dtype import kv_row_elements
 from pdserve.model.kv_prefault import PagePopulator
 from pdserve.model.layers.linear import Embedding, Linear
+from pdserve.model.layers.moe import SparseMoE
 from pdserve.model.lora import LoRAManager
 from pdserve.model.native_ops import select_kernels
 from pdserve.model.packed_weights import StateDict
@@ -177,15 +178,20 @@ class ModelRunner:
     def step_cost_model(self) -> StepCostModel:
         """The live roofline's FLOP and byte counts, from the weights as stored (int8 weights count 1 byte, GGUF
         blocks their bytes per block)."""
-        layer_params = layer_bytes = 0
+        layer_params = layer_bytes = expert_params = expert_bytes = 0
         for layer in self.model.layers:
             p, b = _matrix_stats(layer)
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(mlp, SparseMoE):  # experts apart: a token reads k of them
+                ep, eb = _matrix_stats(mlp.experts)
+                p, b, expert_params, expert_bytes = p - ep, b - eb, expert_params + ep, expert_bytes + eb
             layer_params, layer_bytes = layer_params + p, layer_bytes + b
         head_params, head_bytes = _matrix_stats(self.model.lm_head)
         return StepCostModel.for_model(
             self.arch, layer_params=layer_params, layer_weight_bytes=layer_bytes, lm_head_params=head_params,
             lm_head_bytes=head_bytes, embed_row_bytes=self.model.embed_tokens.row_bytes,
-            kv_dtype_bytes=self.kv_cache.shape[-1] * self.kv_cache.element_size() / self.arch.head_dim)
+            kv_dtype_bytes=self.kv_cache.shape[-1] * self.kv_cache.element_size() / self.arch.head_dim,
+            expert_params=expert_params, expert_bytes=expert_bytes)
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's tensors, built on the CPU from plain lists and copied to the device once each."""

@@ -80,7 +80,8 @@ def _model_preset(model: str | None) -> ModelPreset | None:
 def model_shape_from(model: str | None) -> ModelArchConfig:
     """Architecture of `model`: a preset name (see MODEL_PRESETS), None / "smollm2-135m" (the default GGUF), a
     config.json file, a Hugging Face directory (only its config.json is read) or a .gguf file (header only)."""
-    from pdserve.model.loader import GGUF_ARCHS, GGUFFile, gguf_hf_config, resolve_model_path
+    from pdserve.model.gguf_config import GGUF_ARCHS, GGUFFile, gguf_hf_config
+    from pdserve.model.loader import resolve_model_path
 
     preset = _model_preset(model)
     if preset is not None:

@@ -24,14 +24,48 @@ from pdserve.roofline.devices import DeviceSpec
 
 def count_params(arch: ModelArchConfig) -> int:
     """Parameters of a Llama-family decoder: embeddings, per layer q/k/v/o (+ q/k/v biases for Qwen2, q/k norms for
-    Qwen3), gate/up/down MLP and two RMSNorms, the final norm, and lm_head unless tied to the embeddings."""
+    Qwen3), gate/up/down MLP (a sparse layer: its router and every expert) and two RMSNorms, the final norm, and
+    lm_head unless tied to the embeddings."""
     h, hd = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * hd, arch.num_key_value_heads * hd
     attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if arch.attention_bias else 0) + (2 * hd if arch.qk_norm else 0)
     layer = attn + 3 * h * arch.intermediate_size + 2 * h
     embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-    return embeddings + arch.num_hidden_layers * layer + h
+    sparse = sum(arch.moe_layers or ())
+    moe_layer = attn + arch.num_experts * (3 * h * arch.moe_intermediate_size + h) + 2 * h
+    return embeddings + (arch.num_hidden_layers - sparse) * layer + sparse * moe_layer + h
 
+
+def expert_params(arch: ModelArchConfig) -> int:
+    """The experts' matrices of all sparse layers (0 for a dense model): the part of count_params a token reads only
+    num_experts_per_tok / num_experts of."""
+    return sum(arch.moe_layers or ()) * arch.num_experts * 3 * arch.hidden_size * arch.moe_intermediate_size
+
+
+def experts_touched(arch: ModelArchConfig, tokens: int) -> float:
+    """Expected fraction of a sparse layer's experts that `tokens` tokens read, each choosing num_experts_per_tok of
+    num_experts (uniform routing): 1 - (1 - k/E)^tokens. 1 for a dense model."""
+    if not arch.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - arch.num_experts_per_tok / arch.num_experts) ** max(0, tokens)
+
+
+def active_params(arch: ModelArchConfig, params: int | None = None) -> float:
+    """Parameters one token multiplies by (the 2·P rule's P): `params` (count_params by default) less the experts it
+    does not choose."""
+    p = count_params(arch) if params is None else params
+    experts = expert_params(arch)
+    return p - experts * (1 - arch.num_experts_per_tok / arch.num_experts) if experts else p
+
+
+def weights_read(arch: ModelArchConfig, weight_bytes: float, tokens: int, params: int | None = None) -> float:
+    """Bytes of `weight_bytes` (all weights as stored) a pass over `tokens` tokens reads: all of a dense model; of a
+    sparse one, the experts its tokens are expected to choose (experts_touched), stored bytes spread over params."""
+    experts = expert_params(arch)
+    if not experts:
+        return weight_bytes
+    p = count_params(arch) if params is None else params
+    return weight_bytes * (1 - experts / p * (1 - experts_touched(arch, tokens)))
 
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -104,7 +138,8 @@ def prefill_cost(arch: ModelArchConfig, n_tokens: int, weight_bytes: float, kv_d
                  params: int | None = None) -> Cost:
     """Prefill of an `n_tokens` prompt from an empty cache: 2·P·N FLOPs; weights read once + N tokens of KV written.
     Causal attention: query i meets i+1 keys, 4·head_dim FLOPs per (query, key, head), so 2·N·(N+1)·layers·heads·d."""
-    p = count_params(arch) if params is None else params
+    p = active_params(arch, params)
+    weight_bytes = weights_read(arch, weight_bytes, n_tokens, params)
     kv_write = n_tokens * kv_bytes_per_token(arch, kv_dtype_bytes)
     attn = 2 * n_tokens * (n_tokens + 1) * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim
     return Cost(2 * p * n_tokens, weight_bytes + kv_write, attn, weight_bytes, 0, kv_write, n_tokens)
@@ -114,7 +149,8 @@ def decode_cost(arch: ModelArchConfig, batch: int, context: int, weight_bytes: f
                 params: int | None = None) -> Cost:
     """One decode step of `batch` sequences with `context` tokens cached each: 2·P·B FLOPs; weights read once +
     B·L tokens of KV read + B tokens written. Attention: each new token meets L+1 keys, 4·B·(L+1)·layers·heads·d."""
-    p = count_params(arch) if params is None else params
+    p = active_params(arch, params)
+    weight_bytes = weights_read(arch, weight_bytes, batch, params)
     per_token = kv_bytes_per_token(arch, kv_dtype_bytes)
     kv_read, kv_write = batch * context * per_token, batch * per_token
     attn = 4 * batch * (context + 1) * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim
@@ -134,7 +170,7 @@ def decode_compute_bound_batch(arch: ModelArchConfig, context: int, weight_bytes
                                device: DeviceSpec, params: int | None = None) -> float | None:
     """Smallest batch at which a decode step at `context` turns compute-bound on the 2·P rule, or None when it never
     does: 2·P·B / (W + B·(L+1)·kv) = balance  ->  B = balance·W / (2·P - balance·(L+1)·kv)."""
-    p = count_params(arch) if params is None else params
+    p = active_params(arch, params)
     denom = 2 * p - device.balance * (context + 1) * kv_bytes_per_token(arch, kv_dtype_bytes)
     return device.balance * weight_bytes / denom if denom > 0 else None
 
@@ -150,6 +186,9 @@ class StepCostModel:
         only for those) + 4 · layers · heads · head_dim · Σ keys each query meets (causal: n·c + n(n+1)/2).
       * Bytes = every decoder-layer weight once + lm_head once if anything is sampled + T embedding rows
         + Σ c tokens of KV read + T tokens of KV written. Activations are ignored (as in `calc`).
+      * Sparse (MoE) layers: their experts are counted apart (expert_params, expert_bytes): FLOPs 2 · expert_params
+        · k/E · T (each token runs k of E experts), bytes expert_bytes · (1 - (1 - k/E)^T) (the experts T tokens are
+        expected to choose, routing taken as uniform).
     """
 
     layer_params: int  # matmul weights of all decoder layers
@@ -159,13 +198,18 @@ class StepCostModel:
     embed_row_bytes: int
     kv_bytes_per_token: int
     attn_flops_per_pair: int  # 4 · layers · heads · head_dim
+    expert_params: int = 0  # matmul weights of all experts (not in layer_params)
+    expert_bytes: int = 0
+    expert_fraction: float = 0.0  # k/E: experts a token runs of those a layer has
 
     @classmethod
     def for_model(cls, arch: ModelArchConfig, layer_params: int, layer_weight_bytes: int, lm_head_params: int,
-                  lm_head_bytes: int, embed_row_bytes: int, kv_dtype_bytes: float) -> StepCostModel:
+                  lm_head_bytes: int, embed_row_bytes: int, kv_dtype_bytes: float, expert_params: int = 0,
+                  expert_bytes: int = 0) -> StepCostModel:
         return cls(layer_params, lm_head_params, layer_weight_bytes, lm_head_bytes, embed_row_bytes,
                    kv_bytes_per_token(arch, kv_dtype_bytes),
-                   4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim)
+                   4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim, expert_params, expert_bytes,
+                   arch.num_experts_per_tok / arch.num_experts if arch.is_moe else 0.0)
 
     def cost(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> tuple[float, float]:
         """(FLOPs, bytes) of a step computing `n` new tokens after `c` cached ones for each (c, n) in `seqs`."""
@@ -174,9 +218,10 @@ class StepCostModel:
             return 0.0, 0.0
         pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
         context = sum(c for c, _ in seqs)
-        flops = (2 * self.layer_params * tokens + 2 * self.lm_head_params * num_sampled
-                 + self.attn_flops_per_pair * pairs)
-        nbytes = (self.layer_weight_bytes + (self.lm_head_bytes if num_sampled else 0) + tokens * self.embed_row_bytes
-                  + (context + tokens) * self.kv_bytes_per_token)
+        flops = (2 * (self.layer_params + self.expert_params * self.expert_fraction) * tokens
+                 + 2 * self.lm_head_params * num_sampled + self.attn_flops_per_pair * pairs)
+        experts_read = self.expert_bytes * (1.0 - (1.0 - self.expert_fraction) ** tokens)
+        nbytes = (self.layer_weight_bytes + experts_read + (self.lm_head_bytes if num_sampled else 0)
+                  + tokens * self.embed_row_bytes + (context + tokens) * self.kv_bytes_per_token)
         return float(flops), float(nbytes)
 

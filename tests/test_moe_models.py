@@ -1,0 +1,182 @@
+"""Qwen3-MoE and Mixtral as whole models: transformers' Qwen3MoeForCausalLM / MixtralForCausalLM on tiny random
+configs against pdserve's native and PyTorch paths (greedy tokens equal, prompts batched, chunked and then read from
+the prefix cache, the KV pool back at baseline), loaded from memory (transformers 5's fused 3-D experts), from a
+Hugging Face directory (per-expert names, Mixtral's block_sparse_moe) and from GGUF (qwen3moe; llama with experts,
+3-D `_exps` tensors and the older per-expert tensors; F32 and Q8_0 experts, the latter read as stored)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_kernels_model import prefill_logits, rel_rms, runner_for
+from test_loader import write_gguf
+
+from pdserve import SamplingParams, kernels
+from pdserve.config import ModelArchConfig
+from pdserve.llm import LLM
+from pdserve.model.layers.moe import SparseMoE
+from pdserve.model.loader import LoadedModel, load_gguf, load_model
+from pdserve.roofline.cost import active_params, count_params, decode_cost, expert_params
+
+from conftest import TEST_DEVICE, hf_greedy, loaded_from_hf, make_tiny_hf_model
+
+NEW = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+needs_native = pytest.mark.skipif(not kernels.available(), reason="native kernels are not built")
+
+
+def _prompts(tokenizer: Any) -> list[list[int]]:
+    rng = random.Random(3)
+    return [tokenizer.encode("Hello, my name is"), tokenizer.encode("你好，世界！请介绍一下杭州的西湖。" * 5),
+            [rng.randrange(3, 49152) for _ in range(120)]]
+
+
+def _llm(lm: LoadedModel, tokenizer: Any, kernels_choice: str) -> LLM:
+    return LLM(loaded_model=lm, tokenizer=tokenizer, dtype="float32", device=TEST_DEVICE, device_peaks="off",
+               num_kv_blocks=256, max_step_ms=0, kernels=kernels_choice, max_num_batched_tokens=64,
+               enable_prefix_caching=True)
+
+
+def _assert_greedy(llm: LLM, prompts: list[list[int]], ref: list[list[int]]) -> None:
+    for _ in range(2):  # the second time, the prompts' full blocks come from the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[2].num_cached_tokens > 0
+    assert llm.engine.block_manager.is_at_baseline()
+
+
+def test_config_fields() -> None:
+    """Which layers are sparse, and the expert fields, as transformers' own classes decide them."""
+    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 6, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 6, "decoder_sparse_step": 2,
+            "mlp_only_layers": [3], "norm_topk_prob": True}
+    cfg = ModelArchConfig.from_hf_config(qwen)
+    assert cfg.moe_layers == (False, True, False, False, False, True) and cfg.qk_norm
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (4, 2, 6, True)
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts
+    renamed = {k: v for k, v in qwen.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert ModelArchConfig.from_hf_config(renamed).num_experts == 4
+    mixtral = {**qwen, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "sliding_window": 32}
+    cfg = ModelArchConfig.from_hf_config(mixtral)
+    assert cfg.moe_layers == (True,) * 6 and cfg.norm_topk_prob and cfg.moe_intermediate_size == 16
+    assert cfg.layer_types == ("sliding_attention",) * 6 and cfg.sliding_window == 32 and not cfg.qk_norm
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelArchConfig.from_hf_config({**qwen, "num_experts_per_tok": 5})
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kernels_choice", ["native", "torch"])
+def test_tiny_matches_hf(tokenizer: Any, arch: str, kernels_choice: str) -> None:
+    if kernels_choice == "native" and not kernels.available():
+        pytest.skip("native kernels are not built")
+    hf = make_tiny_hf_model(arch)
+    prompts = _prompts(tokenizer)
+    ref = [hf_greedy(hf, p, NEW) for p in prompts]
+    llm = _llm(loaded_from_hf(hf), tokenizer, kernels_choice)
+    model = llm.engine.runner.model
+    sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.layers]
+    assert sparse == ([True, False, True] if arch == "qwen3_moe" else [True, True])  # qwen3_moe: mlp_only_layers
+    assert model.program is None  # routing depends on the tokens: the layers run op by op
+    _assert_greedy(llm, prompts, ref)
+
+
+def test_routing_matters(tokenizer: Any) -> None:
+    """The reference depends on the routing (so the tests above could fail): renormalising the top-k weights, or
+    choosing more experts, changes transformers' own greedy tokens."""
+    prompt = _prompts(tokenizer)[2]
+    ref = hf_greedy(make_tiny_hf_model("qwen3_moe"), prompt, NEW)
+    assert hf_greedy(make_tiny_hf_model("qwen3_moe", norm_topk_prob=True), prompt, NEW) != ref
+    assert hf_greedy(make_tiny_hf_model("qwen3_moe", num_experts_per_tok=3), prompt, NEW) != ref
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_hf_directory(tokenizer: Any, tmp_path: Path, arch: str) -> None:
+    """save_pretrained writes experts one by one (Qwen3: mlp.experts.E.gate_proj; Mixtral: block_sparse_moe.experts.
+    E.w1/w3/w2), as the checkpoints people download are stored."""
+    hf = make_tiny_hf_model(arch)
+    hf.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path))
+    assert any(".experts.0." in k for k in lm.state_dict)
+    prompts = _prompts(tokenizer)
+    _assert_greedy(_llm(lm, tokenizer, "torch"), prompts, [hf_greedy(hf, p, NEW) for p in prompts])
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["qwen3moe", "mixtral", "mixtral-per-expert"])
+def test_gguf_f32_matches_hf(tokenizer: Any, tmp_path: Path, layout: str) -> None:
+    hf = make_tiny_hf_model("qwen3_moe" if layout == "qwen3moe" else "mixtral", norm_topk_prob=True)
+    write_gguf(tmp_path / "m.gguf", hf, layout)
+    lm = load_gguf(str(tmp_path / "m.gguf"), keep_quantized=True)
+    assert lm.arch.architecture == ("Qwen3MoeForCausalLM" if layout == "qwen3moe" else "MixtralForCausalLM")
+    assert lm.arch.moe_layers == ((True, False, True) if layout == "qwen3moe" else (True, True))
+    assert lm.arch.norm_topk_prob and lm.arch.num_experts_per_tok == 2
+    prompts = _prompts(tokenizer)
+    _assert_greedy(_llm(lm, tokenizer, "native"), prompts, [hf_greedy(hf, p, NEW) for p in prompts])
+
+
+@needs_native
+def test_gguf_quantized_experts_read_as_stored(tmp_path: Path) -> None:
+    """Quantized 3-D experts are cut into per-expert views of the file and packed as stored (gate and up of
+    different types in one fused matrix), each expert holding its own rows; the native model's logits match the
+    PyTorch path's on the same file dequantized, up to the int8 rounding of its activations."""
+    hf = make_tiny_hf_model("qwen3_moe", norm_topk_prob=True)
+    types = {"gate_proj": Q.Q8_0, "up_proj": Q.Q4_0, "down_proj": Q.Q8_0}
+    write_gguf(tmp_path / "q.gguf", hf, "qwen3moe",
+               qtype=lambda name, w: next((q for k, q in types.items() if f"experts.{k}" in name), Q.F32))
+    stored = load_gguf(str(tmp_path / "q.gguf"), keep_quantized=True)
+    dequantized = load_gguf(str(tmp_path / "q.gguf"))
+    native, ref = runner_for(stored, "native"), runner_for(dequantized, "torch")
+    for layer in (0, 2):
+        for e, expert in enumerate(native.model.layers[layer].mlp.experts):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            assert expert.gate_up_proj.packed.type_name == "Q8_0+Q4_0"
+            sd = dequantized.state_dict
+            want = torch.cat([sd[p + "gate_proj.weight"], sd[p + "up_proj.weight"]])
+            assert torch.equal(expert.gate_up_proj.packed.dequantize(), want)
+            assert torch.equal(expert.down_proj.packed.dequantize(), dequantized.state_dict[p + "down_proj.weight"])
+    ids = [5, 17, 200, 33, 41, 9, 120, 77, 3, 250, 18, 64, 90, 11, 140, 7, 60, 21, 99]
+    a, b = prefill_logits(native, ids), prefill_logits(ref, ids)
+    assert rel_rms(a, b) <= 0.03
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("kernels_choice", ["native", "torch"])
+def test_mistral_sliding_window(tokenizer: Any, kernels_choice: str) -> None:
+    """Mistral 7B v0.1's config sets a sliding window on every layer: prompts longer than it match transformers."""
+    if kernels_choice == "native" and not kernels.available():
+        pytest.skip("native kernels are not built")
+    hf = make_tiny_hf_model("mistral", sliding_window=24)
+    prompts = _prompts(tokenizer)
+    ref = [hf_greedy(hf, p, NEW) for p in prompts]
+    assert ref[2] != hf_greedy(make_tiny_hf_model("mistral", sliding_window=None), prompts[2], NEW)
+    _assert_greedy(_llm(loaded_from_hf(hf), tokenizer, kernels_choice), prompts, ref)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_roofline_counts_the_experts_a_step_reads(arch: str) -> None:
+    """count_params is every stored parameter (transformers' own count); a token's FLOPs use k of E experts; a decode
+    step's bytes count the experts its tokens are expected to choose, all of them only for a large batch."""
+    hf = make_tiny_hf_model(arch)
+    cfg = ModelArchConfig.from_hf_config(hf.config.to_dict())
+    assert count_params(cfg) == sum(p.numel() for p in hf.parameters())
+    k, n = cfg.num_experts_per_tok, cfg.num_experts
+    assert active_params(cfg) == count_params(cfg) - expert_params(cfg) * (1 - k / n)
+    wb = 4.0 * count_params(cfg)
+    one, many = decode_cost(cfg, 1, 100, wb, 4), decode_cost(cfg, 512, 100, wb, 4)
+    assert one.weight_bytes == pytest.approx(wb - 4.0 * expert_params(cfg) * (1 - k / n))
+    assert many.weight_bytes == pytest.approx(wb) and one.flops == 2 * active_params(cfg)
+    model = runner_for(loaded_from_hf(hf), "torch").step_cost_model()
+    assert model.expert_params == expert_params(cfg) and model.expert_fraction == k / n
+    flops_1, bytes_1 = model.cost([(100, 1)], 1)
+    flops_2, bytes_2 = model.cost([(100, 1), (100, 1)], 2)
+    assert flops_2 == pytest.approx(2 * flops_1)  # FLOPs scale with tokens ...
+    expert_bytes_1 = model.expert_bytes * k / n  # ... the experts read do not: 2 tokens share some
+    assert bytes_2 - bytes_1 == pytest.approx(model.expert_bytes * (k / n) * (1 - k / n) + model.kv_bytes_per_token
+                                              * 101 + model.embed_row_bytes)
+    assert expert_bytes_1 < model.expert_bytes
