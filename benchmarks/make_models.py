@@ -8,12 +8,15 @@ Files go to DIR (default ~/.cache/pdserve-bench, never the repo): llama-<shape>-
 a file already there is kept; the F16 file is made again only when a quantized one is missing. F16 files larger than
 --delete-f16-above GB are deleted after quantizing (the 7B one is ~13.5 GB), since they can be recreated.
 
-Shapes: `1.7b` has SmolLM2-1.7B's dimensions (tied embeddings), `7b` Llama-2-7B's (untied) with a 49152 vocab, so
-both use the tokenizer (tokenizer.ggml.* keys and chat template) copied from the default model's GGUF and pdserve and
-llama-server tokenize them alike. Weights are N(0, 0.02²) (norms 1), so activations stay finite: values come from
-one seeded pool of normal samples, each tensor a window at its own random offset, so a 7B file is written at disk
-speed (a fresh normal draw per weight takes ~10 min on 2 busy cores). Tensors are streamed one at a time: RAM stays
-under ~1 GB. These files measure speed only; their text is noise.
+Shapes: `1.7b` has SmolLM2-1.7B's dimensions (tied embeddings), `7b` Llama-2-7B's (untied) with a 49152 vocab; `moe`
+is a Qwen3-MoE (llama.cpp's `qwen3moe`) with Qwen3-30B-A3B's layers (hidden 2048, 32 query / 4 KV heads of 128, 128
+experts of 768, 8 per token) but 6 of its 48 layers and a 49152 vocab: a decode step does per layer what the
+30B-A3B's does (qwen3moe-moe-random.<TYPE>.gguf). All use the tokenizer (tokenizer.ggml.* keys and chat template)
+copied from the default model's GGUF, so pdserve and llama-server tokenize them alike. Weights are N(0, 0.02²)
+(norms 1), so activations stay finite: values come from one seeded pool of normal samples, each tensor a window at
+its own random offset, so a 7B file is written at disk speed (a fresh normal draw per weight takes ~10 min on 2 busy
+cores). Tensors are streamed one at a time: RAM stays under ~1 GB. These files measure speed only; their text is
+noise.
 """
 
 from __future__ import annotations
@@ -52,10 +55,18 @@ class Shape:
     rope_theta: float
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
+    head_dim_: int = 0  # 0: hidden_size / num_attention_heads
+    num_experts: int = 0  # > 0: a qwen3moe model, every layer sparse
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_dim_ or self.hidden_size // self.num_attention_heads
+
+    @property
+    def arch(self) -> str:
+        return "qwen3moe" if self.num_experts else "llama"
 
 
 SHAPES = {
@@ -63,11 +74,14 @@ SHAPES = {
     "1.7b": Shape(2048, 24, 32, 32, 8192, 49152, True, 130000.0, 8192),
     # Llama-2-7B, with the default model's 49152-token vocab
     "7b": Shape(4096, 32, 32, 32, 11008, 49152, False, 10000.0, 4096),
+    # Qwen3-30B-A3B's layers, 6 of 48
+    "moe": Shape(2048, 6, 32, 4, 6144, 49152, True, 1000000.0, 40960, 1e-6, head_dim_=128, num_experts=128,
+                 num_experts_per_tok=8, moe_intermediate_size=768),
 }
 
 
 def model_path(out_dir: Path, shape: str, qtype: str) -> Path:
-    return out_dir / f"llama-{shape}-random.{qtype}.gguf"
+    return out_dir / f"{SHAPES[shape].arch}-{shape}-random.{qtype}.gguf"
 
 
 def tensor_shapes(s: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -83,6 +97,15 @@ def tensor_shapes(s: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{b}.attn_v.weight", (kv, h)
         yield f"{b}.attn_output.weight", (h, q)
         yield f"{b}.ffn_norm.weight", (h,)
+        if s.num_experts:  # q/k norms; the router and the experts as 3-D tensors [E, rows, cols]
+            e, moe_ff = s.num_experts, s.moe_intermediate_size
+            yield f"{b}.attn_q_norm.weight", (s.head_dim,)
+            yield f"{b}.attn_k_norm.weight", (s.head_dim,)
+            yield f"{b}.ffn_gate_inp.weight", (e, h)
+            yield f"{b}.ffn_gate_exps.weight", (e, moe_ff, h)
+            yield f"{b}.ffn_up_exps.weight", (e, moe_ff, h)
+            yield f"{b}.ffn_down_exps.weight", (e, h, moe_ff)
+            continue
         yield f"{b}.ffn_gate.weight", (ff, h)
         yield f"{b}.ffn_up.weight", (ff, h)
         yield f"{b}.ffn_down.weight", (h, ff)
@@ -106,7 +129,7 @@ def tokenizer_fields(src: Path) -> list[tuple[str, object, gguf.GGUFValueType, g
 
 
 def add_metadata(w: gguf.GGUFWriter, name: str, s: Shape, tokenizer_src: Path) -> None:
-    w.add_name(f"llama-{name}-random")
+    w.add_name(f"{s.arch}-{name}-random")
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
     w.add_context_length(s.max_position_embeddings)
     w.add_embedding_length(s.hidden_size)
@@ -115,6 +138,12 @@ def add_metadata(w: gguf.GGUFWriter, name: str, s: Shape, tokenizer_src: Path) -
     w.add_head_count(s.num_attention_heads)
     w.add_head_count_kv(s.num_key_value_heads)
     w.add_rope_dimension_count(s.head_dim)
+    if s.num_experts:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        w.add_expert_count(s.num_experts)
+        w.add_expert_used_count(s.num_experts_per_tok)
+        w.add_expert_feed_forward_length(s.moe_intermediate_size)
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.rms_norm_eps)
     w.add_vocab_size(s.vocab_size)
@@ -127,7 +156,7 @@ def write_f16(path: Path, name: str, s: Shape, tokenizer_src: Path, seed: int, p
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(pool_size, dtype=np.float32) * STD).astype(np.float16)
     tmp = path.with_suffix(".part")
-    w = gguf.GGUFWriter(tmp, "llama")
+    w = gguf.GGUFWriter(tmp, s.arch)
     add_metadata(w, name, s, tokenizer_src)
     shapes = list(tensor_shapes(s))
     for tname, shp in shapes:
@@ -214,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             continue
         make_shape(args, name, tokenizer_src)
-    for p in sorted(args.out_dir.glob("llama-*-random.*.gguf")):
+    for p in sorted(args.out_dir.glob("*-random.*.gguf")):
         print(f"{p}  {p.stat().st_size / 1e9:.2f} GB")
     return 0
 

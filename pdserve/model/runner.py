@@ -181,9 +181,8 @@ class ModelRunner:
         layer_params = layer_bytes = expert_params = expert_bytes = 0
         for layer in self.model.layers:
             p, b = _matrix_stats(layer)
-            mlp = getattr(layer, "mlp", None)
-            if isinstance(mlp, SparseMoE):  # experts apart: a token reads k of them
-                ep, eb = _matrix_stats(mlp.experts)
+            for moe in (m for m in layer.modules() if isinstance(m, SparseMoE)):  # experts apart: a token reads k
+                ep, eb = _matrix_stats(moe.experts)
                 p, b, expert_params, expert_bytes = p - ep, b - eb, expert_params + ep, expert_bytes + eb
             layer_params, layer_bytes = layer_params + p, layer_bytes + b
         head_params, head_bytes = _matrix_stats(self.model.lm_head)
