@@ -53,19 +53,20 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalise)
-        out = torch.zeros_like(x)
+        t, k = ids.shape
         # sort the T*k (token, expert) assignments by expert: each chosen expert runs once on its contiguous rows
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tokens = order // self.top_k
-        w = weights.reshape(-1)[order]
-        start = 0
+        tokens = (order // k).tolist()
+        outs, start = [], 0
         for expert_id, n in enumerate(counts):
             if n == 0:
                 continue  # an expert no token chose: its weights are never read
             rows = tokens[start:start + n]
-            y = self.experts[expert_id](x[rows]) * w[start:start + n, None]
-            out.index_add_(0, rows, y.to(out.dtype))
+            outs.append(self.experts[expert_id](x[rows[0]:rows[0] + 1] if n == 1 else x[rows]))
             start += n
-        return out
+        # back to (token, slot) order, then each token's k outputs weighted and summed in slot order. One gather
+        # instead of an index_add_ per expert (those cost ~0.2 ms each on the CPU, far more than the rows they add).
+        y = torch.cat(outs)[torch.argsort(order)].view(t, k, -1)
+        return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1).to(x.dtype)
