@@ -80,7 +80,7 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
         kw = {**kw, "num_hidden_layers": 3, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
               "mlp_only_layers": [1], "norm_topk_prob": False, **overrides}
     if arch == "mixtral":  # top-2 of 4 experts on every layer
-        kw = {**kw, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, **overrides}
+        kw = {**kw, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, **overrides}
     if arch == "gemma3":  # local layers with a window shorter than the test prompts, each rope base its own
         kw = {**kw, **GEMMA3_TINY, **overrides}
     if arch == "gemma2":  # local layers with a window shorter than the test prompts, soft-capping that bites

@@ -14,7 +14,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from test_kernels_model import prefill_logits, rel_rms, runner_for
-from test_loader import write_gguf
+from test_loader import VOCAB_SIZE, write_gguf
+from test_native_program import assert_program_equals_definition, native_runner
 
 from pdserve import SamplingParams, kernels
 from pdserve.config import ModelArchConfig
@@ -82,7 +83,7 @@ def test_tiny_matches_hf(tokenizer: Any, arch: str, kernels_choice: str) -> None
     model = llm.engine.runner.model
     sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.layers]
     assert sparse == ([True, False, True] if arch == "qwen3_moe" else [True, True])  # qwen3_moe: mlp_only_layers
-    assert model.program is None  # routing depends on the tokens: the layers run op by op
+    assert (model.program is not None) == (kernels_choice == "native")  # routing is one op of the native program
     _assert_greedy(llm, prompts, ref)
 
 
@@ -144,6 +145,31 @@ def test_gguf_quantized_experts_read_as_stored(tmp_path: Path) -> None:
     a, b = prefill_logits(native, ids), prefill_logits(ref, ids)
     assert rel_rms(a, b) <= 0.03
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_native_program_is_the_definition(arch: str, tmp_path: Path) -> None:
+    """The whole-stack program (its `moe` op) computes bit for bit what the layers compute op by op, on F32 and on
+    Q8_0 experts read as stored; prefill rows, decode rows and a chunk with context in one step."""
+    hf = make_tiny_hf_model(arch, vocab_size=VOCAB_SIZE)
+    assert_program_equals_definition(native_runner(loaded_from_hf(hf)))
+    write_gguf(tmp_path / "q.gguf", hf, "qwen3moe" if arch == "qwen3_moe" else "mixtral",
+               qtype=lambda name, w: Q.Q8_0 if "experts" in name else Q.F32)
+    assert_program_equals_definition(native_runner(load_gguf(str(tmp_path / "q.gguf"), keep_quantized=True)))
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_native_moe_op_matches_the_reference(tokens: int) -> None:
+    """The native op (routing, experts, sums in slot order) against the layer's PyTorch definition on the same fp32
+    weights: float rounding apart, the same outputs; experts no row chose do not matter."""
+    hf = make_tiny_hf_model("qwen3_moe")
+    native, ref = runner_for(loaded_from_hf(hf), "native"), runner_for(loaded_from_hf(hf), "torch")
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    with torch.inference_mode():
+        a, b = native.model.layers[0].mlp(x), ref.model.layers[0].mlp(x)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kernels_choice", ["native", "torch"])

@@ -83,15 +83,8 @@ class CausalLM(nn.Module):
     def build_native_program(self) -> bool:
         """Record `hidden_states` into a NativeProgram that `forward` runs from then on (native kernels only).
         A model the recorder cannot express keeps running its Python definition, with a warning."""
-        from pdserve.model.layers.moe import SparseMoE
         from pdserve.model.native_program import ProgramUnsupported, record_program
 
-        if any(isinstance(m, SparseMoE) for m in self.modules()):
-            # the program has no routing op: each step's experts depend on its tokens
-            logger.info("sparse MoE layers: the model runs its layers one native call per op (each step runs only "
-                        "the experts its tokens chose)")
-            self.program = None
-            return False
         try:
             self.program = record_program(self)
         except ProgramUnsupported as e:

@@ -135,6 +135,14 @@ class NativeOps:
         """In place: x *= factor (rounded to float32 first, as a float32 tensor factor would be)."""
         x.mul_(factor)
 
+    def moe(self, x: torch.Tensor, logits: torch.Tensor, experts: Any) -> torch.Tensor:
+        """The sparse MLP of x [T, H] with router logits [T, E] over `experts` (the kernels' MoeExperts: each row's
+        top-k experts run on it, their outputs weighted and summed; csrc/moe.h)."""
+        out = torch.empty(x.shape, dtype=torch.float32)
+        rows = self._prompt_rows
+        experts.forward_into(x, logits, out, rows if rows is not None and rows.shape[0] == x.shape[0] else None)
+        return out
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
                   num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                   sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:

@@ -39,7 +39,7 @@ class Recordable(Protocol):
 
 RECORD_TOKENS = 2  # rows of the dummy step: more than one, so that row strides are seen
 # ops whose output buffer the executor allocates (slots)
-OWNED_OPS = ("rms_norm", "attention", "silu_and_mul", "gelu_tanh_and_mul", "linear")
+OWNED_OPS = ("rms_norm", "attention", "silu_and_mul", "gelu_tanh_and_mul", "linear", "moe")
 
 
 class ProgramUnsupported(ValueError):
@@ -183,6 +183,12 @@ class ProgramRecorder(NativeOps):
 
     def scale(self, x: torch.Tensor, factor: float) -> None:
         self._emit("scale", [x], floats=[factor])
+
+    def moe(self, x: torch.Tensor, logits: torch.Tensor, experts: Any) -> torch.Tensor:
+        if id(experts) not in self._weights:
+            self._alive.append(experts)
+            self._weights[id(experts)] = int(self.prog.add_moe(experts))
+        return self._result("moe", [x, logits], x.shape[1], [self._weights[id(experts)]])
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
                   num_heads: int, num_kv_heads: int, head_dim: int, scale: float,

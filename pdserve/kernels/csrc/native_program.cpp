@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "moe.h"
 #include "packed_weight.h"
 #include "registry.h"
 
@@ -42,6 +43,7 @@ enum class Op : int64_t {
   kGeluMul,      // in [x]; -> new (slot) gelu_tanh(x[:, :I]) * x[:, I:]
   kScale,        // in [x]; floats [factor]: x *= factor in place
   kLinear,       // in [x]; ints [weight, bias const or -1] -> new (slot) x @ W.T (+ bias)
+  kMoe,          // in [x, router logits]; ints [experts] -> new (slot) the sparse MLP's output (moe.h)
   kNumOps
 };
 
@@ -50,7 +52,7 @@ const std::map<std::string, Op>& op_names() {
       {"narrow", Op::kNarrow},         {"embedding", Op::kEmbedding}, {"rms_norm", Op::kRmsNorm},
       {"add_rms_norm", Op::kAddRmsNorm}, {"head_rms_norm", Op::kHeadRmsNorm}, {"rotary", Op::kRotary},
       {"attention", Op::kAttention},   {"silu_and_mul", Op::kSiluMul}, {"linear", Op::kLinear},
-      {"gelu_tanh_and_mul", Op::kGeluMul}, {"scale", Op::kScale}};
+      {"gelu_tanh_and_mul", Op::kGeluMul}, {"scale", Op::kScale}, {"moe", Op::kMoe}};
   return names;
 }
 
@@ -72,6 +74,7 @@ Arity arity(Op op) {
     case Op::kGeluMul: return {1, 0, 0, true};
     case Op::kScale: return {1, 0, 1, false};
     case Op::kLinear: return {1, 2, 0, true};
+    case Op::kMoe: return {2, 1, 0, true};
     default: break;
   }
   TORCH_CHECK(false, "unknown op ", static_cast<int64_t>(op));
@@ -101,6 +104,12 @@ class NativeProgram {
     weights_.push_back(std::move(w));
     return static_cast<int64_t>(weights_.size()) - 1;
   }
+  // A sparse MLP's experts (MoeExperts, moe.h).
+  int64_t add_moe(std::shared_ptr<MoeExperts> m) {
+    TORCH_CHECK(m != nullptr, "experts are None");
+    moes_.push_back(std::move(m));
+    return static_cast<int64_t>(moes_.size()) - 1;
+  }
 
   void append(const std::string& name, std::vector<int64_t> in, int64_t out, int64_t slot, std::vector<int64_t> ints,
               std::vector<double> floats, std::vector<int64_t> frees) {
@@ -116,7 +125,7 @@ class NativeProgram {
       defined_.push_back(true);
     }
     const bool owns = it->second == Op::kRmsNorm || it->second == Op::kAttention || it->second == Op::kSiluMul ||
-                      it->second == Op::kGeluMul || it->second == Op::kLinear;
+                      it->second == Op::kGeluMul || it->second == Op::kLinear || it->second == Op::kMoe;
     TORCH_CHECK(owns == (slot >= 0) && slot < static_cast<int64_t>(slot_widths_.size()), name,
                 ": bad slot ", slot);
     for (int64_t v : frees) TORCH_CHECK(v >= 0 && v < num_values_, name, " frees unknown value ", v);
@@ -246,12 +255,17 @@ class NativeProgram {
         packed_linear_into(w(n[0]), v[I.in[0]], n[1] >= 0 ? std::optional<at::Tensor>(c(n[1])) : std::nullopt, out,
                            st.prompt_rows);
         break;
+      case Op::kMoe:
+        TORCH_CHECK(n[0] >= 0 && n[0] < static_cast<int64_t>(moes_.size()), "experts ", n[0], " out of range");
+        moes_[n[0]]->forward_into(v[I.in[0]], v[I.in[1]], out, st.prompt_rows);
+        break;
       default: TORCH_CHECK(false, "unknown op");
     }
   }
 
   std::vector<at::Tensor> consts_;
   std::vector<PackedWeightPtr> weights_;
+  std::vector<std::shared_ptr<const MoeExperts>> moes_;
   std::vector<Instr> instrs_;
   std::vector<int64_t> slot_widths_;
   std::vector<bool> defined_ = {true, true};  // ids, positions
@@ -269,6 +283,7 @@ void register_native_program(pybind11::module_& m) {
       .def(py::init<>())
       .def("add_const", &NativeProgram::add_const, py::arg("t"))
       .def("add_packed", &NativeProgram::add_packed, py::arg("w"))
+      .def("add_moe", &NativeProgram::add_moe, py::arg("experts"))
       .def("add_slot", &NativeProgram::add_slot, py::arg("width"))
       .def("append", &NativeProgram::append, py::arg("op"), py::arg("inputs"), py::arg("out"), py::arg("slot"),
            py::arg("ints"), py::arg("floats"), py::arg("frees"))

@@ -5,9 +5,13 @@ Router: logits = x @ W_gate.T [T, E]; probs = softmax in fp32; top-k; renormalis
 Each expert holds its own Linear modules (gate_up [2I, H], down [H, I]) so a loader can give each its packed weight
 as stored (a 2-D slice of a GGUF 3-D expert tensor); tokens are grouped by expert and only the experts some token
 chose are run, so a decode step reads only those experts' weights. Plain tensors in and out, no engine objects.
+On the native path the whole layer after the router is one native op (csrc/moe.h: the same routing and experts,
+its rows' sums in slot order), which the whole-stack program records like any other op.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,8 +54,12 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts, False, kernels)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, kernels) for _ in range(num_experts))
         self.top_k, self.renormalise = top_k, renormalise
+        self.kernels = kernels
+        self._native: Any = None  # the kernels' MoeExperts over the packed experts, made at the first native call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels.native is not None:
+            return self.kernels.ops.moe(x, self.gate(x), self._native_experts())
         weights, ids = route(self.gate(x), self.top_k, self.renormalise)
         t, k = ids.shape
         # sort the T*k (token, expert) assignments by expert: each chosen expert runs once on its contiguous rows
@@ -70,3 +78,17 @@ class SparseMoE(nn.Module):
         # instead of an index_add_ per expert (those cost ~0.2 ms each on the CPU, far more than the rows they add).
         y = torch.cat(outs)[torch.argsort(order)].view(t, k, -1)
         return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1).to(x.dtype)
+
+    def _native_experts(self) -> Any:
+        """The packed experts as one native object (csrc/moe.h): routing, grouping and every chosen expert's linears
+        in one call. Made once, after the loader packed every matrix (the native path packs all of them)."""
+        if self._native is None:
+            from pdserve import kernels as native_kernels
+
+            lib = native_kernels.require()
+            gate_up = [e.gate_up_proj.packed for e in self.experts]  # type: ignore[union-attr]
+            down = [e.down_proj.packed for e in self.experts]  # type: ignore[union-attr]
+            if not all(isinstance(w, lib.PackedWeight) for w in gate_up + down):
+                raise ValueError("the native MoE path needs every expert packed (native kernels pack at load)")
+            self._native = lib.MoeExperts(gate_up, down, self.top_k, self.renormalise)
+        return self._native
