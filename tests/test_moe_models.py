@@ -206,3 +206,32 @@ def test_roofline_counts_the_experts_a_step_reads(arch: str) -> None:
     assert bytes_2 - bytes_1 == pytest.approx(model.expert_bytes * (k / n) * (1 - k / n) + model.kv_bytes_per_token
                                               * 101 + model.embed_row_bytes)
     assert expert_bytes_1 < model.expert_bytes
+
+
+@pytest.mark.parametrize("kernels_choice", ["native", "torch"])
+def test_lora_on_a_moe_model(tokenizer: Any, tmp_path: Path, kernels_choice: str) -> None:
+    """Adapters on attention serve as on a dense model (PEFT's merged model's greedy tokens, beside base-model rows);
+    weights for a sparse layer's MLP are refused with a coded error, never attached to the experts."""
+    if kernels_choice == "native" and not kernels.available():
+        pytest.skip("native kernels are not built")
+    from test_lora import make_adapter
+
+    from pdserve.lora_request import LoRARequest, next_lora_id
+    from pdserve.model.lora_peft import LoRAAdapterError, PEFTAdapter
+
+    hf = make_tiny_hf_model("qwen3_moe")
+    merged = make_adapter(hf, tmp_path / "a", 5, ["q_proj", "v_proj", "o_proj"])
+    llm = LLM(loaded_model=loaded_from_hf(hf), tokenizer=tokenizer, dtype="float32", device=TEST_DEVICE,
+              device_peaks="off", num_kv_blocks=256, max_step_ms=0, kernels=kernels_choice, enable_lora=True)
+    prompt = _prompts(tokenizer)[0]
+    lr = LoRARequest("a", next_lora_id(), str(tmp_path / "a"))
+    out = llm.generate([prompt, prompt], GREEDY, lora_request=[lr, None])
+    assert out[0].outputs[0].token_ids == hf_greedy(merged, prompt, NEW)
+    assert out[1].outputs[0].token_ids == hf_greedy(hf, prompt, NEW)
+    lora = llm.engine.runner.lora
+    assert lora is not None
+    bad = PEFTAdapter("x", 2, 1.0, {(0, "gate_proj"): (torch.zeros(2, 64), torch.zeros(32, 2))})
+    with pytest.raises(LoRAAdapterError, match="sparse MoE") as e:
+        lora.layout(99, bad)
+    assert e.value.code == "invalid_lora_adapter"
+    assert llm.engine.block_manager.is_at_baseline()

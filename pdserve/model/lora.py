@@ -119,8 +119,9 @@ class LoRAManager:
         self.active: dict[int, PreparedAdapter] = {}
         for i, layer in enumerate(layers):
             for path in {p for p, _ in TARGETS.values()}:
-                linear = layer.get_submodule(path)
-                assert isinstance(linear, Linear)
+                linear = _submodule(layer, path)
+                if linear is None:  # a sparse MoE layer's MLP: its experts take no adapters
+                    continue
                 self.targets[i, path] = lora = LoRALinear(self.mapping, linear.in_features, _widths(layer, path))
                 linear.set_lora(lora)
         self.num_layers = len(layers)
@@ -139,6 +140,9 @@ class LoRAManager:
             if layer >= self.num_layers:
                 raise LoRAAdapterError(f"adapter has weights for layer {layer}; the model has {self.num_layers}")
             path, part = TARGETS[name]
+            if (layer, path) not in self.targets:
+                raise LoRAAdapterError(f"layer {layer}: {name!r} targets a sparse MoE layer's MLP; adapters on "
+                                       "experts are not supported (attention modules are)")
             slot = by_module.setdefault((layer, path), {})
             if part in slot or (part is None and slot) or (part is not None and None in slot):
                 raise LoRAAdapterError(f"layer {layer} {path}: fused and unfused targets overlap")
@@ -183,6 +187,14 @@ class LoRAManager:
         for target in self.targets.values():
             target.adapters.pop(lora_id, None)
         return True
+
+
+def _submodule(layer: nn.Module, path: str) -> Linear | None:
+    """The Linear at `path` under a decoder layer; None where the layer has none (a sparse MoE layer's MLP)."""
+    head, _, name = path.rpartition(".")
+    parent = layer.get_submodule(head)
+    linear = parent._modules.get(name)
+    return linear if isinstance(linear, Linear) else None
 
 
 def _widths(layer: nn.Module, path: str) -> list[int]:
