@@ -59,11 +59,16 @@ BUF_BYTES = 1 << 30
 
 # ---- the model file and the machine ------------------------------------------------------------------------------
 def weight_bytes_per_token(path: str) -> dict[str, Any]:
-    """What a batch-1 decode step reads of the file's weights, as stored, and the file's tensor types."""
+    """What a batch-1 decode step reads of the file's weights, as stored, and the file's tensor types. A MoE file's
+    expert tensors (`_exps`) count expert_used_count / expert_count of their bytes: the experts one token runs."""
     reader = gguf.GGUFReader(path)
     names = {t.name for t in reader.tensors}
     tied = "output.weight" not in names
-    read = sum(int(t.n_bytes) for t in reader.tensors if tied or t.name != "token_embd.weight")
+    arch = str(reader.fields["general.architecture"].contents())
+    count, used = reader.fields.get(f"{arch}.expert_count"), reader.fields.get(f"{arch}.expert_used_count")
+    share = int(used.contents()) / int(count.contents()) if count is not None and used is not None else 1.0
+    read = round(sum(int(t.n_bytes) * (share if "_exps." in t.name else 1.0) for t in reader.tensors
+                     if tied or t.name != "token_embd.weight"))
     return {"path": path, "file_bytes": Path(path).stat().st_size, "bytes_per_token": read, "tied": tied,
             "types": dict(Counter(t.tensor_type.name for t in reader.tensors).most_common())}
 

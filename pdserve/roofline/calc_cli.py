@@ -25,6 +25,7 @@ from typing import Any
 from pdserve.config import ModelArchConfig
 from pdserve.roofline.cost import (
     Cost,
+    active_params,
     count_params,
     decode_compute_bound_batch,
     decode_cost,
@@ -176,12 +177,16 @@ def _versus(intensity: float, balance: float) -> str:
 def format_report(r: CalcResult) -> str:
     a, d = r.arch, r.device
     tied = "tied" if a.tie_word_embeddings else "untied"
+    mlp = f"MLP {a.intermediate_size}" if not a.is_moe else (
+        f"{a.num_experts} experts of {a.moe_intermediate_size}, {a.num_experts_per_tok} per token, on "
+        f"{sum(a.moe_layers or ())} layers")
     lines = [
         f"model    {r.model}: {a.architecture}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-        f"{a.num_attention_heads} heads ({a.num_key_value_heads} KV) x {a.head_dim}, MLP {a.intermediate_size}, "
+        f"{a.num_attention_heads} heads ({a.num_key_value_heads} KV) x {a.head_dim}, {mlp}, "
         f"vocab {a.vocab_size} ({tied} embeddings)",
         f"params   {_count(r.params)}" + ("" if r.params == r.counted_params else
-                                           f" (pinned; the shape itself counts {_count(r.counted_params)})"),
+                                           f" (pinned; the shape itself counts {_count(r.counted_params)})")
+        + (f", {_count(round(active_params(a, r.params)))} active per token" if a.is_moe else ""),
         f"weights  {_si(r.weight_bytes, 'B')} ({r.weight_bits:g} bits/param, "
         + (f"{r.dtype})" if r.weight_bits == 8 * dtype_bytes(r.dtype) else "quantized)"),
         f"KV cache {r.kv_bytes_per_token / 1024:.4g} KiB/token ({r.kv_bytes_per_token:,} B, {r.kv_dtype}) = 2 (K, V) x "
