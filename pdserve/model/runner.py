@@ -333,7 +333,7 @@ class ModelRunner:
                                                                                                 inp.meta))
             finally:
                 lora.mapping.clear()
-        return hidden, self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows else None
+        return hidden, self.model.compute_logits(_rows(hidden, inp.sample_rows)) if inp.sample_rows else None
 
     def _collect(self, sampled: list[ScheduledRequest], res: SamplerOutput, out: ModelRunnerOutput) -> None:
         """Per sampled request: the tokens it emitted, in order, into the output and its kept state; the drafter
@@ -387,6 +387,16 @@ class ModelRunner:
                 out[r.req_id] = scored
             row += r.num_scheduled_tokens
         return out
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows]: a view when the rows are consecutive (a decode step samples every row), else a gather. The
+    gather is an ATen index op that wakes ATen's OpenMP team, whose threads then spin on the cores the native
+    kernels' next call (the lm_head) needs: at c=32 that call took ~2x longer after a gather."""
+    first = rows[0]
+    if rows[-1] - first + 1 == len(rows) and rows == list(range(first, first + len(rows))):
+        return hidden[first:first + len(rows)]
+    return hidden[rows]
 
 
 def _matrix_stats(module: torch.nn.Module) -> tuple[int, int]:
