@@ -271,3 +271,42 @@ def test_logit_bias_applies_before_penalties_and_min_tokens() -> None:
     assert Sampler()(logits, md).token_ids == [0]  # EOS (2) still banned below min_tokens; 0 now wins
     md = _md([_req([0], temperature=0, frequency_penalty=2, logit_bias={0: 3, 3: 1})])
     assert Sampler()(torch.tensor([[0.0, 0.0, -5.0, 0.5]]), md).token_ids == [3]  # 0+3-2 = 1 < 0.5+1
+
+
+def _sorted_reference(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The masks by their definition: sort the whole row, keep the first k, then the smallest prefix whose mass
+    (renormalised over the kept k) reaches top_p; top_p = 1 keeps every token (no float cumsum decides)."""
+    out = torch.full_like(logits, float("-inf"))
+    for r in range(logits.shape[0]):
+        vals, order = logits[r].sort(descending=True)
+        k = int(top_k[r]) if int(top_k[r]) > 0 else logits.shape[1]
+        vals, order = vals[:k], order[:k]
+        probs = vals.softmax(-1)
+        keep = (probs.cumsum(-1) - probs) < float(top_p[r])
+        if float(top_p[r]) >= 1:
+            keep[:] = True
+        out[r, order[keep]] = vals[keep]
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_k_top_p_candidates_equal_the_whole_sort(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows masked from their best candidates and rows that need the whole sort (a flat distribution whose nucleus
+    is larger than the candidates, or a k larger than them) give the masks of the definition; unfiltered rows stay."""
+    from pdserve.model import sampler
+
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", (16, 64))
+    g = torch.Generator().manual_seed(seed)
+    v = 1000
+    peaked = torch.randn(6, v, generator=g) * 6
+    flat = torch.randn(4, v, generator=g) * 0.1
+    logits = torch.cat([peaked, flat])
+    top_k = torch.tensor([0, 5, 64, 0, 200, 0, 0, 7, 300, 0])
+    top_p = torch.tensor([0.9, 1.0, 0.8, 0.5, 0.95, 1.0, 0.9, 0.99, 1.0, 1.0])
+    got = apply_top_k_top_p_min_p(logits, top_k, top_p, torch.zeros(10))
+    ref = _sorted_reference(logits, top_k, top_p)
+    assert torch.equal(got.isinf(), ref.isinf())  # the same tokens kept in every row ...
+    assert torch.equal(got[~got.isinf()], logits[~got.isinf()])  # ... with their logits unchanged
+    assert torch.equal(got[5], logits[5]) and torch.equal(got[9], logits[9])  # no filter: the row as it was
+    kept = (~got.isinf()).sum(-1)
+    assert kept[6] > 64 and kept[8] == 300  # these rows needed the whole sort
