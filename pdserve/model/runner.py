@@ -390,12 +390,14 @@ class ModelRunner:
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[rows]: a view when the rows are consecutive (a decode step samples every row), else a gather. The
-    gather is an ATen index op that wakes ATen's OpenMP team, whose threads then spin on the cores the native
-    kernels' next call (the lm_head) needs: at c=32 that call took ~2x longer after a gather."""
+    """hidden[rows]: a view when the rows are consecutive (a decode step samples every row), else a gather, by
+    numpy on the CPU. ATen's index op runs an OpenMP region whose threads then spin on the cores the native
+    kernels' next call (the lm_head) needs: at c=32 that call took ~2x longer after it."""
     first = rows[0]
     if rows[-1] - first + 1 == len(rows) and rows == list(range(first, first + len(rows))):
         return hidden[first:first + len(rows)]
+    if hidden.device.type == "cpu" and hidden.dtype == torch.float32:
+        return torch.from_numpy(hidden.numpy()[rows])
     return hidden[rows]
 
 
