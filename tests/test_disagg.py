@@ -462,3 +462,35 @@ def test_handoff_across_network_namespaces(netns_pair: tuple[str, str, str, str]
     finally:
         for p in procs:
             p.stop()
+
+
+def test_decode_side_disk_tier_skips_the_pull_after_a_restart(tiny_dir: Path, tmp_path: Path) -> None:
+    """A decode instance with `--kv-offload-dir` writes the KV it pulled to its disk tier; restarted, it reads a
+    known prompt's full blocks from disk before deciding what to pull, and pulls only the rest: of this 51-token
+    prompt's 50 pulled tokens (4 blocks of 16), the 3 full blocks come from disk and only the last, partial one
+    over the wire (the output is the colocated one both times)."""
+    m = ["--model", str(tiny_dir), *TINY]
+    prompt = PROMPTS[0]
+    kv_dir = tmp_path / "kv"
+    colo, pre = start_all(lambda: start_server(tmp_path, *m),
+                          lambda: start_server(tmp_path, *m, "--role", "prefill", "--kv-transfer-timeout", "4"))
+    try:
+        want = complete(colo.base_url, prompt, stream=False)
+        pulled, loaded = [], []
+        for _ in range(2):  # the second decode instance is the first one restarted on the same directory
+            dec = start_server(tmp_path, *m, "--role", "decode", "--kv-offload-dir", str(kv_dir))
+            router = start_router(tmp_path, [pre.base_url], [dec.base_url])
+            try:
+                assert complete(router.base_url, prompt, stream=True) == want
+                wait_baseline(dec)
+                pulled.append(metric(dec, "pdserve:kv_transfer_bytes_total"))
+                loaded.append(metric(dec, 'pdserve:kv_offload_blocks_total{direction="loaded"'))
+            finally:
+                router.stop()
+                assert dec.stop() in (0, -15)  # SIGTERM: the writer finishes the blocks it has
+        assert pulled[0] > 0 and loaded[0] == 0  # the first instance pulled 4 blocks and wrote the 3 full ones
+        assert loaded[1] == 3 and pulled[1] == pulled[0] / 4  # the restarted one read 3 and pulled the 4th
+        assert wait_baseline(pre)["num_used_blocks"] == 0  # the prefill side's pin was released either way
+    finally:
+        colo.stop()
+        pre.stop()
