@@ -65,19 +65,20 @@ def phi3_fields(cfg: dict[str, Any], arch: str, rope_params: Any,
     return out
 
 
-MOE_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHS = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 
 
 def moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """The sparse-MLP fields: expert count, experts per token, each expert's intermediate size, renormalisation of the
-    top-k weights, and which layers are sparse. Qwen3-MoE: layer i is sparse unless listed in mlp_only_layers, when
-    (i + 1) % decoder_sparse_step == 0 (transformers' rule); Mixtral: every layer, always renormalised."""
+    top-k weights, and which layers are sparse. Qwen3-MoE and Qwen2-MoE: layer i is sparse unless listed in
+    mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (transformers' rule); Qwen2-MoE adds a shared expert
+    (shared_expert_intermediate_size) to every sparse layer. Mixtral: every layer, always renormalised."""
     if arch == "MixtralForCausalLM":
         n = int(cfg.get("num_local_experts", 8))
         return {"num_experts": n, "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
                 "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True,
                 "moe_layers": (True,) * cfg["num_hidden_layers"]}
-    if arch != "Qwen3MoeForCausalLM":
+    if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         return {}
     n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the second
     step = int(cfg.get("decoder_sparse_step") or 1)
@@ -85,7 +86,8 @@ def moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     sparse = tuple(n > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"]))
     return {"num_experts": n, "num_experts_per_tok": int(cfg.get("num_experts_per_tok") or 0),
             "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "moe_layers": sparse}
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")), "moe_layers": sparse,
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
 
 
 def mistral_window_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -159,6 +159,7 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] | None = None
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared SwiGLU expert, gated by sigmoid(x . w), per layer
 
     @property
     def rotary_dim(self) -> int:
@@ -201,7 +202,7 @@ class ModelArchConfig:
         by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                    "gemma2": "Gemma2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                   "mixtral": "MixtralForCausalLM"}
+                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
         archs = cfg.get("architectures") or [by_type.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")]
         arch = archs[0]
         n_heads = cfg["num_attention_heads"]
@@ -235,7 +236,9 @@ class ModelArchConfig:
             rope_scaling=phi3.pop("rope_scaling", rope_scaling),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),  # Qwen2: always
+            # Qwen2: always; Qwen2-MoE: unless qkv_bias says otherwise
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)) or (
+                arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             bos_token_id=cfg.get("bos_token_id"),

@@ -73,12 +73,16 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     }[arch]
     if arch in ("qwen3", "qwen3_moe"):
         kw.setdefault("head_dim", 16)
     if arch == "qwen3_moe":  # one dense layer between sparse ones; top-2 of 8 experts, weights not renormalised
         kw = {**kw, "num_hidden_layers": 3, "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
               "mlp_only_layers": [1], "norm_topk_prob": False, **overrides}
+    if arch == "qwen2_moe":  # top-2 of 8 experts and a shared expert; one dense layer
+        kw = {**kw, "num_hidden_layers": 3, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+              "num_experts": 8, "num_experts_per_tok": 2, "mlp_only_layers": [1], **overrides}
     if arch == "mixtral":  # top-2 of 4 experts on every layer
         kw = {**kw, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64, **overrides}
     if arch == "gemma3":  # local layers with a window shorter than the test prompts, each rope base its own

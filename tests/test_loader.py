@@ -83,7 +83,9 @@ _HF_TO_GGUF = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
     "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
-    "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 
 
@@ -116,6 +118,8 @@ def _add_expert_keys(w: gguf.GGUFWriter, cfg: Any) -> None:
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if getattr(cfg, "moe_intermediate_size", None):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
 _GEMMA3_TO_GGUF = {  # llama.cpp's gemma2/gemma3 names of the sandwich norms
@@ -237,6 +241,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str,
             data = _llamacpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
         elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1  # llama.cpp stores Gemma's norms as 1 + w
+        elif name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)  # llama.cpp stores Qwen2-MoE's one-row gate as a vector
         qt = qtype(name, data) if data.ndim >= 2 else Q.F32  # llama.cpp keeps 1-D tensors in F32
         chosen[name] = qt
         if qt == Q.F32:

@@ -1,8 +1,9 @@
-"""Qwen3-MoE and Mixtral as whole models: transformers' Qwen3MoeForCausalLM / MixtralForCausalLM on tiny random
-configs against pdserve's native and PyTorch paths (greedy tokens equal, prompts batched, chunked and then read from
-the prefix cache, the KV pool back at baseline), loaded from memory (transformers 5's fused 3-D experts), from a
-Hugging Face directory (per-expert names, Mixtral's block_sparse_moe) and from GGUF (qwen3moe; llama with experts,
-3-D `_exps` tensors and the older per-expert tensors; F32 and Q8_0 experts, the latter read as stored)."""
+"""Qwen3-MoE, Qwen2-MoE (a shared expert) and Mixtral as whole models: transformers' Qwen3MoeForCausalLM /
+Qwen2MoeForCausalLM / MixtralForCausalLM on tiny random configs against pdserve's native and PyTorch paths (greedy
+tokens equal, prompts batched, chunked and then read from the prefix cache, the KV pool back at baseline), loaded
+from memory (transformers 5's fused 3-D experts), from a Hugging Face directory (per-expert names, Mixtral's
+block_sparse_moe) and from GGUF (qwen3moe, qwen2moe; llama with experts, 3-D `_exps` tensors and the older per-
+expert tensors; F32 and Q8_0 experts, the latter read as stored)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_config_fields() -> None:
         ModelArchConfig.from_hf_config({**qwen, "num_experts_per_tok": 5})
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("kernels_choice", ["native", "torch"])
 def test_tiny_matches_hf(tokenizer: Any, arch: str, kernels_choice: str) -> None:
     if kernels_choice == "native" and not kernels.available():
@@ -82,7 +83,7 @@ def test_tiny_matches_hf(tokenizer: Any, arch: str, kernels_choice: str) -> None
     llm = _llm(loaded_from_hf(hf), tokenizer, kernels_choice)
     model = llm.engine.runner.model
     sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.layers]
-    assert sparse == ([True, False, True] if arch == "qwen3_moe" else [True, True])  # qwen3_moe: mlp_only_layers
+    assert sparse == ([True, True] if arch == "mixtral" else [True, False, True])  # Qwen: mlp_only_layers
     assert (model.program is not None) == (kernels_choice == "native")  # routing is one op of the native program
     _assert_greedy(llm, prompts, ref)
 
@@ -94,9 +95,15 @@ def test_routing_matters(tokenizer: Any) -> None:
     ref = hf_greedy(make_tiny_hf_model("qwen3_moe"), prompt, NEW)
     assert hf_greedy(make_tiny_hf_model("qwen3_moe", norm_topk_prob=True), prompt, NEW) != ref
     assert hf_greedy(make_tiny_hf_model("qwen3_moe", num_experts_per_tok=3), prompt, NEW) != ref
+    shared = make_tiny_hf_model("qwen2_moe")  # Qwen2-MoE's shared expert changes them too
+    with torch.no_grad():
+        for layer in shared.model.layers:
+            if hasattr(layer.mlp, "shared_expert_gate"):
+                layer.mlp.shared_expert_gate.weight.fill_(-30.0)  # sigmoid ~ 0: the shared expert off
+    assert hf_greedy(shared, prompt, NEW) != hf_greedy(make_tiny_hf_model("qwen2_moe"), prompt, NEW)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_hf_directory(tokenizer: Any, tmp_path: Path, arch: str) -> None:
     """save_pretrained writes experts one by one (Qwen3: mlp.experts.E.gate_proj; Mixtral: block_sparse_moe.experts.
     E.w1/w3/w2), as the checkpoints people download are stored."""
@@ -108,15 +115,22 @@ def test_hf_directory(tokenizer: Any, tmp_path: Path, arch: str) -> None:
     _assert_greedy(_llm(lm, tokenizer, "torch"), prompts, [hf_greedy(hf, p, NEW) for p in prompts])
 
 
+_LAYOUTS = {"qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+            "mixtral": ("mixtral", "MixtralForCausalLM"), "mixtral-per-expert": ("mixtral", "MixtralForCausalLM")}
+
+
 @needs_native
-@pytest.mark.parametrize("layout", ["qwen3moe", "mixtral", "mixtral-per-expert"])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_gguf_f32_matches_hf(tokenizer: Any, tmp_path: Path, layout: str) -> None:
-    hf = make_tiny_hf_model("qwen3_moe" if layout == "qwen3moe" else "mixtral", norm_topk_prob=True)
+    kind, architecture = _LAYOUTS[layout]
+    renorm = layout != "qwen2moe"  # llama.cpp's qwen2moe never renormalises (it has no key for it)
+    hf = make_tiny_hf_model(kind, norm_topk_prob=renorm)
     write_gguf(tmp_path / "m.gguf", hf, layout)
     lm = load_gguf(str(tmp_path / "m.gguf"), keep_quantized=True)
-    assert lm.arch.architecture == ("Qwen3MoeForCausalLM" if layout == "qwen3moe" else "MixtralForCausalLM")
-    assert lm.arch.moe_layers == ((True, False, True) if layout == "qwen3moe" else (True, True))
-    assert lm.arch.norm_topk_prob and lm.arch.num_experts_per_tok == 2
+    assert lm.arch.architecture == architecture
+    assert lm.arch.moe_layers == ((True, True) if kind == "mixtral" else (True, False, True))
+    assert lm.arch.norm_topk_prob == renorm and lm.arch.num_experts_per_tok == 2
+    assert lm.arch.shared_expert_intermediate_size == (64 if kind == "qwen2_moe" else 0)
     prompts = _prompts(tokenizer)
     _assert_greedy(_llm(lm, tokenizer, "native"), prompts, [hf_greedy(hf, p, NEW) for p in prompts])
 
@@ -148,13 +162,13 @@ def test_gguf_quantized_experts_read_as_stored(tmp_path: Path) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_native_program_is_the_definition(arch: str, tmp_path: Path) -> None:
     """The whole-stack program (its `moe` op) computes bit for bit what the layers compute op by op, on F32 and on
     Q8_0 experts read as stored; prefill rows, decode rows and a chunk with context in one step."""
     hf = make_tiny_hf_model(arch, vocab_size=VOCAB_SIZE)
     assert_program_equals_definition(native_runner(loaded_from_hf(hf)))
-    write_gguf(tmp_path / "q.gguf", hf, "qwen3moe" if arch == "qwen3_moe" else "mixtral",
+    write_gguf(tmp_path / "q.gguf", hf, {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}.get(arch, "mixtral"),
                qtype=lambda name, w: Q.Q8_0 if "experts" in name else Q.F32)
     assert_program_equals_definition(native_runner(load_gguf(str(tmp_path / "q.gguf"), keep_quantized=True)))
 
@@ -184,7 +198,7 @@ def test_mistral_sliding_window(tokenizer: Any, kernels_choice: str) -> None:
     _assert_greedy(_llm(loaded_from_hf(hf), tokenizer, kernels_choice), prompts, ref)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_roofline_counts_the_experts_a_step_reads(arch: str) -> None:
     """count_params is every stored parameter (transformers' own count); a token's FLOPs use k of E experts; a decode
     step's bytes count the experts its tokens are expected to choose, all of them only for a large batch."""

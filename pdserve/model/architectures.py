@@ -32,6 +32,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[GemmaForCausalLM]] = {
     "Phi3ForCausalLM": LlamaForCausalLM,
     # sparse MLP (top-k experts) on the layers ModelArchConfig.moe_layers marks; Qwen3-MoE adds q/k norm
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,  # and a shared expert gated per token; q/k/v bias
     "MixtralForCausalLM": LlamaForCausalLM,
 }
 

@@ -37,6 +37,7 @@ MODEL_TYPES = {
     "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 PERMUTED_QK_ARCHS = {"llama", "mistral"}  # llama.cpp's converter permutes q/k rows only for these
 

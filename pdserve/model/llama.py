@@ -1,13 +1,14 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3): the one definition of its layers.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and with a sparse MLP Qwen3-MoE, Qwen2-MoE
+and Mixtral): the one definition of its layers.
 
 Qwen2 adds a bias to q/k/v, Qwen3 an RMSNorm per head on q and k (config flags, ModelArchConfig). Weights are loaded
 from Hugging Face parameter names; q/k/v and gate/up are fused into single matrices (Phi-3's checkpoints store them
 fused already: `qkv_proj`, `gate_up_proj` with the gate rows first; its LongRoPE, partial rotary and sliding window
-come from the config). Qwen3-MoE and Mixtral are this decoder with a sparse MLP (layers/moe.py) on the layers
-`ModelArchConfig.moe_layers` marks; their checkpoints name experts per expert (Qwen3: `mlp.experts.E.gate_proj`,
-Mixtral: `block_sparse_moe.experts.E.w1/w3/w2`) or, as transformers 5 holds them, as 3-D `mlp.experts.gate_up_proj`
-/ `down_proj`. Gemma 2/3 (model/gemma.py) reuse
-the attention (its scale, sliding window, soft-capping and rope from the config) and the MLP (GeGLU by `hidden_act`).
+come from the config). Qwen3-MoE, Qwen2-MoE (plus a gated shared expert) and Mixtral are this decoder with a sparse
+MLP (layers/moe.py) on the layers `ModelArchConfig.moe_layers` marks; their checkpoints name experts per expert
+(Qwen3: `mlp.experts.E.gate_proj`, Mixtral: `block_sparse_moe.experts.E.w1/w3/w2`) or, as transformers 5 holds them,
+as 3-D `mlp.experts.gate_up_proj` / `down_proj`. Gemma 2/3 (model/gemma.py) reuse the attention (its scale, sliding
+window, soft-capping and rope from the config) and the MLP (GeGLU by `hidden_act`).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp: LlamaMLP | SparseMoE = SparseMoE(
             cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-            kernels) if cfg.is_moe_layer(layer_idx) else LlamaMLP(cfg, kernels)
+            kernels, cfg.shared_expert_intermediate_size) if cfg.is_moe_layer(layer_idx) else LlamaMLP(cfg, kernels)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,3 +188,8 @@ def load_moe(load: WeightLoader, moe: SparseMoE, layer_prefix: str) -> None:
         assert isinstance(expert, Expert)
         load.matrix(expert.gate_up_proj, [gate, up])
         load.matrix(expert.down_proj, [down])
+    if moe.shared_expert is not None and moe.shared_expert_gate is not None:  # Qwen2-MoE
+        shared = layer_prefix + "mlp.shared_expert."
+        load.matrix(moe.shared_expert.gate_up_proj, [shared + "gate_proj.weight", shared + "up_proj.weight"])
+        load.matrix(moe.shared_expert.down_proj, [shared + "down_proj.weight"])
+        load.matrix(moe.shared_expert_gate, [layer_prefix + "mlp.shared_expert_gate.weight"])

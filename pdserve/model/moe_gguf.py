@@ -1,11 +1,14 @@
-"""MoE GGUF files in Hugging Face terms: llama.cpp's `qwen3moe` architecture (Qwen3-MoE) and `llama` files with
-`llama.expert_count` (Mixtral; llama.cpp's converter writes Mixtral as llama).
+"""MoE GGUF files in Hugging Face terms: llama.cpp's `qwen3moe` and `qwen2moe` architectures (Qwen3-MoE; Qwen1.5/2-MoE
+with its shared expert) and `llama` files with `llama.expert_count` (Mixtral; llama.cpp's converter writes Mixtral
+as llama).
 
-Tensors: the router `blk.N.ffn_gate_inp` [E, H]; the experts as 3-D tensors `blk.N.ffn_{gate,up,down}_exps`
-([E, I, H], [E, I, H], [E, H, I] in Hugging Face order) or, in older Mixtral files, one 2-D tensor per expert
+Tensors: the router `blk.N.ffn_gate_inp` [E, H]; the experts as 3-D tensors `blk.N.ffn_{gate,up,down}_exps` ([E, I,
+H], [E, I, H], [E, H, I] in Hugging Face order) or, in older Mixtral files, one 2-D tensor per expert
 (`blk.N.ffn_gate.E`, ...). A 3-D tensor is cut into one matrix per expert: views of the stored bytes, kept in their
 stored type (no float copy, no copy at all) so each expert's Linear is packed as stored; types the kernels do not
-read as stored are dequantized and cut the same way. A layer without a router is dense (Qwen3-MoE's mlp_only_layers).
+read as stored are dequantized and cut the same way. A layer without a router is dense (Qwen3-MoE's
+mlp_only_layers). Qwen2-MoE's shared expert is `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one
+row, stored 1-D).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import torch
 
 from pdserve.model.packed_weights import GGUFMatrix
 
-MOE_GGUF_ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM"}
+MOE_GGUF_ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"}
 # block tensor -> Hugging Face module under model.layers.N (3-D ones are split per expert by `split_experts`)
 MOE_BLOCK_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
-                     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+                     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+                     "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _PER_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}  # blk.N.ffn_gate.E (old)
 
 
@@ -52,10 +57,15 @@ def moe_hf_config(meta: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     first_sparse = next(i for i in range(n_layers) if i not in dense)
     inter = int(meta.get("{arch}.expert_feed_forward_length") or 0) or \
         meta.tensors[f"blk.{first_sparse}.ffn_gate_exps.weight"].hf_shape[1]
-    return {**cfg, "num_experts": n_expert, "num_experts_per_tok": used, "moe_intermediate_size": int(inter),
-            "norm_topk_prob": bool(meta.get("{arch}.expert_weights_norm", True)), "decoder_sparse_step": 1,
-            "mlp_only_layers": dense, "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": n_layers}
+    out = {**cfg, "num_experts": n_expert, "num_experts_per_tok": used, "moe_intermediate_size": int(inter),
+           "norm_topk_prob": bool(meta.get("{arch}.expert_weights_norm", meta.arch == "qwen3moe")),
+           "decoder_sparse_step": 1, "mlp_only_layers": dense, "use_sliding_window": False, "sliding_window": None,
+           "max_window_layers": n_layers}
+    if meta.arch == "qwen2moe":  # the shared expert; q/k/v bias as the file has it
+        shared = meta.get("{arch}.expert_shared_feed_forward_length") or \
+            meta.tensors[f"blk.{first_sparse}.ffn_gate_shexp.weight"].hf_shape[0]
+        out.update(shared_expert_intermediate_size=int(shared), qkv_bias=bool(cfg.get("attention_bias")))
+    return out
 
 
 def moe_layer_names(cfg: dict[str, Any]) -> dict[int, list[str]]:
@@ -65,6 +75,9 @@ def moe_layer_names(cfg: dict[str, Any]) -> dict[int, list[str]]:
     fields = moe_fields(cfg, cfg["architectures"][0])
     names = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{n}.weight" for e in range(fields["num_experts"])
                                    for n in ("gate_proj", "up_proj", "down_proj")]
+    if fields.get("shared_expert_intermediate_size"):
+        names += ["mlp.shared_expert_gate.weight"] + [f"mlp.shared_expert.{n}.weight"
+                                                       for n in ("gate_proj", "up_proj", "down_proj")]
     return {i: names for i, sparse in enumerate(fields["moe_layers"]) if sparse}
 
 

@@ -32,7 +32,8 @@ def count_params(arch: ModelArchConfig) -> int:
     layer = attn + 3 * h * arch.intermediate_size + 2 * h
     embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
     sparse = sum(arch.moe_layers or ())
-    moe_layer = attn + arch.num_experts * (3 * h * arch.moe_intermediate_size + h) + 2 * h
+    shared = 3 * h * arch.shared_expert_intermediate_size + h if arch.shared_expert_intermediate_size else 0
+    moe_layer = attn + arch.num_experts * (3 * h * arch.moe_intermediate_size + h) + shared + 2 * h
     return embeddings + (arch.num_hidden_layers - sparse) * layer + sparse * moe_layer + h
 
 

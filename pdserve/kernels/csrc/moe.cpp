@@ -15,8 +15,12 @@
 namespace pdserve {
 
 MoeExperts::MoeExperts(std::vector<std::shared_ptr<PackedWeight>> gate_up,
-                       std::vector<std::shared_ptr<PackedWeight>> down, int64_t top_k, bool renormalise)
-    : gate_up_(std::move(gate_up)), down_(std::move(down)), top_k_(top_k), renormalise_(renormalise) {
+                       std::vector<std::shared_ptr<PackedWeight>> down, int64_t top_k, bool renormalise,
+                       std::shared_ptr<PackedWeight> shared_gate_up, std::shared_ptr<PackedWeight> shared_down,
+                       std::shared_ptr<PackedWeight> shared_gate)
+    : gate_up_(std::move(gate_up)), down_(std::move(down)), shared_gate_up_(std::move(shared_gate_up)),
+      shared_down_(std::move(shared_down)), shared_gate_(std::move(shared_gate)), top_k_(top_k),
+      renormalise_(renormalise) {
   TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size(), "MoeExperts: ", gate_up_.size(),
               " gate_up and ", down_.size(), " down matrices");
   TORCH_CHECK(top_k_ > 0 && top_k_ <= num_experts(), "MoeExperts: top_k ", top_k_, " of ", num_experts(),
@@ -28,6 +32,32 @@ MoeExperts::MoeExperts(std::vector<std::shared_ptr<PackedWeight>> gate_up,
                     down_[e]->k() == inter,
                 "MoeExperts: expert ", e, " is not [2I, H] / [H, I] with H=", h, ", I=", inter);
   }
+  const int n_shared = (shared_gate_up_ != nullptr) + (shared_down_ != nullptr) + (shared_gate_ != nullptr);
+  TORCH_CHECK(n_shared == 0 || n_shared == 3, "MoeExperts: a shared expert needs gate_up, down and its gate");
+  if (n_shared == 3)
+    TORCH_CHECK(shared_gate_up_->k() == h && shared_down_->n() == h && shared_gate_up_->n() == 2 * shared_down_->k()
+                    && shared_gate_->n() == 1 && shared_gate_->k() == h,
+                "MoeExperts: the shared expert is not [2S, H] / [H, S] with a [1, H] gate");
+}
+
+// out[r] += sigmoid(x[r] . w_gate) * shared(x[r]), every row (in place, after the routed sum).
+void MoeExperts::add_shared(const at::Tensor& x, at::Tensor& out, const std::optional<at::Tensor>& prompt_rows) const {
+  const int64_t t = x.size(0), h = hidden(), s = shared_down_->k();
+  at::Tensor gu = at::empty({t, 2 * s}, at::kFloat), act = at::empty({t, s}, at::kFloat),
+             y = at::empty({t, h}, at::kFloat), g = at::empty({t, 1}, at::kFloat);
+  packed_linear_into(*shared_gate_up_, x, std::nullopt, gu, prompt_rows);
+  silu_and_mul(act, gu);
+  packed_linear_into(*shared_down_, act, std::nullopt, y, prompt_rows);
+  packed_linear_into(*shared_gate_, x, std::nullopt, g, prompt_rows);
+  const float *yp = y.data_ptr<float>(), *gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float w = 1.f / (1.f + std::exp(-gp[r]));
+      float* o = op + r * out.stride(0);
+      for (int64_t c = 0; c < h; ++c) o[c] += w * yp[r * h + c];
+    }
+  });
 }
 
 namespace {
@@ -133,6 +163,7 @@ void MoeExperts::forward_into(const at::Tensor& x, const at::Tensor& logits, at:
       }
     }
   });
+  if (shared_gate_up_ != nullptr) add_shared(x, out, prompt_rows);
 }
 
 namespace {
@@ -142,8 +173,11 @@ void register_moe(pybind11::module_& m) {
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(
       m, "MoeExperts", "a sparse MoE MLP's experts, packed (moe.h): routing and the experts in one native call")
       .def(py::init<std::vector<std::shared_ptr<PackedWeight>>, std::vector<std::shared_ptr<PackedWeight>>, int64_t,
-                    bool>(),
-           py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("renormalise"))
+                    bool, std::shared_ptr<PackedWeight>, std::shared_ptr<PackedWeight>,
+                    std::shared_ptr<PackedWeight>>(),
+           py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("renormalise"),
+           py::arg("shared_gate_up") = nullptr, py::arg("shared_down") = nullptr, py::arg("shared_gate") = nullptr,
+           "shared_*: a shared expert (Qwen2-MoE) and its [1, H] gate, or none")
       .def(
           "forward_into",
           [](const MoeExperts& self, const at::Tensor& x, const at::Tensor& logits, at::Tensor& out,

@@ -44,15 +44,19 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
 
 
 class SparseMoE(nn.Module):
-    """x [T, H] -> [T, H]: the top-k experts of each token, weighted by the router and summed."""
+    """x [T, H] -> [T, H]: the top-k experts of each token, weighted by the router and summed; with a shared
+    expert (Qwen2-MoE, `shared_intermediate_size` > 0), plus sigmoid(x . w_shared_gate) * shared_expert(x)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalise: bool, kernels: KernelSelection) -> None:
+                 renormalise: bool, kernels: KernelSelection, shared_intermediate_size: int = 0) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the expert count)")
         self.gate = Linear(hidden_size, num_experts, False, kernels)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, kernels) for _ in range(num_experts))
+        self.shared_expert = Expert(hidden_size, shared_intermediate_size, kernels) if shared_intermediate_size \
+            else None
+        self.shared_expert_gate = Linear(hidden_size, 1, False, kernels) if shared_intermediate_size else None
         self.top_k, self.renormalise = top_k, renormalise
         self.kernels = kernels
         self._native: Any = None  # the kernels' MoeExperts over the packed experts, made at the first native call
@@ -77,7 +81,10 @@ class SparseMoE(nn.Module):
         # back to (token, slot) order, then each token's k outputs weighted and summed in slot order. One gather
         # instead of an index_add_ per expert (those cost ~0.2 ms each on the CPU, far more than the rows they add).
         y = torch.cat(outs)[torch.argsort(order)].view(t, k, -1)
-        return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1).to(x.dtype)
+        out = torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1).to(x.dtype)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
     def _native_experts(self) -> Any:
         """The packed experts as one native object (csrc/moe.h): routing, grouping and every chosen expert's linears
@@ -88,7 +95,10 @@ class SparseMoE(nn.Module):
             lib = native_kernels.require()
             gate_up = [e.gate_up_proj.packed for e in self.experts]  # type: ignore[union-attr]
             down = [e.down_proj.packed for e in self.experts]  # type: ignore[union-attr]
-            if not all(isinstance(w, lib.PackedWeight) for w in gate_up + down):
+            shared = [] if self.shared_expert is None or self.shared_expert_gate is None else [
+                self.shared_expert.gate_up_proj.packed, self.shared_expert.down_proj.packed,
+                self.shared_expert_gate.packed]
+            if not all(isinstance(w, lib.PackedWeight) for w in gate_up + down + shared):
                 raise ValueError("the native MoE path needs every expert packed (native kernels pack at load)")
-            self._native = lib.MoeExperts(gate_up, down, self.top_k, self.renormalise)
+            self._native = lib.MoeExperts(gate_up, down, self.top_k, self.renormalise, *shared)
         return self._native
