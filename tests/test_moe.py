@@ -33,29 +33,29 @@ def _randomise(block: torch.nn.Module) -> None:
             p.normal_(0.0, 0.2)
 
 
+def _assert_block_matches(block: torch.nn.Module, renormalise: bool, tokens: int) -> None:
+    """A SparseMoE with the HF block's (randomised) weights gives the block's output on `tokens` random rows."""
+    block = block.float().eval()
+    _randomise(block)
+    moe = _copy_from_hf(block, EXPERTS, renormalise)
+    x = torch.randn(tokens, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 def test_qwen3_moe_block_matches_hf(norm_topk_prob: bool, tokens: int) -> None:
     config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
                             num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob)
-    block = Qwen3MoeSparseMoeBlock(config).float().eval()
-    _randomise(block)
-    moe = _copy_from_hf(block, EXPERTS, norm_topk_prob)
-    x = torch.randn(tokens, HIDDEN)
-    with torch.no_grad():
-        torch.testing.assert_close(moe(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
+    _assert_block_matches(Qwen3MoeSparseMoeBlock(config), norm_topk_prob, tokens)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_mixtral_block_matches_hf(tokens: int) -> None:
     config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS,
                            num_experts_per_tok=TOP_K)
-    block = MixtralSparseMoeBlock(config).float().eval()
-    _randomise(block)
-    moe = _copy_from_hf(block, EXPERTS, True)
-    x = torch.randn(tokens, HIDDEN)
-    with torch.no_grad():
-        torch.testing.assert_close(moe(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
+    _assert_block_matches(MixtralSparseMoeBlock(config), True, tokens)
 
 
 def test_route_renormalises_top_k() -> None:

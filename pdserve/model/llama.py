@@ -144,9 +144,8 @@ def load_mlp(load: WeightLoader, mlp: LlamaMLP, prefix: str) -> None:
     load.matrix(mlp.down_proj, [prefix + "down_proj.weight"])
 
 
-
-# Mixtral's checkpoint names -> Qwen3-MoE's (w1 = gate, w3 = up, w2 = down), as transformers renames them
-_MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Mixtral's checkpoint names of an expert's gate, up and down matrices
+_MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
 def split_fused_experts(sd: StateDict) -> StateDict:

@@ -191,9 +191,10 @@ class LoRAManager:
 
 def _submodule(layer: nn.Module, path: str) -> Linear | None:
     """The Linear at `path` under a decoder layer; None where the layer has none (a sparse MoE layer's MLP)."""
-    head, _, name = path.rpartition(".")
-    parent = layer.get_submodule(head)
-    linear = parent._modules.get(name)
+    try:
+        linear = layer.get_submodule(path)
+    except AttributeError:
+        return None
     return linear if isinstance(linear, Linear) else None
 
 

@@ -75,6 +75,8 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     freq = torch.as_tensor(pen.frequency, dtype=logits.dtype, device=dev).unsqueeze(1)
     pres = torch.as_tensor(pen.presence, dtype=logits.dtype, device=dev).unsqueeze(1)
     logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
+
+
 # how many best tokens the top-k/top-p masks look at, in turn (a row whose set is larger sorts its whole row)
 NUCLEUS_CANDIDATES = (256, 4096)
 
@@ -88,7 +90,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     Top-k/top-p look at each row's best NUCLEUS_CANDIDATES tokens first (a partial top-k, not a sort of the whole
     vocabulary, which cost ~40 ms a step at 32 rows x 49152): a row whose kept set ends among them (k <= the
     candidates, or the candidates' mass reaches top_p) is masked from them; the others try the next, larger
-    candidate set, and past the last sort their whole row. The kept set is the definition's either way."""
+    candidate set, and past the last their whole row (a top-k of the vocabulary: a sort). The kept set is the
+    definition's either way."""
     dev = logits.device
     use_k, use_p, use_min_p = bool((top_k > 0).any()), bool((top_p < 1).any()), bool((min_p > 0).any())
     if use_k or use_p:
@@ -100,21 +103,6 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: to
     return logits
 
 
-def _kept_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_p: bool,
-                 log_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(drop mask, cumulative kept mass) over each row's logits sorted best first (all of them, or the best c of
-    them with `log_norm` the row's log-normaliser: logsumexp over its top-k, or over the whole row without one)."""
-    n, dev = sorted_logits.shape[1], sorted_logits.device
-    pos = torch.arange(n, device=dev).unsqueeze(0)
-    drop = pos >= torch.where(top_k > 0, top_k, n).clamp(max=n).unsqueeze(1)
-    masked = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = masked.softmax(-1) if log_norm is None else (masked - log_norm.unsqueeze(1)).exp()
-    cum = probs.cumsum(-1)
-    if use_p:
-        drop |= (cum - probs) >= top_p.unsqueeze(1)  # smallest set reaching top_p; the best token always stays
-    return drop, cum
-
-
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_p: bool) -> torch.Tensor:
     """The top-k/top-p masks of apply_top_k_top_p_min_p (see there)."""
     v, dev = logits.shape[1], logits.device
@@ -123,28 +111,33 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     out = torch.full_like(logits, float("-inf"))
     out[unfiltered] = logits[unfiltered]
     rest = (~unfiltered).nonzero().flatten()
-    for c in sorted({min(v, n) for n in NUCLEUS_CANDIDATES}):
+    whole = rest[:0]  # rows sent straight to the whole-row pass
+    for c in sorted({min(v, n) for n in NUCLEUS_CANDIDATES} | {v}):  # the last: the whole row
+        if c == v:
+            rest = torch.cat([rest, whole])
         if not len(rest):
-            return out
+            break
         sub, k, p = logits[rest], top_k[rest], top_p[rest]
         vals, idx = sub.topk(c, dim=-1)  # sorted best first
-        with_k = (k > 0) & (k <= c)
         pos = torch.arange(c, device=dev).unsqueeze(0)
-        log_norm = torch.where(with_k, vals.masked_fill(pos >= k.unsqueeze(1), float("-inf")).logsumexp(-1),
-                               sub.logsumexp(-1))
-        drop, cum = _kept_sorted(vals, torch.where(with_k, k, 0), p, use_p, log_norm)
+        with_k = (k > 0) & (k <= c)
+        drop = pos >= torch.where(with_k, k, c).unsqueeze(1)
+        # normalised over the row's top-k, or over the whole row without one
+        log_norm = torch.where(with_k, vals.masked_fill(drop, float("-inf")).logsumexp(-1), sub.logsumexp(-1))
+        probs = (vals.masked_fill(drop, float("-inf")) - log_norm.unsqueeze(1)).exp()
+        cum = probs.cumsum(-1)
+        if use_p:
+            drop |= (cum - probs) >= p.unsqueeze(1)  # smallest set reaching top_p; the best token always stays
         # the set ends among the candidates: by its k, or by the mass it reached (a row with k > c cannot tell)
         fits = with_k | ((k <= 0) & (cum[:, -1] >= p)) if c < v else torch.ones_like(with_k)
         rows = rest[fits]
-        out[rows] = torch.full_like(sub[fits], float("-inf")).scatter_(1, idx[fits],
-                                                                        vals[fits].masked_fill(drop[fits],
-                                                                                               float("-inf")))
-        rest = rest[~fits]
-    if len(rest):  # whole-row sort for rows whose set reaches past the largest candidate set
-        sub = logits[rest]
-        sorted_logits, order = sub.sort(dim=-1, descending=True)
-        full_drop, _ = _kept_sorted(sorted_logits, top_k[rest], top_p[rest], use_p)
-        out[rest] = torch.empty_like(sub).scatter_(1, order, sorted_logits.masked_fill(full_drop, float("-inf")))
+        out[rows] = torch.full_like(sub[fits], float("-inf")).scatter_(
+            1, idx[fits], vals[fits].masked_fill(drop[fits], float("-inf")))
+        # a row whose best c tokens hold under a quarter of top_p (a flat distribution) skips the larger candidate
+        # sets: they would not hold its set either, and each costs a partial top-k
+        flat = ~fits & (k <= 0) & (cum[:, -1] < p / 4)
+        whole = torch.cat([whole, rest[flat]])
+        rest = rest[~fits & ~flat]
     return out
 
 

@@ -43,20 +43,22 @@ def expert_params(arch: ModelArchConfig) -> int:
     return sum(arch.moe_layers or ()) * arch.num_experts * 3 * arch.hidden_size * arch.moe_intermediate_size
 
 
-def experts_touched(arch: ModelArchConfig, tokens: int) -> float:
-    """Expected fraction of a sparse layer's experts that `tokens` tokens read, each choosing num_experts_per_tok of
-    num_experts (uniform routing): 1 - (1 - k/E)^tokens. 1 for a dense model."""
-    if not arch.is_moe:
-        return 1.0
-    return 1.0 - (1.0 - arch.num_experts_per_tok / arch.num_experts) ** max(0, tokens)
+def expert_share(arch: ModelArchConfig) -> float:
+    """k/E: the share of a sparse layer's experts one token runs (0 for a dense model)."""
+    return arch.num_experts_per_tok / arch.num_experts if arch.is_moe else 0.0
+
+
+def experts_touched(share: float, tokens: int) -> float:
+    """Expected share of a sparse layer's experts that `tokens` tokens read, each running `share` of them (uniform
+    routing): 1 - (1 - share)^tokens."""
+    return 1.0 - (1.0 - share) ** max(0, tokens)
 
 
 def active_params(arch: ModelArchConfig, params: int | None = None) -> float:
     """Parameters one token multiplies by (the 2·P rule's P): `params` (count_params by default) less the experts it
     does not choose."""
     p = count_params(arch) if params is None else params
-    experts = expert_params(arch)
-    return p - experts * (1 - arch.num_experts_per_tok / arch.num_experts) if experts else p
+    return p - expert_params(arch) * (1 - expert_share(arch))
 
 
 def weights_read(arch: ModelArchConfig, weight_bytes: float, tokens: int, params: int | None = None) -> float:
@@ -66,7 +68,7 @@ def weights_read(arch: ModelArchConfig, weight_bytes: float, tokens: int, params
     if not experts:
         return weight_bytes
     p = count_params(arch) if params is None else params
-    return weight_bytes * (1 - experts / p * (1 - experts_touched(arch, tokens)))
+    return weight_bytes * (1 - experts / p * (1 - experts_touched(expert_share(arch), tokens)))
 
 
 _DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -210,7 +212,7 @@ class StepCostModel:
         return cls(layer_params, lm_head_params, layer_weight_bytes, lm_head_bytes, embed_row_bytes,
                    kv_bytes_per_token(arch, kv_dtype_bytes),
                    4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim, expert_params, expert_bytes,
-                   arch.num_experts_per_tok / arch.num_experts if arch.is_moe else 0.0)
+                   expert_share(arch))
 
     def cost(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> tuple[float, float]:
         """(FLOPs, bytes) of a step computing `n` new tokens after `c` cached ones for each (c, n) in `seqs`."""
@@ -221,7 +223,7 @@ class StepCostModel:
         context = sum(c for c, _ in seqs)
         flops = (2 * (self.layer_params + self.expert_params * self.expert_fraction) * tokens
                  + 2 * self.lm_head_params * num_sampled + self.attn_flops_per_pair * pairs)
-        experts_read = self.expert_bytes * (1.0 - (1.0 - self.expert_fraction) ** tokens)
+        experts_read = self.expert_bytes * experts_touched(self.expert_fraction, tokens)
         nbytes = (self.layer_weight_bytes + experts_read + (self.lm_head_bytes if num_sampled else 0)
                   + tokens * self.embed_row_bytes + (context + tokens) * self.kv_bytes_per_token)
         return float(flops), float(nbytes)

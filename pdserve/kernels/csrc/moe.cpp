@@ -120,17 +120,21 @@ void MoeExperts::forward_into(const at::Tensor& x, const at::Tensor& logits, at:
              act = at::empty({n, inter}, at::kFloat), ys = at::empty({n, h}, at::kFloat);
   at::Tensor ks = at::empty({kinds ? n : 0}, at::kByte);
   const float* xp = x.data_ptr<float>();
-  for (int64_t p = 0; p < n; ++p) {
-    std::memcpy(xs.data_ptr<float>() + p * h, xp + row_of[p] * x.stride(0), sizeof(float) * h);
-    if (kinds) ks.data_ptr<uint8_t>()[p] = kinds[row_of[p]];
-  }
+  float* xsp = xs.data_ptr<float>();
+  uint8_t* ksp = kinds ? ks.data_ptr<uint8_t>() : nullptr;
+  parallel_for(0, n, 64, [&](int64_t p0, int64_t p1) {  // a prefill gathers T * k rows: MBs a layer
+    for (int64_t p = p0; p < p1; ++p) {
+      std::memcpy(xsp + p * h, xp + row_of[p] * x.stride(0), sizeof(float) * h);
+      if (ksp) ksp[p] = kinds[row_of[p]];
+    }
+  });
   std::vector<int64_t> used;
   int64_t most = 0;
   for (int64_t e = 0; e < n_expert; ++e)
     if (start[e + 1] > start[e]) used.push_back(e), most = std::max(most, start[e + 1] - start[e]);
   auto run = [&](int64_t e) {  // the expert's rows [start[e], start[e+1]) of xs -> ys
     const int64_t p0 = start[e], m = start[e + 1] - p0;
-    const uint8_t* kp = kinds ? ks.data_ptr<uint8_t>() + p0 : nullptr;
+    const uint8_t* kp = ksp ? ksp + p0 : nullptr;
     gate_up_[e]->forward_rows(xs.data_ptr<float>() + p0 * h, h, m, gu.data_ptr<float>() + p0 * 2 * inter,
                               2 * inter, nullptr, kp);
     at::Tensor a = act.narrow(0, p0, m);
