@@ -249,3 +249,18 @@ def test_lora_on_a_moe_model(tokenizer: Any, tmp_path: Path, kernels_choice: str
         lora.layout(99, bad)
     assert e.value.code == "invalid_lora_adapter"
     assert llm.engine.block_manager.is_at_baseline()
+
+
+@needs_native
+def test_bf16_default_path_close_to_fp32() -> None:
+    """With native bf16 (the default dtype on such CPUs) every expert and the router are packed as bf16 and run in
+    the native op: prompt logits stay close to the fp32 model's."""
+    hf = make_tiny_hf_model("qwen2_moe")
+    ids = [5, 17, 200, 33, 41, 9, 120, 77, 3, 250, 18, 64, 90, 11, 140, 7, 60, 21, 99]
+    ref = prefill_logits(runner_for(loaded_from_hf(hf), "native"), ids)
+    bf16 = runner_for(loaded_from_hf(hf), "native", dtype=torch.bfloat16)
+    expert = bf16.model.layers[0].mlp.experts[0]
+    assert expert.gate_up_proj.packed.type_name == "BF16" and bf16.model.program is not None
+    got = prefill_logits(bf16, ids)
+    assert rel_rms(got, ref) <= 0.05
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
