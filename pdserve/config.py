@@ -411,6 +411,11 @@ class EngineConfig:
         "head), `fp8` = `fp8_e4m3` or `fp8_e5m2` (fp8 codes with the same scales); `auto`: as `dtype`. The one-byte "
         "formats hold ~2x the tokens of bf16 (4x fp32) in the same `kv_cache_memory`")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "models with sliding-window layers (Gemma 2/3, Mistral 7B v0.1): keep every layer's K/V for the whole "
+        "context in one block table, instead of one table per group of layers whose sliding groups free the blocks "
+        "that fell out of their window. Off by itself under PD disaggregation, the disk tier, a draft model and "
+        "CUDA graphs, which move or mirror whole blocks")
     kv_offload_dir: str | None = option(
         None, "a disk tier for the prefix cache: full blocks are also written here (stored format, named by their "
         "prefix hash) and read back on a prefix miss, so shared prompts survive eviction and restarts; files of "

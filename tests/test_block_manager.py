@@ -39,6 +39,7 @@ def fork(bm: BlockManager, parent_id: str, child_id: str, num_computed_tokens: i
         blk.ref_cnt += 1  # a held block is never in the free queue
     bm.req_blocks[child_id] = list(shared)
     bm.req_num_hashed[child_id] = min(len(shared), bm.req_num_hashed.get(parent_id, 0))
+    bm.req_hashes[child_id] = bm.req_hashes.get(parent_id, [])[:bm.req_num_hashed[child_id]]
     return len(shared) * bm.block_size
 
 

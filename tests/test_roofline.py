@@ -149,6 +149,12 @@ def test_kv_capacity(example: ModelArchConfig) -> None:
         66_000_000_000 // 131072, 66_000_000_000 // 131072 // 4096)
     assert kv_capacity(example, 10e9, EX_WEIGHT_BYTES, 2, 4096) == (0, 0)  # the weights alone do not fit
     assert kv_capacity(example, 80e9, EX_WEIGHT_BYTES, 1, 4096)[0] == 58_000_000_000 // 65536  # fp8 KV: 64 KiB/token
+    # 5 of every 6 layers with a 1024-token window: a 32k-token sequence holds 32k tokens in 1/6 of the layers only
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(36))
+    local = dataclasses.replace(example, num_hidden_layers=36, layer_types=types, sliding_window=1024)
+    per_seq = 131072 * 36 / 32 * (6 * 32768 + 30 * 1024) / 36
+    assert kv_capacity(local, 80e9, EX_WEIGHT_BYTES, 2, 32768)[1] == int(58e9 // per_seq)
+    assert kv_capacity(local, 80e9, EX_WEIGHT_BYTES, 2, 512)[1] == int(58e9 // (131072 * 36 / 32 * 512))
 
 
 def test_decode_compute_bound_batch(example: ModelArchConfig) -> None:
@@ -246,6 +252,13 @@ def test_step_cost_agrees_with_calc(example: ModelArchConfig) -> None:
     # a chunk after a cached prefix: queries meet the prefix plus the causal part of the chunk
     chunk, _ = model.cost([(100, 10)], num_sampled=0)
     assert chunk == 2 * layers * 10 + model.attn_flops_per_pair * (10 * 100 + 55)
+    # sliding-window layers (half the layers, window 64) read their window only: a decode at context 300
+    types = tuple("sliding_attention" if i % 2 else "full_attention" for i in range(example.num_hidden_layers))
+    local = StepCostModel.for_model(dataclasses.replace(example, layer_types=types, sliding_window=64), layers,
+                                    2 * layers, head, 2 * head, 0, kv_dtype_bytes=2)
+    assert local.keys_read(300) == (300 + 64) / 2 and local.keys_read(40) == 40 and model.keys_read(300) == 300
+    _, local_bytes = local.cost([(ctx, 1)] * b, num_sampled=b)
+    assert nbytes - local_bytes == b * (300 - 182) * model.kv_bytes_per_token
 
 
 def test_roofline_meter_mfu_mbu() -> None:

@@ -35,6 +35,7 @@ from pdserve.kv_transfer.factory import make_kv_transfer
 from pdserve.lora_request import LoRARequest
 from pdserve.model.device import device_memory, kv_cache_budget, resolve_device
 from pdserve.model.kv_cache_dtype import kv_torch_dtype
+from pdserve.model.kv_layout import KVCacheLayout
 from pdserve.model.load_progress import ProgressFn
 from pdserve.model.loader import LoadedModel, load_model
 from pdserve.model.lora import PreparedAdapter
@@ -81,13 +82,14 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         self.block_size = config.block_size
+        self.kv_layout = self._kv_layout(config)
         num_blocks = ModelRunner.profile_num_blocks(config.max_num_batched_tokens, config.max_num_seqs,
                                                     config.block_size) if cuda_sized else self._num_blocks(config)
         self.runner = ModelRunner(self.arch, loaded.state_dict, config.torch_dtype, num_blocks,
                                   config.block_size, self.max_model_len, self.kernels,
                                   config.quantization, config.linear_backend, self.device, config.attention_backend,
                                   max_num_seqs=config.max_num_seqs,
-                                  kv_cache_dtype=kv_torch_dtype(config.kv_storage))
+                                  kv_cache_dtype=kv_torch_dtype(config.kv_storage), kv_layout=self.kv_layout)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs()
         # LoRA adapters registered with the runner, by id (add_lora)
@@ -96,7 +98,8 @@ class LLMEngine:
         if cuda_sized:
             self._size_kv_cache_from_device(config, *free_total)
         self.num_blocks = self.runner.num_blocks
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.kv_layout.windows)
         self._prefaulted, self._prefault_stopped = 0, False  # blocks [0, _prefaulted) committed (prefault_kv)
         # PD disaggregation (prefill/decode roles): KV hand-off over a connector
         self.kv_transfer: KVTransfer | None = None
@@ -119,7 +122,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
         limits = InputLimits(self.arch.vocab_size, self.max_model_len, self.num_blocks, self.block_size,
                              config.max_num_batched_tokens, config.enable_chunked_prefill,
-                             config.scheduling_policy == "priority")
+                             config.scheduling_policy == "priority", self.kv_layout)
         self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids, self.structured,
                                               self.kv_transfer.check_params if self.kv_transfer is not None else None)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -134,6 +137,8 @@ class LLMEngine:
                     self.model_name, config.torch_dtype, self.num_blocks, self.block_size, config.kv_storage,
                     self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20, self.max_model_len,
                     kernels_description(self.kernels))
+        if self.kv_layout.frees_blocks:
+            logger.info("KV cache groups: %s", self.kv_layout.describe())
         if self.kernels == "native":
             logger.info("native kernels (%s): weights %s; float weights (and KV cache, --kv-cache-dtype auto) in %s "
                         "(--dtype %s: %s)",
@@ -155,17 +160,40 @@ class LLMEngine:
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        per_block = config.block_size * self.arch.kv_bytes_per_token(config.kv_storage)
+        per_block = self._block_bytes(config)
         n = parse_size(config.kv_cache_memory) // per_block
         if n < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} holds no block of {per_block} bytes")
         return int(n)
 
+    def _block_bytes(self, config: EngineConfig) -> int:
+        """Bytes of one block of the pool: a block holds the K/V of the layout's layers_per_block layers."""
+        per_layer = self.arch.kv_bytes_per_token(config.kv_storage) // self.arch.num_hidden_layers
+        return config.block_size * per_layer * self.kv_layout.layers_per_block
+
+    def _kv_layout(self, config: EngineConfig) -> KVCacheLayout:
+        """KV cache groups (model/kv_layout.py): sliding-window layers in groups of their own that free the blocks
+        out of their window, unless the hybrid layout is off or a part that moves whole blocks is on."""
+        n = self.arch.num_hidden_layers
+        windows = [self.arch.layer_window(i) for i in range(n)]
+        if not any(windows) or config.disable_hybrid_kv_cache_manager:
+            return KVCacheLayout.plain(n)
+        spec = config.speculative
+        blockers = [name for name, on in (
+            ("PD disaggregation", config.kv_role != "both"), ("the disk tier", config.kv_offload_dir is not None),
+            ("a draft model", spec is not None and spec.method == "draft_model"),
+            ("CUDA graphs", self.device.type == "cuda" and not config.enforce_eager)) if on]
+        if blockers:
+            logger.info("sliding-window layers keep the whole context's K/V: %s moves whole blocks",
+                        " and ".join(blockers))
+            return KVCacheLayout.plain(n)
+        return KVCacheLayout.plan(windows)
+
     def _size_kv_cache_from_device(self, config: EngineConfig, free: int, total: int) -> None:
         """vLLM's gpu_memory_utilization: profile the largest step, then give the KV cache what the budget leaves."""
         activations = self.runner.profile_activation_bytes(config.max_num_batched_tokens, config.max_num_seqs)
         plan = kv_cache_budget(total, free, self.runner.weight_bytes, activations, config.gpu_memory_utilization)
-        per_block = config.block_size * self.arch.kv_bytes_per_token(config.kv_storage)
+        per_block = self._block_bytes(config)
         self.runner.allocate_kv_cache(max(1, plan.num_blocks(per_block) - 1))  # one block is the scratch block
         logger.info("device memory plan: %s", plan)
 

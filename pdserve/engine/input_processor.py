@@ -19,6 +19,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.structured import StructuredOutputManager
 from pdserve.errors import ErrorCode, RequestRejected
 from pdserve.lora_request import LoRARequest
+from pdserve.model.kv_layout import KVCacheLayout
 from pdserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]  # text, token ids, or {"prompt_token_ids": [...], "prompt": text}
@@ -36,6 +37,7 @@ class InputLimits:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     priority_scheduling: bool  # scheduling_policy "priority": requests may carry a non-zero priority
+    kv_layout: KVCacheLayout | None = None  # KV cache groups (None: one table of every layer)
 
 
 class InputProcessor:
@@ -147,7 +149,8 @@ class InputProcessor:
             raise RequestRejected(f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} "
                                   f"tokens exceed this model's maximum context length of {limit}", "max_tokens",
                                   ErrorCode.CONTEXT_LENGTH_EXCEEDED)
-        need = -(-(n + max_tokens) // lim.block_size)
+        need = -(-(n + max_tokens) // lim.block_size) if lim.kv_layout is None else \
+            lim.kv_layout.blocks_needed(n + max_tokens, lim.block_size, lim.max_num_batched_tokens)
         if need > lim.num_blocks:
             raise RequestRejected(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs {need} KV blocks "
                                   f"of {lim.block_size} tokens but the whole cache has {lim.num_blocks}",

@@ -85,6 +85,7 @@ class SchedulerStats:
     # with --enable-lora: the adapter names of the running and of the waiting requests, and --max-loras
     lora: LoRAStats | None = None
     offload: KVOffloadStats | None = None  # the prefix cache's disk tier (None: off)
+    kv_window_freed_blocks: int = 0  # total: blocks sliding-window KV groups freed (model/kv_layout.py)
 
 
 @dataclass

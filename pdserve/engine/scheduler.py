@@ -339,7 +339,8 @@ class Scheduler:
         s = ScheduledRequest(req.request_id, req.all_token_ids[c:c + num_new] + req.spec_token_ids, c,
                              self.block_manager.get_block_ids(req.request_id),
                              c + num_new == req.num_tokens and not req.pooling, len(req.spec_token_ids),
-                             lora_id=req.lora_int_id, num_prompt_tokens=req.num_prompt_tokens)
+                             lora_id=req.lora_int_id, num_prompt_tokens=req.num_prompt_tokens,
+                             group_block_ids=self.block_manager.group_block_ids(req.request_id))
         if req.pooling:  # an embedding request: its rows are pooled (each position once), none sampled
             if req.num_pooled < c + num_new:
                 s.pool_offset = max(0, req.num_pooled - c)

@@ -15,6 +15,7 @@ from pdserve.config import ModelArchConfig
 from pdserve.model.causal_lm import CausalLM
 from pdserve.model.cpu_linear import pack_model_linears, use_onednn
 from pdserve.model.gemma import GemmaForCausalLM
+from pdserve.model.kv_layout import KVCacheLayout
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.native_ops import KernelSelection
 from pdserve.model.packed_weights import StateDict, pack_float_weights
@@ -47,15 +48,18 @@ def build_model(cfg: ModelArchConfig, kernels: KernelSelection, max_positions: i
 
 def build_loaded_model(cfg: ModelArchConfig, kernels: KernelSelection, max_positions: int, state_dict: StateDict,
                        dtype: torch.dtype, device: torch.device, quantization: str | None = None,
-                       linear_backend: str = "auto") -> CausalLM:
+                       linear_backend: str = "auto", kv_layout: KVCacheLayout | None = None) -> CausalLM:
     """The model of `cfg` holding `state_dict`'s weights in the formats its kernels read, ready to run.
 
     Native kernels: every matrix becomes a PackedWeight (GGUF matrices packed as stored when the loader kept them,
     `--quantization` blocks, else `pack_float` in `dtype`'s format); norms, biases and rope tables stay float32
     (the activations are float32); the whole stack is recorded into a native program. PyTorch: every tensor in
-    `dtype` on `device`, int8 weights or oneDNN's packed copies where asked."""
+    `dtype` on `device`, int8 weights or oneDNN's packed copies where asked. `kv_layout`: where each layer's K/V
+    live (None: kv_cache[layer], one block table)."""
     native = kernels.native is not None
     model = build_model(cfg, kernels, max_positions)
+    if kv_layout is not None:
+        model.place_kv(kv_layout)
     model.load_hf_state_dict(state_dict)
     model = model.to(device=device, dtype=torch.float32 if native else dtype).eval()
     model.to_device(device)

@@ -51,6 +51,12 @@ class AttentionMetadata:
     dense_mask: torch.Tensor | None = None  # flex's dense mode: bool [T, slots], the block mask evaluated
     window_masks: dict[int, Any] = field(default_factory=dict)  # flex: sliding window -> its masks (built lazily)
     window_mask_builder: Any = None  # flex: sliding window -> (block mask, dense mask) of this step
+    # KV cache groups 1.. (model/kv_layout.py): the same step with each group's slot_mapping and block tables
+    groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group `group` (0: this one)."""
+        return self if group == 0 else self.groups[group - 1]
 
 
 @dataclass

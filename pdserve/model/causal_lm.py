@@ -21,8 +21,10 @@ from torch import nn
 
 from pdserve.config import ModelArchConfig
 from pdserve.model.attention import AttentionMetadata, ForwardContext
+from pdserve.model.kv_layout import KVCacheLayout
 from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.layers.norm import RMSNorm
+from pdserve.model.layers.paged_attention import PagedAttention
 from pdserve.model.layers.rotary import RotaryEmbedding
 from pdserve.model.native_ops import KernelSelection
 from pdserve.model.packed_weights import GGUFMatrix, StateDict, pack_matrices
@@ -57,9 +59,12 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden]; call `compute_logits` on the rows that need sampling."""
         if self.program is not None:
-            return self.program.run(input_ids, positions, kv_cache, meta.slot_mapping, meta.block_table,
-                                    meta.query_start_loc, meta.seq_lens, meta.prompt_lens,
-                                    self.kernels.ops.prompt_rows(meta))
+            slots, table = meta.slot_mapping, meta.block_table
+            if meta.groups:  # KV cache groups: each attention op picks its group's row
+                slots = torch.stack([slots] + [m.slot_mapping for m in meta.groups])
+                table = torch.stack([t for t in [table] + [m.block_table for m in meta.groups] if t is not None])
+            return self.program.run(input_ids, positions, kv_cache, slots, table, meta.query_start_loc,
+                                    meta.seq_lens, meta.prompt_lens, self.kernels.ops.prompt_rows(meta))
         return self.hidden_states(input_ids, positions, ForwardContext(kv_cache, meta))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -79,6 +84,12 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits  # Gemma 2's final soft-capping
+
+    def place_kv(self, layout: KVCacheLayout) -> None:
+        """Point each attention layer at its KV cache group and cache index (before the program is recorded)."""
+        for m in self.modules():
+            if isinstance(m, PagedAttention):
+                m.kv_group, m.kv_index = layout.placement(m.layer_idx)
 
     def build_native_program(self) -> bool:
         """Record `hidden_states` into a NativeProgram that `forward` runs from then on (native kernels only).

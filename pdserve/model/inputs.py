@@ -53,6 +53,8 @@ class ScheduledRequest:
     # kernel: AMX tiles); 0: none. A row's kernel follows from its position only, so a generated token recomputed
     # after a preemption keeps its decode arithmetic.
     num_prompt_tokens: int = 0
+    # the block tables of KV cache groups 1.. (model/kv_layout.py), as long as block_ids; empty with one group
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -145,13 +145,14 @@ class NativeOps:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
                   num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-        """Write k/v [T, Hkv * D] into layer `layer` of the cache, attend q [T, Hq * D] -> [T, Hq * D]
-        (`sliding_window` > 0: each query sees its last sliding_window keys only; `softcap` > 0: scores capped)."""
+                  sliding_window: int = 0, softcap: float = 0.0, group: int = 0) -> torch.Tensor:
+        """Write k/v [T, Hkv * D] into cache index `layer` with KV group `group`'s slots, attend q [T, Hq * D] ->
+        [T, Hq * D] (`sliding_window` > 0: each query sees its last sliding_window keys only; `softcap` > 0: scores
+        capped)."""
         t = q.shape[0]
         out = self.attention_backend.forward(q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
-                                             v.view(t, num_kv_heads, head_dim), ctx.kv_cache[layer], ctx.meta, scale,
-                                             sliding_window, softcap)
+                                             v.view(t, num_kv_heads, head_dim), ctx.kv_cache[layer],
+                                             ctx.meta.for_group(group), scale, sliding_window, softcap)
         return out.view(t, num_heads * head_dim)
 
 

@@ -192,9 +192,9 @@ class ProgramRecorder(NativeOps):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int,
                   num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                  sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                  sliding_window: int = 0, softcap: float = 0.0, group: int = 0) -> torch.Tensor:
         return self._result("attention", [q, k, v], num_heads * head_dim,
-                            [layer, num_heads, num_kv_heads, head_dim, sliding_window], [scale, softcap])
+                            [layer, num_heads, num_kv_heads, head_dim, sliding_window, group], [scale, softcap])
 
     def _result(self, op: str, inputs: list[torch.Tensor], width: int, ints: list[int] | None = None,
                 floats: list[float] | None = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from pdserve.model.decode_graphs import DecodeGraphRunner
 from pdserve.model.input_batch import InputBatch
 from pdserve.model.inputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from pdserve.model.kv_cache_dtype import kv_row_elements
+from pdserve.model.kv_layout import KVCacheLayout
 from pdserve.model.kv_prefault import PagePopulator
 from pdserve.model.layers.linear import Embedding, Linear
 from pdserve.model.layers.moe import SparseMoE
@@ -53,19 +54,26 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, align: int = 64) -> t
     return torch.from_numpy(buf[off:off + nbytes]).view(dtype).view(shape)
 
 
+def _table(r: ScheduledRequest, group: int) -> list[int]:
+    """The request's block table in KV cache group `group`."""
+    return r.block_ids if group == 0 else r.group_block_ids[group - 1]
+
+
 class ModelRunner:
     def __init__(self, arch: ModelArchConfig, state_dict: StateDict, dtype: torch.dtype,
                  num_blocks: int, block_size: int, max_model_len: int, kernels: str = "torch",
                  quantization: str | None = None, linear_backend: str = "auto", device: str | torch.device = "cpu",
                  attention_backend: str = "auto", max_num_seqs: int = 64,
-                 kv_cache_dtype: torch.dtype | None = None) -> None:
+                 kv_cache_dtype: torch.dtype | None = None, kv_layout: KVCacheLayout | None = None) -> None:
         """`kernels`: "native" (pdserve/kernels: weights packed at load, fused layer ops, paged attention in place;
         `dtype` is then how float weights and the KV cache are stored, activations are float32) or "torch" (the
         PyTorch reference path, everything in `dtype`); the engine resolves "auto" before this. `device`: where
         weights, KV cache, step tensors and sampling live. `attention_backend` (torch kernels): sdpa | flex | auto
         (flex on cuda). `max_num_seqs`: the largest padded batch of decode graphs (enable_decode_graphs).
-        `kv_cache_dtype`: how the KV cache stores K/V (None: `dtype`; int8 and fp8: model/kv_cache_dtype.py)."""
+        `kv_cache_dtype`: how the KV cache stores K/V (None: `dtype`; int8 and fp8: model/kv_cache_dtype.py).
+        `kv_layout`: the KV cache groups (model/kv_layout.py; None: one table of every layer)."""
         self.arch = arch
+        self.kv_layout = kv_layout or KVCacheLayout.plain(arch.num_hidden_layers)
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
@@ -79,7 +87,7 @@ class ModelRunner:
         selection = select_kernels(kernels, attention_backend, self.device, bf16_prompt_rows=dtype == torch.bfloat16)
         self.backend = selection.attention
         self.model = build_loaded_model(arch, selection, max_model_len, state_dict, dtype, self.device, quantization,
-                                        linear_backend)
+                                        linear_backend, self.kv_layout)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         self.input_batch = InputBatch(max_num_seqs)
@@ -103,6 +111,9 @@ class ModelRunner:
         (capture None: on cuda), or its eager twin (on cpu; the tests' path). Not with the native kernels."""
         if self.backend.name == "native":
             raise ValueError("decode graphs run the torch kernels; the native kernels are CPU code")
+        if self.kv_layout.num_groups > 1:
+            raise ValueError("decode graphs read one block table; this KV cache has groups (one table of every layer: "
+                             "--disable-hybrid-kv-cache-manager)")
         self._graphs_capture = self.device.type == "cuda" if capture is None else capture
         self.decode_graphs = DecodeGraphRunner(
             self.model, self.kv_cache, self.backend, self.block_size, -(-self.max_model_len // self.block_size),
@@ -112,7 +123,7 @@ class ModelRunner:
         """(Re)allocate the KV cache with `num_blocks` blocks for the block manager, plus one scratch block past
         them (id num_blocks) that padded decode rows write to: never handed out, never read unmasked."""
         arch = self.arch
-        shape = (arch.num_hidden_layers, 2, num_blocks + 1, self.block_size, arch.num_key_value_heads,
+        shape = (self.kv_layout.layers_per_block, 2, num_blocks + 1, self.block_size, arch.num_key_value_heads,
                  kv_row_elements(self.kv_dtype, arch.head_dim))
         self.kv_cache = torch.empty(0)  # free the old cache first
         if self.device.type == "cpu":
@@ -156,8 +167,9 @@ class ModelRunner:
         reqs, next_block, bs = [], 0, self.block_size
         for i, n in enumerate(sizes):
             nblk = -(-n // bs)
-            reqs.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, list(range(next_block, next_block + nblk)),
-                                         True))
+            ids = list(range(next_block, next_block + nblk))
+            reqs.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, ids, True,
+                                         group_block_ids=[ids] * (self.kv_layout.num_groups - 1)))
             next_block += nblk
         sched = SchedulerOutput(reqs, num_prefill_tokens=num_tokens)
         on_cuda = self.device.type == "cuda"
@@ -194,15 +206,19 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's tensors, built on the CPU from plain lists and copied to the device once each."""
-        inp = self._prepare_varlen(sched) if self.backend.varlen else self._prepare_sdpa(sched)
-        self.backend.prepare(inp.meta, inp.positions, self.kv_cache.shape[2], self.block_size)
+        build = self._prepare_varlen if self.backend.varlen else self._prepare_sdpa
+        inp = build(sched, 0)
+        inp.meta.groups = [build(sched, g).meta for g in range(1, self.kv_layout.num_groups)]
+        for meta in [inp.meta] + inp.meta.groups:
+            self.backend.prepare(meta, inp.positions, self.kv_cache.shape[2], self.block_size)
         return inp
 
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    def _prepare_varlen(self, sched: SchedulerOutput) -> StepInputs:
-        """One row per sequence (decodes first): the native kernel's block_table / query_start_loc / seq_lens."""
+    def _prepare_varlen(self, sched: SchedulerOutput, group: int) -> StepInputs:
+        """One row per sequence (decodes first): the native kernel's block_table / query_start_loc / seq_lens, with
+        KV cache group `group`'s block tables."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -210,7 +226,7 @@ class ModelRunner:
         qsl, seq_lens, tables, prompt_lens = [0], [], [], []
         sample_rows: list[int] = []
         for i, r in enumerate(sched.scheduled_reqs):
-            c, n, b = r.num_computed_tokens, r.num_scheduled_tokens, r.block_ids
+            c, n, b = r.num_computed_tokens, r.num_scheduled_tokens, _table(r, group)
             ids.extend(r.token_ids)
             span = range(c, c + n)
             pos.extend(span)
@@ -233,7 +249,7 @@ class ModelRunner:
         return StepInputs(d(torch.tensor(ids, dtype=torch.long)), d(torch.tensor(pos, dtype=torch.long)), meta,
                           sample_rows)
 
-    def _prepare_sdpa(self, sched: SchedulerOutput) -> StepInputs:
+    def _prepare_sdpa(self, sched: SchedulerOutput, group: int) -> StepInputs:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -247,7 +263,7 @@ class ModelRunner:
             width = max(len(d.block_ids) for d in decodes)
             decode_tables = torch.zeros(len(decodes), width, dtype=torch.long)
             for i, d in enumerate(decodes):
-                decode_tables[i, :len(d.block_ids)] = torch.tensor(d.block_ids, dtype=torch.long)
+                decode_tables[i, :len(d.block_ids)] = torch.tensor(_table(d, group), dtype=torch.long)
             dpos = torch.tensor([d.num_computed_tokens for d in decodes], dtype=torch.long)
             slots.append(decode_tables.gather(1, (dpos // bs).unsqueeze(1)).squeeze(1) * bs + dpos % bs)
             decode_mask = (torch.arange(width * bs).unsqueeze(0) <= dpos.unsqueeze(1))[:, None, None, :]
@@ -259,7 +275,7 @@ class ModelRunner:
         chunks: list[PrefillChunk] = []
         for d in prefills:
             start, c, n = len(ids), d.num_computed_tokens, d.num_scheduled_tokens
-            table = torch.tensor(d.block_ids, dtype=torch.long)
+            table = torch.tensor(_table(d, group), dtype=torch.long)
             p = torch.arange(c, c + n)
             slots.append(table[p // bs] * bs + p % bs)
             ids.extend(d.token_ids)

@@ -94,6 +94,11 @@ def kv_element_bytes(name: str, head_dim: int) -> float:
     return float(size)
 
 
+def arch_windows(arch: ModelArchConfig) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention)."""
+    return tuple(arch.layer_window(i) for i in range(arch.num_hidden_layers))
+
+
 def kv_bytes_per_token(arch: ModelArchConfig, kv_dtype_bytes: float) -> int:
     """2 (K and V) x layers x KV heads x head_dim x bytes per element (kv_element_bytes)."""
     return round(2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * kv_dtype_bytes)
@@ -163,10 +168,15 @@ def decode_cost(arch: ModelArchConfig, batch: int, context: int, weight_bytes: f
 def kv_capacity(arch: ModelArchConfig, device_memory: float, weight_bytes: float, kv_dtype_bytes: float, context: int,
                 reserve_fraction: float = 0.1) -> tuple[int, int]:
     """(most KV tokens, most sequences of `context` tokens) in device_memory·(1 - reserve) - weights; (0, 0) when the
-    weights alone do not fit. Block rounding of a paged cache is ignored (exact when context % block_size == 0)."""
+    weights alone do not fit. Block rounding of a paged cache is ignored (exact when context % block_size == 0). A
+    sliding-window layer holds its window of a sequence only (KV cache groups free the rest), so sequences longer
+    than a window take less than `context` tokens of every layer."""
     free = device_memory * (1 - reserve_fraction) - weight_bytes
-    tokens = max(0, math.floor(free / kv_bytes_per_token(arch, kv_dtype_bytes)))
-    return tokens, tokens // max(1, context)
+    per_token = kv_bytes_per_token(arch, kv_dtype_bytes)
+    tokens = max(0, math.floor(free / per_token))
+    windows = arch_windows(arch)
+    held = sum(min(context, w) if w else context for w in windows) / len(windows)  # tokens a layer holds, mean
+    return tokens, max(0, math.floor(free / (per_token * max(1.0, held))))
 
 
 def decode_compute_bound_batch(arch: ModelArchConfig, context: int, weight_bytes: float, kv_dtype_bytes: float,
@@ -204,6 +214,7 @@ class StepCostModel:
     expert_params: int = 0  # matmul weights of all experts (not in layer_params)
     expert_bytes: int = 0
     expert_fraction: float = 0.0  # k/E: experts a token runs of those a layer has
+    layer_windows: tuple[int, ...] = ()  # per layer, its sliding window (0: full); () when no layer has one
 
     @classmethod
     def for_model(cls, arch: ModelArchConfig, layer_params: int, layer_weight_bytes: int, lm_head_params: int,
@@ -212,15 +223,22 @@ class StepCostModel:
         return cls(layer_params, lm_head_params, layer_weight_bytes, lm_head_bytes, embed_row_bytes,
                    kv_bytes_per_token(arch, kv_dtype_bytes),
                    4 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim, expert_params, expert_bytes,
-                   expert_share(arch))
+                   expert_share(arch), windows if any(windows := arch_windows(arch)) else ())
+
+    def keys_read(self, context: int) -> float:
+        """Cached keys a query after `context` tokens reads, averaged over the layers: a sliding-window layer reads
+        its window only."""
+        if not self.layer_windows:
+            return context
+        return sum(min(context, w) if w else context for w in self.layer_windows) / len(self.layer_windows)
 
     def cost(self, seqs: Sequence[tuple[int, int]], num_sampled: int) -> tuple[float, float]:
         """(FLOPs, bytes) of a step computing `n` new tokens after `c` cached ones for each (c, n) in `seqs`."""
         tokens = sum(n for _, n in seqs)
         if tokens == 0:
             return 0.0, 0.0
-        pairs = sum(n * c + n * (n + 1) // 2 for c, n in seqs)
-        context = sum(c for c, _ in seqs)
+        pairs = sum(n * self.keys_read(c) + n * (n + 1) // 2 for c, n in seqs)
+        context = sum(self.keys_read(c) for c, _ in seqs)
         flops = (2 * (self.layer_params + self.expert_params * self.expert_fraction) * tokens
                  + 2 * self.lm_head_params * num_sampled + self.attn_flops_per_pair * pairs)
         experts_read = self.expert_bytes * experts_touched(self.expert_fraction, tokens)

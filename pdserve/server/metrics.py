@@ -101,7 +101,7 @@ class Metrics:
                                       lbl, registry=r)
         self.prefix_hits = Counter("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.", lbl,
                                    registry=r)
-        self.preemptions = Counter("pdserve:num_preemptions", "Preemptions (recompute).", lbl, registry=r)
+        self._kv_counters(lbl, r)
         self._spec_counters(lbl, r)
         self._last_spec = SpecDecodeStats()
         self._offload_metrics(r)
@@ -118,9 +118,10 @@ class Metrics:
         self._children = {name: getattr(self, name).labels(m) for name in (
             "ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "prompt_hist", "gen_hist", "iter_tokens",
             "running", "waiting", "kv_usage", "prompt_tokens", "gen_tokens", "prefix_queries", "prefix_hits",
-            "preemptions", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")}
+            "preemptions", "window_freed", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self._last_window_freed = 0
         self.lora_info = Gauge("pdserve:lora_requests_info", "LoRA adapters of the running and of the waiting "
                                "requests (comma-separated names; value: when they last changed, Unix seconds), as "
                                "vLLM's lora_requests_info.", ["model_name", "running_lora_adapters",
@@ -153,6 +154,8 @@ class Metrics:
         self._last_prefix = (prefix_queries, prefix_hits)
         c["preemptions"].inc(num_preemptions - self._last_preemptions)
         self._last_preemptions = num_preemptions
+        c["window_freed"].inc(sched.kv_window_freed_blocks - self._last_window_freed)
+        self._last_window_freed = sched.kv_window_freed_blocks
         self.live.record_step(step, num_running, num_waiting, kv_usage, prefix_queries, prefix_hits,
                               num_preemptions, sched.offload)
         if sched.spec is not None:
@@ -164,6 +167,13 @@ class Metrics:
             self.lora_info.clear()  # one series: the current adapters (vLLM's lora_requests_info), set to now
             self.lora_info.labels(self.model_name, ",".join(lora.running), ",".join(lora.waiting),
                                   str(lora.max_loras)).set(time.time())
+
+    def _kv_counters(self, lbl: list[str], r: CollectorRegistry) -> None:
+        self.preemptions = Counter("pdserve:num_preemptions", "Preemptions (recompute).", lbl, registry=r)
+        self.window_freed = Counter("pdserve:kv_window_freed_blocks", "KV blocks of sliding-window layer groups "
+                                    "returned to the pool because they fell out of the window of every query still "
+                                    "to come (models with sliding windows; 0 with one block table).", lbl,
+                                    registry=r)
 
     def _spec_counters(self, lbl: list[str], r: CollectorRegistry) -> None:
         # speculative decoding, vLLM's names (fed from the engine's SpecDecodeStats; zero while it is off)

@@ -37,8 +37,8 @@ enum class Op : int64_t {
   kAddRmsNorm,   // in [x, residual]; ints [w const]; floats [eps]: residual += x; x = rms_norm(residual) (in place)
   kHeadRmsNorm,  // in [x]; ints [w const]; floats [eps]: each head of x rms-normed in place
   kRotary,       // in [positions, q, k]; ints [cos const, sin const, head_dim]: q and k rotated in place
-  kAttention,    // in [q, k, v]; ints [layer, Hq, Hkv, D, sliding window]; floats [scale, softcap] -> new (slot):
-                 // KV write + paged attention
+  kAttention,    // in [q, k, v]; ints [cache index, Hq, Hkv, D, sliding window, KV group]; floats [scale,
+                 // softcap] -> new (slot): KV write + paged attention with the group's slot_mapping / block_table
   kSiluMul,      // in [x]; -> new (slot) silu(x[:, :I]) * x[:, I:]
   kGeluMul,      // in [x]; -> new (slot) gelu_tanh(x[:, :I]) * x[:, I:]
   kScale,        // in [x]; floats [factor]: x *= factor in place
@@ -69,7 +69,7 @@ Arity arity(Op op) {
     case Op::kAddRmsNorm: return {2, 1, 1, false};
     case Op::kHeadRmsNorm: return {1, 1, 1, false};
     case Op::kRotary: return {3, 3, 0, false};
-    case Op::kAttention: return {3, 5, 2, true};
+    case Op::kAttention: return {3, 6, 2, true};
     case Op::kSiluMul: return {1, 0, 0, true};
     case Op::kGeluMul: return {1, 0, 0, true};
     case Op::kScale: return {1, 0, 1, false};
@@ -145,7 +145,7 @@ class NativeProgram {
   }
 
   // ids, positions: long [T]; kv_cache [layers, 2, NB, BS, Hkv, D]; the attention metadata of the step (varlen
-  // form, model/attention.py); prompt_rows: the linears' row kinds (uint8 [T], NativeOps.prompt_rows) or none.
+  // form, model/attention.py; with KV cache groups, slot_mapping [G, T] and block_table [G, S, W]); prompt_rows: the linears' row kinds (uint8 [T], NativeOps.prompt_rows) or none.
   // Returns the recorded output (the final hidden states [T, hidden]).
   at::Tensor run(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& kv_cache,
                  const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& query_start_loc,
@@ -242,9 +242,14 @@ class NativeProgram {
         const int64_t t = v[I.in[0]].size(0), hq = n[1], hkv = n[2], d = n[3];
         TORCH_CHECK(n[0] >= 0 && n[0] < st.kv_cache.size(0), "layer ", n[0], " is not in the KV cache");
         at::Tensor layer_cache = st.kv_cache.select(0, n[0]);
-        reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, st.slot_mapping);
+        // one group: slot_mapping [T], block_table [S, W]; KV cache groups: [G, T] and [G, S, W]
+        const bool grouped = st.slot_mapping.dim() == 2;
+        TORCH_CHECK(grouped ? n[5] < st.slot_mapping.size(0) : n[5] == 0, "KV group ", n[5], " has no block table");
+        const at::Tensor slots = grouped ? st.slot_mapping.select(0, n[5]) : st.slot_mapping;
+        const at::Tensor table = grouped ? st.block_table.select(0, n[5]) : st.block_table;
+        reshape_and_cache(v[I.in[1]].view({t, hkv, d}), v[I.in[2]].view({t, hkv, d}), layer_cache, slots);
         at::Tensor o = out.view({t, hq, d});
-        paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, st.block_table, st.query_start_loc, st.seq_lens,
+        paged_attention(o, v[I.in[0]].view({t, hq, d}), layer_cache, table, st.query_start_loc, st.seq_lens,
                         I.floats[0], n[4], I.floats[1], st.prompt_lens);
         break;
       }

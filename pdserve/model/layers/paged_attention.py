@@ -22,7 +22,9 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.softcap = softcap
-        self.layer_idx = layer_idx  # its index into the KV cache
+        self.layer_idx = layer_idx
+        # where its K/V live (model/kv_layout.py): kv_cache[kv_index] with KV group kv_group's block table
+        self.kv_group, self.kv_index = 0, layer_idx
         self.kernels = kernels
         self._impl = self._native if kernels.native is not None else self._reference
 
@@ -32,10 +34,11 @@ class PagedAttention(nn.Module):
     def _reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         d = self.head_dim
         out = self.kernels.attention.forward(q.unflatten(-1, (-1, d)), k.unflatten(-1, (-1, d)),
-                                             v.unflatten(-1, (-1, d)), ctx.kv_cache[self.layer_idx], ctx.meta,
-                                             self.scale, self.sliding_window, self.softcap)
+                                             v.unflatten(-1, (-1, d)), ctx.kv_cache[self.kv_index],
+                                             ctx.meta.for_group(self.kv_group), self.scale, self.sliding_window,
+                                             self.softcap)
         return out.reshape(q.shape[0], self.num_heads * d)
 
     def _native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.kernels.ops.attention(q, k, v, ctx, self.layer_idx, self.num_heads, self.num_kv_heads,
-                                          self.head_dim, self.scale, self.sliding_window, self.softcap)
+        return self.kernels.ops.attention(q, k, v, ctx, self.kv_index, self.num_heads, self.num_kv_heads,
+                                          self.head_dim, self.scale, self.sliding_window, self.softcap, self.kv_group)
