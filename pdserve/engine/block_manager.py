@@ -1,7 +1,8 @@
 """Paged KV cache bookkeeping: blocks, ref counts, automatic prefix caching with LRU eviction.
 
 Only block *ids* live here; the K/V tensors live in the model runner. Block `b` holds the K/V of token slots
-`b * block_size ... b * block_size + block_size - 1` in every layer's cache, so a request's `block_table`
+`b * block_size ... b * block_size + block_size - 1` in every layer of the KV cache group that holds it (one group
+of every layer unless the model has sliding windows: model/kv_layout.py), so a request's `block_table` in a group
 (list of block ids) plus a token position gives its slot: `block_table[pos // bs] * bs + pos % bs`.
 
 Block states (invariant checked by `check_integrity`):
