@@ -176,12 +176,17 @@ class BlockManager:
         """Every group's hit on the longest prefix all groups can serve: a full group needs each block of it, a
         sliding group only those of the window before its end. Ends shrink until every group agrees."""
         links: list[tuple[int, int, tuple[int, ...]]] = []
+        first: list[KVCacheBlock | None] = []  # group 0's lookups
         for link in self._chain(request):
-            if self.windows[0] == 0 and self._lookup(0, *link) is None:
+            blk = self._lookup(0, *link)
+            if blk is None and self.windows[0] == 0:
                 break  # a full-attention group 0 bounds the hit
             links.append(link)
-        found = [[self._lookup(g, *link) for link in links] for g in range(len(self.windows))]
+            first.append(blk)
+        found = [first] + [[self._lookup(g, *link) for link in links] for g in range(1, len(self.windows))]
         end = len(links)
+        if len(self.windows) == 1 and self.windows[0] == 0:  # one full group: its run is the hit
+            return PrefixHit([[b for b in first if b is not None]], [h for h, _, _ in links])
         while True:
             new = min(self._hit_end(f, end, w) for f, w in zip(found, self.windows))
             if new == end:

@@ -7,7 +7,7 @@ rejection sampler that verifies drafts (model/spec)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -206,9 +206,14 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         """The step's tensors, built on the CPU from plain lists and copied to the device once each."""
-        build = self._prepare_varlen if self.backend.varlen else self._prepare_sdpa
-        inp = build(sched, 0)
-        inp.meta.groups = [build(sched, g).meta for g in range(1, self.kv_layout.num_groups)]
+        groups = range(1, self.kv_layout.num_groups)
+        if self.backend.varlen:  # KV cache groups 1..: their own slots and tables, every other tensor shared
+            inp = self._prepare_varlen(sched)
+            inp.meta.groups = [replace(inp.meta, slot_mapping=self._dev(slots), block_table=self._dev(table))
+                               for slots, table in (self._varlen_tables(sched, g) for g in groups)]
+        else:  # the reference path builds each group's step whole
+            inp = self._prepare_sdpa(sched, 0)
+            inp.meta.groups = [self._prepare_sdpa(sched, g).meta for g in groups]
         for meta in [inp.meta] + inp.meta.groups:
             self.backend.prepare(meta, inp.positions, self.kv_cache.shape[2], self.block_size)
         return inp
@@ -216,38 +221,42 @@ class ModelRunner:
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    def _prepare_varlen(self, sched: SchedulerOutput, group: int) -> StepInputs:
-        """One row per sequence (decodes first): the native kernel's block_table / query_start_loc / seq_lens, with
-        KV cache group `group`'s block tables."""
-        bs = self.block_size
+    def _prepare_varlen(self, sched: SchedulerOutput) -> StepInputs:
+        """One row per sequence (decodes first): the native kernel's block_table / query_start_loc / seq_lens."""
+        slots, block_table = self._varlen_tables(sched, 0)
+        d = self._dev
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
-        qsl, seq_lens, tables, prompt_lens = [0], [], [], []
+        qsl, seq_lens, prompt_lens = [0], [], []
         sample_rows: list[int] = []
         for i, r in enumerate(sched.scheduled_reqs):
-            c, n, b = r.num_computed_tokens, r.num_scheduled_tokens, _table(r, group)
+            c, n = r.num_computed_tokens, r.num_scheduled_tokens
             ids.extend(r.token_ids)
-            span = range(c, c + n)
-            pos.extend(span)
-            slots.extend(b[p // bs] * bs + p % bs for p in span)
+            pos.extend(range(c, c + n))
             qsl.append(len(ids))
             seq_lens.append(c + n)
             prompt_lens.append(r.num_prompt_tokens)
-            tables.append(b)
             if i < sched.num_decodes or r.sample:  # a decode computes the newest token: always sampled
                 sample_rows.extend(range(len(ids) - 1 - r.num_draft_tokens, len(ids)))
-        width = max(len(b) for b in tables)
-        block_table = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
-        d = self._dev
-        meta = AttentionMetadata(slot_mapping=d(torch.tensor(slots, dtype=torch.long)),
-                                 num_decodes=sched.num_decodes, decode_block_tables=None, decode_mask=None,
-                                 prefills=[], block_table=d(block_table),
+        meta = AttentionMetadata(slot_mapping=d(slots), num_decodes=sched.num_decodes, decode_block_tables=None,
+                                 decode_mask=None, prefills=[], block_table=d(block_table),
                                  query_start_loc=d(torch.tensor(qsl, dtype=torch.int32)),
                                  seq_lens=d(torch.tensor(seq_lens, dtype=torch.int32)),
                                  prompt_lens=d(torch.tensor(prompt_lens, dtype=torch.int32)))
         return StepInputs(d(torch.tensor(ids, dtype=torch.long)), d(torch.tensor(pos, dtype=torch.long)), meta,
                           sample_rows)
+
+    def _varlen_tables(self, sched: SchedulerOutput, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """KV cache group `group`'s slot_mapping (long [T]) and block_table (int32 [S, W], padded with block 0)."""
+        bs = self.block_size
+        slots: list[int] = []
+        tables = [_table(r, group) for r in sched.scheduled_reqs]
+        for r, b in zip(sched.scheduled_reqs, tables):
+            c = r.num_computed_tokens
+            slots.extend(b[p // bs] * bs + p % bs for p in range(c, c + r.num_scheduled_tokens))
+        width = max(len(b) for b in tables)
+        return (torch.tensor(slots, dtype=torch.long),
+                torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32))
 
     def _prepare_sdpa(self, sched: SchedulerOutput, group: int) -> StepInputs:
         bs = self.block_size
