@@ -246,3 +246,21 @@ def test_parts_that_move_whole_blocks_keep_one_table(make_llm: Any, tmp_path: An
     llm = make_llm(hf_model=hf, kernels="torch", kv_offload_dir=str(tmp_path))
     assert llm.engine.kv_layout.num_groups == 1 and llm.engine.runner.kv_cache.shape[0] == 3
     llm.engine.close()
+
+
+def test_requests_past_the_grouped_pool_are_refused_with_a_code(make_llm: Any) -> None:
+    """Input limits count a request's blocks by group: a full group holds every token, a sliding one its window
+    plus the largest chunk. A request past the pool is refused (context_length_exceeded) and holds no block; one
+    that fits runs and the pool returns to baseline."""
+    from pdserve.errors import ErrorCode, RequestRejected
+
+    llm = make_llm(hf_model=make_tiny_hf_model("gemma3"), kernels="torch", block_size=4, num_kv_blocks=60,
+                   max_num_batched_tokens=32)
+    lay, eng = llm.engine.kv_layout, llm.engine
+    assert lay.blocks_needed(108, 4, 32) == 27 + 2 * 15 <= 60 < lay.blocks_needed(200, 4, 32)
+    with pytest.raises(RequestRejected) as e:
+        eng.add_request({"prompt_token_ids": list(range(300, 400))}, SamplingParams(max_tokens=100))
+    assert (e.value.code, e.value.param) == (ErrorCode.CONTEXT_LENGTH_EXCEEDED, "max_tokens")
+    assert eng.block_manager.is_at_baseline() and not eng.has_unfinished_requests()
+    tokens, _ = _run(llm, [list(range(300, 312))])  # 12 + 96 tokens: 57 blocks, fits
+    assert len(tokens[0]) == NEW and eng.block_manager.is_at_baseline()
