@@ -100,15 +100,20 @@ def test_min_group_chooses_the_kernel(level: str) -> None:
             assert (err < 1e-5) == exact, (group, err)
 
 
-@pytest.mark.parametrize("level,threshold", [("avx512_bf16", 1), ("amx", 4)])
+@pytest.mark.parametrize("level,threshold", [("avx512_bf16", 8), ("amx", 4)])
 def test_default_threshold_per_level(level: str, threshold: int) -> None:
-    """Threshold 0 is each level's own: vdpbf16ps (avx512_bf16) from one query head per KV head, AMX from four."""
+    """Threshold 0 is each level's own for generated rows: vdpbf16ps (avx512_bf16) from eight query heads per KV
+    head, AMX from four; prompt rows take the bf16 dot products at every G."""
     for mod in lowered(module(), level):
         mod.set_attention_bf16_min_group(0)
         assert mod.effective_attention_bf16_min_group() == threshold
-        for group in (1, 3, 4):
+        for group in (1, 3, 4, 8):
             c = make_case([300], [20], 16, 2, group, 64, torch.bfloat16, 15)
             out = torch.full(c.q.shape, float("nan"))
             mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale)
             err = float((out.double() - reference(c)).abs().max())
             assert (err < 1e-5) == (group < threshold), (group, err)
+            # the same rows as prompt rows (prompt_lens past them): bf16 dot products at every G
+            mod.paged_attention(out, c.q, c.kv, c.block_table, c.qsl, c.seq_lens, c.scale, 0, 0.0,
+                                c.seq_lens)
+            assert float((out.double() - reference(c)).abs().max()) >= 1e-5, group

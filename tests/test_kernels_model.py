@@ -62,8 +62,8 @@ def test_isa_can_be_lowered_by_environment() -> None:
 
 @pytest.mark.parametrize("level", ALL_LEVELS)
 def test_attention_path_says_each_rows_kernel(level: str) -> None:
-    """The start-up log's attention line, per level: prompt rows on AMX tiles where the level is amx, generated rows
-    by the group threshold; fp32 kernels for other caches, head sizes and soft-capping."""
+    """The start-up log's attention line, per level: prompt rows on the bf16 dot-product kernel where the level has
+    one (AMX tiles, vdpbf16ps), generated rows by the level's group threshold; fp32 kernels for other caches, head sizes and soft-capping."""
     from kernel_levels import lowered, module
 
     for _ in lowered(module(), level):
@@ -72,7 +72,8 @@ def test_attention_path_says_each_rows_kernel(level: str) -> None:
             assert prompt == "AMX-BF16 tiles" and generated.startswith("fp32") and "below 4" in generated
             assert kernels.attention_path("bfloat16", 4, 128) == ("AMX-BF16 tiles", "AMX-BF16 tiles")
         elif level == "avx512_bf16":
-            assert prompt == generated == "AVX512-BF16 vdpbf16ps"
+            assert prompt == "AVX512-BF16 vdpbf16ps" and generated.startswith("fp32") and "below 8" in generated
+            assert kernels.attention_path("bfloat16", 8, 128) == ("AVX512-BF16 vdpbf16ps",) * 2
         else:
             assert prompt == generated and generated.startswith(f"fp32 dot products ({level})")
         for args in (("float32", 3, 64, False), ("int8", 3, 64, False), ("bfloat16", 3, 256, False),

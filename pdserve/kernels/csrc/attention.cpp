@@ -56,19 +56,21 @@ struct Task {
   int64_t cost;
 };
 
-// The bf16 dot-product kernels (bf16 caches, levels avx512_bf16 and amx) from this many query heads per KV head
-// on; below it the fp32 kernels run. 0: the level's own threshold. AMX multiplies blocks of 16 rows, so a decode
-// item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there, while prompt rows run AMX at every G
-// (pick_prompt_kernel; Sapphire Rapids, BENCHMARKS.md). vdpbf16ps (level avx512_bf16) works on the item's real
-// rows only and is faster than the fp32 kernel at every G for decode and prefill alike (Zen 4): threshold 1. The choice depends on
-// the model's shape and the CPU only, so every row of a model still runs one arithmetic; change it only before
-// serving (a row's bits depend on it).
+// Generated rows (decode, speculative verification) of bf16 caches take the bf16 dot-product kernels (levels
+// avx512_bf16 and amx) from this many query heads per KV head on; below it the fp32 kernel (avx512), which reads bf16
+// rows in place and walks several KV heads per item (AttnItem::nkvh). 0: the level's own threshold. AMX multiplies
+// blocks of 16 rows, so a decode item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there
+// (Sapphire Rapids). vdpbf16ps transposes every key tile for the item's G rows of one KV head: on Zen 4 the fp32
+// kernel's decode was as fast or faster at G = 1 (2x, 32 KV heads), 2, 3, 4 and 7 (BENCHMARKS.md), so that level
+// keeps vdpbf16ps for generated rows from G = 8 on. Prompt rows (pick_prompt_kernel) run the bf16 dot-product
+// kernel of either level at every G. The choice depends on the model's shape and the CPU only, so every row of a
+// model still runs one arithmetic; change it only before serving (a row's bits depend on it).
 std::atomic<int64_t> g_bf16_min_group{0};
 
 int64_t bf16_min_group(Isa level) {
   const int64_t g = g_bf16_min_group.load(std::memory_order_relaxed);
   if (g > 0) return g;
-  return level == Isa::kAmx ? 4 : 1;
+  return level == Isa::kAmx ? 4 : 8;
 }
 
 // Quantized caches (int8, fp8) run the fp32 kernels (rows dequantized per key tile): the bf16 dot-product levels
@@ -89,16 +91,18 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
 }
 
 // The kernel of prompt rows (a row whose position is below its sequence's prompt length, paged_attention's
-// prompt_lens): AMX tiles wherever the CPU has them and the cache is bf16 (prefill rows come in blocks of 16 and
-// more: ~2-3x the vector kernels at every G, BENCHMARKS.md), else the same kernel as every other row. Generated
-// rows (decode, speculative verification, and generated tokens recomputed after a preemption, whose positions are
-// past the prompt) keep pick_kernel's: a row's kernel follows from its position, never from the batch around it.
-// A threshold set with set_attention_bf16_min_group above G sends prompt rows to the fp32 kernels as well.
+// prompt_lens): the bf16 dot-product kernel of the level (AMX tiles, vdpbf16ps) wherever the CPU has one and the
+// cache is bf16 (prefill rows come in blocks of 16 and more: ~2-3x the fp32 kernels at every G, BENCHMARKS.md),
+// else the same kernel as every other row. Generated rows (decode, speculative verification, and generated tokens
+// recomputed after a preemption, whose positions are past the prompt) keep pick_kernel's: a row's kernel follows
+// from its position, never from the batch around it. A threshold set with set_attention_bf16_min_group above G
+// sends prompt rows to the fp32 kernels as well.
 AttnFn pick_prompt_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
 #if defined(__x86_64__)
-  if (active_isa() == Isa::kAmx && fmt == KVFormat::kBF16 && !softcap && (d == 64 || d == 128) &&
-      group >= g_bf16_min_group.load(std::memory_order_relaxed))
-    return attn_item_amx;
+  const Isa level = active_isa();
+  if ((level == Isa::kAmx || level == Isa::kAvx512Bf16) && fmt == KVFormat::kBF16 && !softcap &&
+      (d == 64 || d == 128) && group >= g_bf16_min_group.load(std::memory_order_relaxed))
+    return level == Isa::kAmx ? attn_item_amx : attn_item_avx512bf16;
 #endif
   return pick_kernel(d, fmt, group, softcap);
 }
@@ -440,7 +444,7 @@ void register_attention(pybind11::module_& m) {
         "uint8 [T]: 1 where a step's row is a prompt row (position below its sequence's prompt length)");
   m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
         "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels); "
-        "0: each level's own (amx 4, avx512_bf16 1)");
+        "0: each level's own for generated rows (amx 4, avx512_bf16 8; prompt rows from 1)");
   m.def("effective_attention_bf16_min_group", [] { return bf16_min_group(active_isa()); },
         "the threshold the active ISA level uses");
   m.def("attention_kernels", [](int64_t head_dim, bool bf16_cache, int64_t group, bool softcap) {
