@@ -310,3 +310,18 @@ def test_top_k_top_p_candidates_equal_the_whole_sort(seed: int, monkeypatch: pyt
     assert torch.equal(got[5], logits[5]) and torch.equal(got[9], logits[9])  # no filter: the row as it was
     kept = (~got.isinf()).sum(-1)
     assert kept[6] > 64 and kept[8] == 300  # these rows needed the whole sort
+
+
+def test_top_p_flat_row_alone_and_p1_rows_keep_their_sets() -> None:
+    """The PyTorch path: a flat row whose best candidates hold under a quarter of its top_p is masked by the
+    whole-row pass even when no other row needs the larger candidate sets (it kept nothing before), and a row without
+    top-p beside rows with it keeps its whole tail (float cumulative sums reach 1 before the end)."""
+    g = torch.Generator().manual_seed(3)
+    flat = torch.randn(1, 49152, generator=g) * 0.3
+    got = apply_top_k_top_p_min_p(flat, torch.tensor([0]), torch.tensor([0.5]), torch.zeros(1))
+    kept = int((got > float("-inf")).sum())
+    probs = flat[0].double().softmax(-1).sort(descending=True).values
+    assert kept == int(((probs.cumsum(0) - probs) < 0.5).sum())
+    peaked = torch.randn(2, 1000, generator=g) * 40
+    got = apply_top_k_top_p_min_p(peaked, torch.tensor([0, 30]), torch.tensor([0.9, 1.0]), torch.zeros(2))
+    assert int((got[1] > float("-inf")).sum()) == 30

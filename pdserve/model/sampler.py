@@ -5,9 +5,10 @@ Each step samples one token for every request whose last pending token was compu
 one [B, vocab] tensor; only the random draws of seeded rows use their own `torch.Generator`, so a seeded request
 draws the same numbers whatever else is in the batch. A draw is inverse-CDF sampling, one uniform number per row
 (searchsorted on the CDF; torch.multinomial and the exponential race draw one number per vocabulary entry, 10x
-slower on a 49k vocabulary). The per-row options come as a SamplingMetadata the runner gathers from its persistent
-per-request state (input_batch.py). Speculating rows are verified by the rejection sampler (spec/), which reuses
-`process`, `probs` and `logprobs` from here.
+slower on a 49k vocabulary); on float32 CPU logits the native kernel (csrc/sampling.cpp) finds the same kept set
+with a histogram instead of a sort and draws with the same uniform number. The per-row options come as a
+SamplingMetadata the runner gathers from its persistent per-request state (input_batch.py). Speculating rows are
+verified by the rejection sampler (spec/), which reuses `process`, `probs` and `logprobs` from here.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
 
 
+# random rows of float32 CPU logits draw with the native kernel (csrc/sampling.cpp); False: the PyTorch path below
+# (benchmarks' A/B switch; the two keep the same set and draw with the same u, up to float rounding at a boundary)
+NATIVE_SAMPLING = True
+
 # how many best tokens the top-k/top-p masks look at, in turn (a row whose set is larger sorts its whole row)
 NUCLEUS_CANDIDATES = (256, 4096)
 
@@ -116,6 +121,8 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         if c == v:
             rest = torch.cat([rest, whole])
         if not len(rest):
+            if len(whole):  # rows waiting for the whole-row pass
+                continue
             break
         sub, k, p = logits[rest], top_k[rest], top_p[rest]
         vals, idx = sub.topk(c, dim=-1)  # sorted best first
@@ -127,7 +134,9 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         probs = (vals.masked_fill(drop, float("-inf")) - log_norm.unsqueeze(1)).exp()
         cum = probs.cumsum(-1)
         if use_p:
-            drop |= (cum - probs) >= p.unsqueeze(1)  # smallest set reaching top_p; the best token always stays
+            # smallest set reaching top_p; the best token always stays. Rows without top-p (p = 1) keep their tail
+            # even where the float cumulative sum reaches 1 before its end.
+            drop |= ((cum - probs) >= p.unsqueeze(1)) & (p < 1).unsqueeze(1)
         # the set ends among the candidates: by its k, or by the mass it reached (a row with k > c cannot tell)
         fits = with_k | ((k <= 0) & (cum[:, -1] >= p)) if c < v else torch.ones_like(with_k)
         rows = rest[fits]
@@ -272,13 +281,19 @@ class Sampler:
         unseeded rows in one draw, seeded rows each from its own generator. The uniforms are drawn on the host
         (requests' generators are CPU generators) and copied to the device: a seed gives the same draws on any
         device."""
-        cdf = Sampler.probs(logits, temperature, top_k, top_p, min_p).cumsum(-1)
-        u = torch.empty(len(generators), 1, dtype=cdf.dtype)
+        u = torch.empty(len(generators), 1, dtype=torch.float32)
         seeded = [i for i, g in enumerate(generators) if g is not None]
         if len(seeded) < len(generators):
             u.uniform_()
         for i in seeded:
             u[i].uniform_(generator=generators[i])
+        lib = kernels.load() if NATIVE_SAMPLING and logits.device.type == "cpu" and logits.dtype == torch.float32 \
+            and logits.stride(1) == 1 else None
+        if lib is not None:  # the same kept set and draw, without a sort (csrc/sampling.cpp)
+            return lib.sample_rows(  # type: ignore[no-any-return]
+                logits, torch.as_tensor(temperature, dtype=torch.float32), torch.as_tensor(top_k, dtype=torch.long),
+                torch.as_tensor(top_p, dtype=torch.float32), torch.as_tensor(min_p, dtype=torch.float32), u.view(-1))
+        cdf = Sampler.probs(logits, temperature, top_k, top_p, min_p).cumsum(-1)
         u = u.to(cdf.device, non_blocking=True)
         # first token whose cumulative mass exceeds u * total: a zero-probability token is never chosen
         idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
