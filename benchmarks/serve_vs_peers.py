@@ -10,10 +10,10 @@ Each server is started alone (free port), waited for (GET /health and /v1/models
 that are not measured, measured, and stopped before the next one starts, so the servers never share the cores.
 Every server is measured by the same client (pdserve.bench: runner, client, report) with the same tokenizer
 (smollm2-135m) and the same prompts: random token ids sent as `prompt` lists (exact lengths), `ignore_eos`,
-`temperature` 0, streamed with usage. Per concurrency level c: num_prompts = max(prompts_factor * c, min_prompts)
-(or --num-prompts), all sent at once under a cap of c in flight, seeded by seed + c, so no two levels share a
-prompt (no prefix-cache hits). Then the TTFT of --ttft-len-token prompts at concurrency 1 (--ttft-reps distinct
-prompts, median).
+`temperature` 0 (or --temperature and --top-p), streamed with usage. Per concurrency level c: num_prompts =
+max(prompts_factor * c, min_prompts) (or --num-prompts), all sent at once under a cap of c in flight, seeded by
+seed + c, so no two levels share a prompt (no prefix-cache hits). Then the TTFT of --ttft-len-token prompts at
+concurrency 1 (--ttft-reps distinct prompts, median).
 
 A server whose set-up is missing (no llama-server binary, no vLLM venv) or that fails to start is skipped with
 the reason, written into the report; the others still run. Each server's process tree is watched (proc_memory): its
@@ -225,7 +225,8 @@ def num_prompts(args: argparse.Namespace, c: int) -> int:
 
 def bench_config(args: argparse.Namespace, base_url: str, **kw: Any) -> BenchConfig:
     base = dict(base_url=base_url, endpoint="/v1/completions", tokenizer=TOKENIZER, dataset_name="random",
-                prompt_token_ids=True, ignore_eos=True, temperature=0.0, request_timeout=args.request_timeout,
+                prompt_token_ids=True, ignore_eos=True, temperature=args.temperature, top_p=args.top_p,
+                request_timeout=args.request_timeout,
                 metric_percentiles=PERCENTILES, disable_tqdm=True, num_warmups=0)
     return BenchConfig(**{**base, **kw})
 
@@ -361,8 +362,10 @@ def render(results: dict[str, Any]) -> str:
            + (" — **the machine was not quiet: other jobs shared the cores, numbers are noisy**"
               if results["load_start"] > 0.5 else ""),
            f"- command: `{results['command']}`",
-           f"- client: pdserve.bench, tokenizer {TOKENIZER}, random token-id prompts, ignore_eos, temperature 0, "
-           f"stream with usage; per level num_prompts = "
+           f"- client: pdserve.bench, tokenizer {TOKENIZER}, random token-id prompts, ignore_eos, "
+           f"temperature {a.get('temperature', 0.0)}"
+           + (f", top_p {a['top_p']}" if a.get("top_p", 1.0) < 1 else "")
+           + ", stream with usage; per level num_prompts = "
            + (str(a["num_prompts"]) if a["num_prompts"] else f"max({a['prompts_factor']} x c, {a['min_prompts']})")
            + f", all sent at once under a cap of c in flight; seed {a['seed']} + c", ""]
     out += ["## Servers", ""]
@@ -465,6 +468,8 @@ def build_parser(doc: str | None, servers: str = "pdserve,pdserve-torch,vllm,lla
     ap.add_argument("--ttft-len", type=int, default=512, help="prompt length of the concurrency-1 TTFT run")
     ap.add_argument("--ttft-reps", type=int, default=5, help="distinct prompts of the TTFT run (0: skip it)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's nucleus (1: off)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama-server -t/-tb, vLLM's bind")
     ap.add_argument("--pdserve-args", default="", help='extra `pdserve serve` flags, e.g. "--dtype float32"')
     ap.add_argument("--llama-args", default="", help="extra llama-server flags")

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import add_bench_parser
-from pdserve.bench.client import RequestRecord, Target, send_request
+from pdserve.bench.client import RequestRecord, Target, build_body, send_request
 from pdserve.bench.config import BenchConfig, BenchError, parse_goodput
 from pdserve.bench.datasets import (
     DatasetError,
@@ -294,6 +294,9 @@ def test_client_streams_chat_and_reads_usage() -> None:
     body = seen[0]
     assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_completion_tokens"] == 3
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert "top_p" not in body  # sent only when below 1
+    target = Target("http://x/v1/completions", "m", False, 0.8, top_p=0.95)
+    assert build_body(target, SampleRequest("hi", 1, 3))["top_p"] == 0.95
 
 
 def test_client_records_errors() -> None:
@@ -318,6 +321,7 @@ def test_cli_options_and_validation() -> None:
     cfg = config_from_args(parse_args("--request-rate", "inf", "--goodput", "ttft:200", "tpot:30",
                                       "--metric-percentiles", "50,99.9", "--max-concurrency", "4", "--save-result"))
     assert math.isinf(cfg.request_rate) and cfg.goodput == {"ttft": 200.0, "tpot": 30.0}
+    assert config_from_args(parse_args("--temperature", "0.8", "--top-p", "0.95")).top_p == 0.95
     assert cfg.metric_percentiles == (50.0, 99.9) and cfg.max_concurrency == 4 and cfg.save_result == ""
     assert cfg.dataset_kind == "random" and BenchConfig(dataset_path="x.jsonl").dataset_kind == "file"
     for bad in (dict(endpoint="/v1/embeddings"), dict(dataset_name="jsonl"), dict(request_rate=0.0),

@@ -63,6 +63,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--num-warmups", type=int, default=d.num_warmups, help="requests sent (and not measured) first")
     g.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens tokens")
     g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling (sent when below 1)")
     g.add_argument("--seed", type=int, default=d.seed, help="seeds the dataset and the arrival schedule")
     g.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="seconds without data from the server before a request fails")

@@ -65,6 +65,7 @@ class Target:
     chat: bool
     temperature: float = 0.0
     ignore_eos: bool = False
+    top_p: float = 1.0  # sent when below 1
     headers: dict[str, str] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body (e.g. `user`)
 
@@ -74,6 +75,8 @@ def build_body(target: Target, sample: SampleRequest) -> dict[str, Any]:
                             "stream_options": {"include_usage": True}}
     if target.ignore_eos:
         body["ignore_eos"] = True
+    if target.top_p < 1:
+        body["top_p"] = target.top_p
     body.update(target.extra_body)
     if target.chat:
         body["messages"] = [{"role": "user", "content": sample.prompt}]

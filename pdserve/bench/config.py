@@ -61,6 +61,7 @@ class BenchConfig:
     num_warmups: int = 0
     ignore_eos: bool = False
     temperature: float = 0.0
+    top_p: float = 1.0  # sent when below 1
     seed: int = 0
     request_timeout: float = 600.0  # seconds without a byte from the server before a request fails
     # report

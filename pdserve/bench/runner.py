@@ -187,7 +187,8 @@ async def run_benchmark(cfg: BenchConfig, samples: Sequence[SampleRequest] | Non
             samples = await asyncio.to_thread(build_samples, cfg, tokenizer)
         if not samples:
             raise BenchError("no requests to send")
-        target = Target(cfg.base_url + cfg.endpoint, model, cfg.is_chat, cfg.temperature, cfg.ignore_eos)
+        target = Target(cfg.base_url + cfg.endpoint, model, cfg.is_chat, cfg.temperature, cfg.ignore_eos,
+                        top_p=cfg.top_p)
         warmup_errors = await warm_up(http, target, samples, cfg, clock)
         before = await scrape(http, cfg.base_url) if cfg.server_metrics else None
         records, duration = await run_load(http, target, samples, cfg, clock)
