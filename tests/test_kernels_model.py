@@ -63,7 +63,8 @@ def test_isa_can_be_lowered_by_environment() -> None:
 @pytest.mark.parametrize("level", ALL_LEVELS)
 def test_attention_path_says_each_rows_kernel(level: str) -> None:
     """The start-up log's attention line, per level: prompt rows on the bf16 dot-product kernel where the level has
-    one (AMX tiles, vdpbf16ps), generated rows by the level's group threshold; fp32 kernels for other caches, head sizes and soft-capping."""
+    one (AMX tiles, vdpbf16ps), generated rows by the level's group threshold; fp32 kernels for other caches, head
+    sizes and soft-capping."""
     from kernel_levels import lowered, module
 
     for _ in lowered(module(), level):

@@ -88,6 +88,28 @@ def test_a_restart_reads_the_prefix_back_with_the_cold_output(offload_llm: Any, 
     assert s2.blocks_saved == 0  # the blocks read back are not written again
 
 
+def test_the_prefix_summary_names_blocks_only_on_disk(offload_llm: Any) -> None:
+    """What /kv/prefix_hashes publishes for routers: after a restart the prompt's blocks are on disk only; once a
+    request read them back they are in memory, and disk_hashes no longer names them."""
+    from pdserve.engine.published import PrefixSummary
+
+    ids = prompt_ids(9)
+    chain = set(chain_hashes(ids, 16, None))
+    first = offload_llm()
+    run(first, ids)
+    s = PrefixSummary.of(first.engine)
+    assert chain <= set(s.hashes) and not chain & set(s.disk_hashes)  # in memory: not listed as disk-only
+    first.engine.kv_offload.close()
+    second = offload_llm()
+    before = PrefixSummary.of(second.engine)
+    assert chain <= set(before.disk_hashes) and not chain & set(before.hashes)
+    assert PrefixSummary.of(second.engine, before) is before  # nothing changed: the same summary
+    run(second, ids)
+    after = PrefixSummary.of(second.engine, before)
+    assert after.etag != before.etag and after.epoch == before.epoch
+    assert chain <= set(after.hashes) and not chain & set(after.disk_hashes)
+
+
 def test_corrupt_and_foreign_files_are_rejected_and_recomputed(offload_llm: Any, tmp_path: Path) -> None:
     ids = prompt_ids(2)
     first = offload_llm()
@@ -177,16 +199,21 @@ def test_a_served_prompt_survives_a_server_restart(tmp_path: Path, tiny_dir: Pat
     import httpx
 
     from pdserve.launch import start_server
+    from pdserve.router.prefix import InstancePrefixes, PrefixQuery
 
     from conftest import TINY_SERVER_ARGS
 
     ids = prompt_ids(7, 100)
     body = {"model": str(tiny_dir), "prompt": ids, "max_tokens": 4, "temperature": 0}
-    answers = []
+    answers, routed = [], []
     for run_no in range(2):
         srv = start_server(tmp_path / f"log{run_no}", "--model", str(tiny_dir), *TINY_SERVER_ARGS,
                            "--kv-offload-dir", str(tmp_path / "kv"))
         try:
+            # what a prefix-aware router reads before the request: the prompt's blocks on disk after the restart
+            seen = InstancePrefixes()
+            seen.publish(httpx.get(srv.base_url + "/kv/prefix_hashes", timeout=30).json(), None)
+            routed.append(seen.hit_tokens(PrefixQuery(ids), 0.0))
             r = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             answers.append(r.json())
@@ -194,6 +221,7 @@ def test_a_served_prompt_survives_a_server_restart(tmp_path: Path, tiny_dir: Pat
         finally:
             assert srv.stop() in (0, -15)
     first, second = answers
+    assert routed == [(0, 0), (0, 96)]  # (in memory, on disk) prompt tokens the router expects there
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
     assert 'pdserve:kv_offload_hits_total{model_name=' in metrics

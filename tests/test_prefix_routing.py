@@ -73,7 +73,7 @@ def test_cost_formula_hit_against_load() -> None:
     query = PrefixQuery(PROMPT + [99] * 4)  # 24 tokens; the first 20 held by `a`
     a, b = inst("a", published(PROMPT)), inst("b")
     assert [c.inst for c in choose([a, b], query, cfg)] == [a]
-    assert choose([a, b], query, cfg)[0].hit_tokens == 20
+    assert choose([a, b], query, cfg)[0].hit_tokens == 20 and a.prefixes.hit_tokens(query, 0.0) == (20, 0)
     # cost_a = (24 - 20) + 4 * (2 + 3) = 24 = cost_b = 24 + 4 * 0: a tie goes to the larger hit; one more tips it
     a.load, a.inflight = 2, 3
     assert [c.inst for c in choose([a, b], query, cfg)] == [a]
@@ -87,6 +87,33 @@ def test_cost_formula_hit_against_load() -> None:
     # equal cost and hit: every tie is returned (the pool round-robins over them)
     a2 = inst("a2", published(PROMPT))
     assert {x.inst.url for x in choose([a, a2, b], query, cfg)} == {"a", "a2"}
+
+
+def test_disk_tier_blocks_count_at_their_cost() -> None:
+    """Blocks an instance holds on its disk tier only, right after its memory hit, count at disk_cost a token."""
+    cfg = PrefixRoutingConfig(load_cost=4.0, disk_cost=0.1, clock=FakeClock())
+    query = PrefixQuery(PROMPT + [99] * 4)  # 24 tokens: PROMPT's 5 blocks, then one more
+    chain = query.chain(BS, "none")
+
+    def with_disk(memory: list[int], disk: list[int]) -> InstancePrefixes:
+        p = InstancePrefixes()
+        p.publish({"block_size": BS, "hashes": pack_hashes(memory), "disk_hashes": pack_hashes(disk)}, None)
+        return p
+
+    a, b = inst("a", with_disk([], chain[:5])), inst("b")
+    assert a.prefixes.hit_tokens(query, 0.0) == (0, 20)
+    (got,) = choose([a, b], query, cfg)
+    assert got.inst is a and got.hit_tokens == 20 and got.cost == pytest.approx(4 + 0.1 * 20)
+    c = inst("c", with_disk(chain[:2], chain[2:5]))  # 8 tokens in memory, the next 12 on disk: cheaper than a
+    assert c.prefixes.hit_tokens(query, 0.0) == (8, 12)
+    assert [x.inst for x in choose([a, b, c], query, cfg)] == [c]
+    a.load = 5  # 6 + 4 x 5 = 26 > 24: b computes it sooner
+    assert [x.inst for x in choose([a, b], query, cfg)] == [b]
+    gap = inst("gap", with_disk([], chain[1:5]))  # the disk run must start where the memory run ends (block 0)
+    assert gap.prefixes.hit_tokens(query, 0.0) == (0, 0) and choose([gap, b], query, cfg) == []
+    old = InstancePrefixes()  # an instance that publishes no disk_hashes (no tier, an older pdserve)
+    old.publish({"block_size": BS, "hashes": pack_hashes(chain[:2])}, None)
+    assert old.hit_tokens(query, 0.0) == (8, 0)
 
 
 def test_nothing_matches_falls_back_to_least_loaded() -> None:
@@ -212,7 +239,7 @@ def test_published_summary_is_rebuilt_only_when_the_cached_set_changes() -> None
     from pdserve.engine.client import PrefixSummary
 
     bm = BlockManager(num_blocks=8, block_size=BS)
-    engine: Any = SimpleNamespace(block_manager=bm)
+    engine: Any = SimpleNamespace(block_manager=bm, kv_offload=None)
     first = PrefixSummary.of(engine)
     assert first.hashes == () and PrefixSummary.of(engine, first) is first
     req = Request("r", PROMPT[:8], SamplingParams(), eos_token_ids={2}, max_tokens=8)

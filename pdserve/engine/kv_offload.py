@@ -84,6 +84,7 @@ class KVOffloadStore:
         self.stats = KVOffloadStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[int, int] = OrderedDict()  # block hash -> file bytes, least recently used first
+        self.version = 0  # +1 whenever a hash enters or leaves the index (under the lock): routers' summaries
         self._load_index()
         block_manager.newly_cached = []  # the block manager now records the blocks it hashes for save_new_blocks
         self._queue: queue.Queue[tuple[KVCacheBlock, int, memoryview] | None] = queue.Queue()
@@ -107,6 +108,11 @@ class KVOffloadStore:
         logger.info("KV offload: %s holds %d blocks (%.1f MiB)", self.dir, len(self._index),
                     self.stats.disk_bytes / 2**20)
 
+    def held(self) -> tuple[int, tuple[int, ...]]:
+        """(version, the hashes of the blocks on disk), consistent with each other."""
+        with self._lock:
+            return self.version, tuple(self._index)
+
     def __contains__(self, block_hash: int) -> bool:
         with self._lock:
             return block_hash in self._index
@@ -114,6 +120,7 @@ class KVOffloadStore:
     def _evict_locked(self) -> None:
         while self.stats.disk_bytes > self.max_bytes and self._index:
             h, size = self._index.popitem(last=False)
+            self.version += 1
             self.stats.disk_bytes -= size
             self.stats.evicted += 1
             (self.dir / _name(h)).unlink(missing_ok=True)
@@ -122,6 +129,7 @@ class KVOffloadStore:
         with self._lock:
             size = self._index.pop(block_hash, None)
             if size is not None:
+                self.version += 1
                 self.stats.disk_bytes -= size
         (self.dir / _name(block_hash)).unlink(missing_ok=True)
 
@@ -176,6 +184,7 @@ class KVOffloadStore:
             old = self._index.pop(h, None)
             self.stats.disk_bytes += size - (old or 0)
             self._index[h] = size
+            self.version += old is None
             self.stats.blocks_saved += 1
             self.stats.bytes_saved += body.nbytes
             self._evict_locked()

@@ -39,20 +39,33 @@ class KVSnapshot:
 
 @dataclass(frozen=True)
 class PrefixSummary:
-    """The prefix-cache block hashes this engine holds (used or cached-free), for prefix-aware routers. Built on
-    the engine thread only when a reader asks and the set changed since the last build (BlockManager.cache_version),
-    so steps never copy hashes nobody reads: at most num_blocks hashes, 8 bytes each when packed. `epoch` is new for
-    every engine, so a router never mistakes a restarted one's version."""
+    """The prefix-cache block hashes this engine holds (used or cached-free), and those its disk tier holds that
+    are not in memory (`--kv-offload-dir`: a request whose prompt they begin reads them back instead of computing
+    them), for prefix-aware routers. Built on the engine thread only when a reader asks and either set changed since
+    the last build (BlockManager.cache_version, KVOffloadStore.version), so steps never copy hashes nobody reads:
+    8 bytes a hash when packed. `epoch` is new for every engine, so a router never mistakes a restarted one's
+    version."""
 
     epoch: str
     version: int
     block_size: int
     hashes: tuple[int, ...]
+    disk_version: int = -1  # -1: no disk tier
+    disk_hashes: tuple[int, ...] = ()
+
+    @property
+    def etag(self) -> str:
+        return f'"{self.epoch}-{self.version}-{self.disk_version}"'
 
     @classmethod
     def of(cls, engine: LLMEngine, prev: PrefixSummary | None = None) -> PrefixSummary:
-        bm = engine.block_manager
-        if prev is not None and prev.version == bm.cache_version:
+        bm, disk = engine.block_manager, engine.kv_offload
+        disk_version = disk.version if disk is not None else -1
+        if prev is not None and prev.version == bm.cache_version and prev.disk_version == disk_version:
             return prev
+        disk_hashes: tuple[int, ...] = ()
+        if disk is not None:
+            disk_version, held = disk.held()
+            disk_hashes = tuple(h for h in held if h not in bm.cached)
         return cls(prev.epoch if prev is not None else uuid.uuid4().hex[:12], bm.cache_version, bm.block_size,
-                   tuple(bm.cached))
+                   tuple(bm.cached), disk_version, disk_hashes)

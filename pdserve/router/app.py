@@ -146,6 +146,9 @@ def add_router_parser(sub: Any) -> None:
     p.add_argument("--prefix-load-cost", type=float, default=256.0, metavar="TOKENS",
                    help="prompt tokens one request on an instance is worth against a prefix hit (0: always follow "
                    "the prefix)")
+    p.add_argument("--prefix-disk-cost", type=float, default=0.1, metavar="F",
+                   help="what a prompt token an instance reads back from its disk tier costs against computing it "
+                   "(0-1; the instances' --kv-offload-dir)")
     p.add_argument("--prefix-pending-ttl", type=float, default=10.0, metavar="S",
                    help="seconds a routed prompt's blocks count as on its instance before its summary shows them")
     p.add_argument("--instance-api-key", default=None, help="the instances' --api-key, sent with the router's "
@@ -163,7 +166,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
                        on_prefill_failure=args.on_prefill_failure,
                        kv_transfer_secret=secret_from_env(args.kv_transfer_secret), max_body_bytes=args.max_body_bytes,
                        routing=args.routing, tokenizer=args.tokenizer, prefix_load_cost=args.prefix_load_cost,
-                       prefix_pending_ttl=args.prefix_pending_ttl,
+                       prefix_pending_ttl=args.prefix_pending_ttl, prefix_disk_cost=args.prefix_disk_cost,
                        instance_api_key=args.instance_api_key or os.environ.get("PDSERVE_INSTANCE_API_KEY"))
     config = uvicorn.Config(create_router_app(cfg), host=args.host, port=args.port, log_level=args.log_level,
                             **uvicorn_options(HeadLimits()))  # request heads bounded as the server's

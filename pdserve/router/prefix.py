@@ -2,7 +2,8 @@
 against load. Used by every pool of `pdserve router` and so of the Ray Serve ingress (pool.py calls `choose`).
 
 What instances publish: GET /kv/prefix_hashes, the chained hashes of the full blocks in their prefix cache (used
-or cached-free), 8 bytes a block, with their block size and isolation mode. The router polls it with the /metrics
+or cached-free) and of those only their disk tier holds (`--kv-offload-dir`), 8 bytes a block, with their block size
+and isolation mode. The router polls it with the /metrics
 poll, conditionally (If-None-Match: an unchanged set costs a 304), so an instance costs at most
 8 bytes x num_blocks (x 4/3 base64) per poll interval, and nothing while its cache does not change. The router
 keeps one frozenset of ints per instance (~70 bytes a hash in CPython) and, for what it routed itself since, the
@@ -10,13 +11,16 @@ hashes it expects there (`pending`: at most MAX_PENDING per instance, each for `
 of requests sharing a new prefix follows the first one before the next poll shows its blocks.
 
 The choice, for a request of P prompt tokens whose chain (pdserve/prefix_hash.py, under the request's salt, as
-the instance computes it) matches the first H_i tokens on instance i (published or pending):
+the instance computes it) matches the first H_i tokens in instance i's memory (published or pending) and the D_i
+tokens after them on its disk tier (the blocks it would read back instead of computing):
 
-    cost_i = (P - H_i) + load_cost * (running_i + waiting_i + router_inflight_i)
+    cost_i = (P - H_i - D_i) + disk_cost * D_i + load_cost * (running_i + waiting_i + router_inflight_i)
 
 the lowest cost wins (ties: more hit, then round-robin); when no instance matches any block, the pool's
 least-loaded choice. `load_cost` (--prefix-load-cost, tokens) is what one request already on an instance is worth
-in prompt tokens to compute: high values balance load first, 0 follows the prefix whatever the queue.
+in prompt tokens to compute: high values balance load first, 0 follows the prefix whatever the queue. `disk_cost`
+(--prefix-disk-cost) is what a token read from disk costs against computing it (0.05-0.16 measured: BENCHMARKS.md,
+"The prefix cache's disk tier").
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ MAX_PENDING = 65536  # hashes the router remembers routing to one instance (olde
 @dataclass
 class PrefixRoutingConfig:
     load_cost: float = 256.0  # prompt tokens one request on an instance is worth (see the module docstring)
+    disk_cost: float = 0.1  # a prompt token read back from an instance's disk tier, in tokens computed
     pending_ttl: float = 10.0  # seconds a routed request's blocks count as on its instance before a poll shows them
     clock: Callable[[], float] = time.monotonic
 
@@ -63,6 +68,7 @@ class InstancePrefixes:
     block_size: int | None = None  # None: nothing published (yet, or the instance has no /kv/prefix_hashes)
     isolation: PrefixIsolation = "none"
     hashes: frozenset[int] = frozenset()
+    disk: frozenset[int] = frozenset()  # on its disk tier only
     etag: str | None = None
     pending: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> expiry (config clock)
 
@@ -72,24 +78,29 @@ class InstancePrefixes:
         if block_size < 1 or isolation not in ("none", "tenant"):
             raise ValueError(f"bad prefix summary: block_size {block_size}, isolation {isolation!r}")
         self.hashes = unpack_hashes(summary["hashes"])
+        self.disk = unpack_hashes(summary.get("disk_hashes", ""))  # an instance without a disk tier sends none
         if block_size != self.block_size or isolation != self.isolation:
             self.pending.clear()  # hashed under another layout: meaningless now
         self.block_size, self.isolation, self.etag = block_size, isolation, etag
 
     def forget(self) -> None:
-        self.block_size, self.hashes, self.etag = None, frozenset(), None
+        self.block_size, self.hashes, self.disk, self.etag = None, frozenset(), frozenset(), None
         self.pending.clear()
 
-    def hit_tokens(self, query: PrefixQuery, now: float) -> int:
-        """Prompt tokens of `query` this instance is expected to hold: its longest matching run of leading blocks."""
+    def hit_tokens(self, query: PrefixQuery, now: float) -> tuple[int, int]:
+        """(in memory, on disk): prompt tokens of `query` this instance is expected to hold in memory, its longest
+        matching run of leading blocks, and those of the blocks right after them that its disk tier holds (the
+        instance reads those back: consecutive from the end of its memory hit)."""
         if self.block_size is None:
-            return 0
+            return 0, 0
+        chain = query.chain(self.block_size, self.isolation)
         n = 0
-        for h in query.chain(self.block_size, self.isolation):
-            if h not in self.hashes and self.pending.get(h, -1.0) < now:
-                break
+        while n < len(chain) and (chain[n] in self.hashes or self.pending.get(chain[n], -1.0) >= now):
             n += 1
-        return n * self.block_size
+        d = n
+        while d < len(chain) and chain[d] in self.disk:
+            d += 1
+        return n * self.block_size, (d - n) * self.block_size
 
     def expect(self, query: PrefixQuery, until: float) -> None:
         """Routed `query` here: its blocks count as held until `until` (or until MAX_PENDING newer ones)."""
@@ -113,7 +124,7 @@ class Candidate(Protocol):
 @dataclass
 class PrefixChoice:
     inst: Any  # the Candidate chosen
-    hit_tokens: int
+    hit_tokens: int  # in memory and on disk
     cost: float
 
 
@@ -122,8 +133,8 @@ def choose(cands: Sequence[Candidate], query: PrefixQuery, cfg: PrefixRoutingCon
     prompt (the caller picks least-loaded then)."""
     now = cfg.clock()
     n = len(query.token_ids)
-    scored = [PrefixChoice(c, hit, (n - hit) + cfg.load_cost * (c.load + c.inflight))
-              for c in cands for hit in (c.prefixes.hit_tokens(query, now),)]
+    scored = [PrefixChoice(c, mem + disk, n - mem - disk + cfg.disk_cost * disk + cfg.load_cost * (c.load + c.inflight))
+              for c in cands for mem, disk in (c.prefixes.hit_tokens(query, now),)]
     if not any(s.hit_tokens for s in scored):
         return []
     best = min(s.cost for s in scored)

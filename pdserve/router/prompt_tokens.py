@@ -130,7 +130,8 @@ class PrefixRouting:
         if cfg.tokenizer is None:
             logger.warning("prefix routing without --tokenizer: only token-id prompts are routed by prefix")
         tok = PromptTokenizer.load(cfg.tokenizer) if cfg.tokenizer is not None else None
-        return cls(PrefixRoutingConfig(load_cost=cfg.prefix_load_cost, pending_ttl=cfg.prefix_pending_ttl), tok)
+        return cls(PrefixRoutingConfig(load_cost=cfg.prefix_load_cost, pending_ttl=cfg.prefix_pending_ttl,
+                                       disk_cost=cfg.prefix_disk_cost), tok)
 
     async def query(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> PrefixQuery | None:
         """The request's PrefixQuery (tokenized in a worker thread: a long prompt takes milliseconds), or None."""

@@ -86,13 +86,14 @@ class RouterConfig:
     tokenizer: str | None = None  # the model's tokenizer directory, to route text and chat prompts by prefix
     prefix_load_cost: float = 256.0  # prompt tokens one request on an instance is worth (router/prefix.py)
     prefix_pending_ttl: float = 10.0  # seconds routed blocks count as on their instance before it publishes them
+    prefix_disk_cost: float = 0.1  # a prompt token read from an instance's disk tier, in tokens computed
     instance_api_key: str | None = field(default=None, repr=False)  # the instances' --api-key, for /metrics polls
 
     def __post_init__(self) -> None:
         if self.routing not in ("prefix", "least-loaded"):
             raise ValueError("routing must be prefix or least-loaded")
-        if self.prefix_load_cost < 0 or self.prefix_pending_ttl < 0:
-            raise ValueError("prefix_load_cost and prefix_pending_ttl must be >= 0")
+        if min(self.prefix_load_cost, self.prefix_pending_ttl, self.prefix_disk_cost) < 0:
+            raise ValueError("prefix_load_cost, prefix_pending_ttl and prefix_disk_cost must be >= 0")
         if not self.decode:
             raise ValueError("the router needs at least one decode instance (--decode URL)")
         if self.on_prefill_failure not in ("recompute", "fail"):

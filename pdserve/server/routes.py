@@ -149,18 +149,20 @@ async def debug_kv(raw: Request, model: str | None = None) -> dict[str, Any]:
 @router.get("/kv/prefix_hashes")
 async def prefix_hashes(raw: Request, model: str | None = None) -> Response:
     """The prefix-cache block hashes a model (default: the default model) holds, for prefix-aware routers:
-    `hashes` packed 8 bytes each (prefix_hash.pack_hashes). The ETag is epoch-version: a router that sends it back
-    in If-None-Match gets a 304 while the set has not changed."""
+    `hashes` packed 8 bytes each (prefix_hash.pack_hashes), and `disk_hashes`, the blocks its disk tier holds that
+    are not in memory. The ETag is epoch-version-disk_version: a router that sends it back in If-None-Match gets a
+    304 while neither set has changed."""
     served = raw.app.state.registry.get(model)
     assert served.client is not None  # get() returns loaded models only
     summary = await served.client.current_prefix_summary()
-    etag = f'"{summary.epoch}-{summary.version}"'
+    etag = summary.etag
     if raw.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"etag": etag})
     isolation = served.serving_completion.options.prefix_cache_isolation
     return JSONResponse({"object": "prefix_hashes", "model": served.name, "epoch": summary.epoch,
                          "version": summary.version, "block_size": summary.block_size, "isolation": isolation,
-                         "num_hashes": len(summary.hashes), "hashes": pack_hashes(summary.hashes)},
+                         "num_hashes": len(summary.hashes), "hashes": pack_hashes(summary.hashes),
+                         "num_disk_hashes": len(summary.disk_hashes), "disk_hashes": pack_hashes(summary.disk_hashes)},
                         headers={"etag": etag})
 
 
