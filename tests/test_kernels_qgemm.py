@@ -264,3 +264,29 @@ def test_stacked_parts_compute_what_each_part_does(mod: Any, m: int) -> None:
     assert torch.equal(stacked.rows(ids), stacked.dequantize()[ids])
     with pytest.raises(RuntimeError, match="differ in K"):
         mod.stack_packed([packed[0], pack(mod, random_blocks(rng, 4, 512, "Q4_K"), "Q4_K", 512)])
+
+
+def test_prefetch_distance_changes_speed_not_results(mod: Any) -> None:
+    """The decode GEMVs' L2 prefetch distance (off, one line, the default, far past the weight's end) leaves every
+    output bit as it was; a distance outside 0..1 MiB is refused."""
+    before = mod.stream_prefetch_bytes()
+    assert before >= 0
+    rng = np.random.default_rng(7)
+    k = 512
+    x = random_acts(rng, 5, k)
+    outs: dict[str, list[np.ndarray]] = {}
+    try:
+        for dist in (0, 64, before, 1 << 20):
+            mod.set_stream_prefetch_bytes(dist)
+            for name in ("Q4_K", "Q6_K", "Q4_0"):
+                pw = pack(mod, random_blocks(np.random.default_rng(ggml_type(name)), 37, k, name), name, k)
+                y = [pw.forward(torch.from_numpy(x[:m]), None).numpy() for m in (1, 5)]
+                outs.setdefault(name, y)
+                for got, ref in zip(y, outs[name], strict=True):
+                    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=f"{name} {dist}")
+        for bad in (-1, (1 << 20) + 1):
+            with pytest.raises(RuntimeError):
+                mod.set_stream_prefetch_bytes(bad)
+    finally:
+        mod.set_stream_prefetch_bytes(before)
+    assert mod.stream_prefetch_bytes() == before

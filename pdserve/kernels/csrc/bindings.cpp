@@ -36,6 +36,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "use a lower ISA level (tests run every level the CPU has)");
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(isa_from_name(name)); },
         "whether this CPU (and OS) runs every feature of the ISA level");
+  m.def("stream_prefetch_bytes", [] { return g_stream_prefetch_bytes; },
+        "how far ahead the decode GEMVs prefetch streamed weights into L2 (bytes; 0: off)");
+  m.def("set_stream_prefetch_bytes", [](int64_t n) {
+          TORCH_CHECK(n >= 0 && n <= (int64_t{1} << 20), "prefetch distance must be 0..1 MiB, got ", n);
+          g_stream_prefetch_bytes = n;
+        }, py::arg("n"), "change that distance (benchmarks; call while no kernel runs)");
   m.def("isa_levels", [] {
           std::vector<std::string> out;
           for (int i = 0; i < kNumIsa; ++i) out.emplace_back(isa_name(static_cast<Isa>(i)));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace pdserve {
@@ -96,6 +97,24 @@ inline uint16_t fp32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
   std::memcpy(&x, &f, sizeof x);
   if ((x & 0x7FFFFFFF) > 0x7F800000) return static_cast<uint16_t>((x >> 16) | 0x40);
   return static_cast<uint16_t>((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+}
+
+// Software prefetch of streamed weights into L2 (prefetcht1 on x86), this many bytes ahead of where a kernel reads:
+// the decode GEMVs read each weight once, and a core's hardware prefetchers alone leave its share of DRAM bandwidth
+// half used behind the kernels' arithmetic (BENCHMARKS.md, "prefetch"). PDSERVE_PREFETCH_BYTES overrides the
+// distance at start-up (0 turns it off); set_stream_prefetch_bytes (benchmarks) changes it between calls.
+inline int64_t g_stream_prefetch_bytes = [] {
+  const char* v = std::getenv("PDSERVE_PREFETCH_BYTES");
+  return v != nullptr ? std::atoll(v) : int64_t{6144};
+}();
+
+// [p + distance, p + distance + n) into L2, one hint per 64-byte line; p + distance may lie past the weight (a
+// prefetch never faults).
+inline void prefetch_ahead(const void* p, int64_t n) {
+  const int64_t dist = g_stream_prefetch_bytes;
+  if (dist <= 0) return;
+  const char* f = static_cast<const char*>(p) + dist;
+  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(f + o, 0, 2);
 }
 
 }  // namespace pdserve

@@ -165,9 +165,10 @@ inline __m512i vec_of(const uint8_t* ch, int64_t z) {
   return v;
 }
 
-// Few rows straight from the packed panel: each weight vector decoded into a register and used at once. Measured
-// on one core here against decoding to an L1 buffer first (tile_t): hot Q4_K GEMV 24 -> 34 GB/s, cold 10 GB/s (a
-// core's read stream: 11-14 GB/s). Software prefetching made the cold GEMV slower (8-9 GB/s): none.
+// Few rows straight from the packed panel: each weight vector decoded into a register and used at once (hot Q4_K
+// GEMV on Zen 4: 34 GB/s against 24 decoding to an L1 buffer first). Every chunk loop of these GEMVs prefetches
+// the panel's bytes a fixed distance ahead into L2 (prefetch_ahead): with the arithmetic between its loads a core
+// keeps too few misses in flight to stream from DRAM on its own (prefetching into L1 instead was slower).
 template <Fmt f, int MR>
 void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
   constexpr int ns = f.qb / f.s, G = f.s / 4;
@@ -178,6 +179,7 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
   for (int r = 0; r < MR; ++r) c[r] = _mm512_loadu_ps(acc + r * kPanel);
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const uint8_t* p = packed + ch * cb;
+    prefetch_ahead(p, cb);
     decode_scales<P512>(t, p, dw, mw);
     const uint8_t* v = p + t.scale_bytes();
     for (int j = 0; j < ns; ++j)
@@ -207,6 +209,7 @@ void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& 
   };
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const uint8_t* p = packed + ch * cb;
+    prefetch_ahead(p, cb);
     decode_scales<P512>(t, p, dw, mw);
     const uint8_t* v = p + t.scale_bytes();
     const int64_t s0 = ch * ns;
@@ -247,10 +250,9 @@ void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& 
   _mm512_storeu_ps(acc, c);
 }
 
-// One activation row over chunks with bit planes (Q6_K, Q5_K): each chunk decoded whole into an L1 buffer
-// (decode_values: the planes' shifts loop-invariant) and multiplied from there (tile_t). In registers (gemv_t,
-// gemv1_t) a plane costs a load, a shift by a varying count and a mask per weight vector: Q6_K ran ~1.3x faster
-// this way on Zen 4 (one core, cold weights), Q5_K the same.
+// One activation row over chunks with a 1-bit plane (Q5_K): each chunk decoded whole into an L1 buffer
+// (decode_values: the plane's shifts loop-invariant) and multiplied from there (tile_t); in registers (gemv_t,
+// gemv1_t) it ran no faster on Zen 4.
 template <Fmt f>
 void gemv_dec1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
   constexpr int ns = f.qb / f.s;
@@ -258,9 +260,76 @@ void gemv_dec1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const A
   const Dec d = dec_view(t, 1, buf);
   const int64_t cb = t.chunk_bytes();
   for (int64_t ch = 0; ch < nchunks; ++ch) {
+    prefetch_ahead(packed + ch * cb, cb);
     qgemm::decode<P512>(t, packed + ch * cb, 1, d);
     tile_t<f.s, f.min, 1>(d, ns, a, ch * ns, r0, acc);
   }
+}
+
+// Field J (bits 2J..2J+1 of each byte) of a Q6_K 2-bit plane unit at bits 4..5, bits 6..7 zero, bits 0..3 anything:
+// from q = plane & 0x33 (fields 0, 2) or r = plane & 0xCC (fields 1, 3), so a 16-bit shift brings in only zeros or
+// bits that the merge below takes from the nibble instead.
+template <int J>
+inline __m512i q6_field(__m512i q, __m512i r) {
+  if constexpr (J == 0) return _mm512_slli_epi16(q, 4);
+  if constexpr (J == 1) return _mm512_slli_epi16(r, 2);
+  if constexpr (J == 2) return q;
+  return _mm512_srli_epi16(r, 2);
+}
+
+// One activation row over Q6_K chunks, every weight vector built in registers: sub-blocks b and 8 + b (b < 8) take
+// the low and high nibbles of units 4b..4b+3 and fields 0..3 of plane units b and 8 + b; one vpternlogd (bits 0..3
+// from the nibble, 4..7 from the field) merges each. Sums and fp32 steps as gemv1_t's (K order: the high half's
+// steps after the low half's). About half gemv_dec1_t's instructions (no stores, no reloads): 2x its rate from
+// cache on Zen 4, and with the prefetch the same or more from DRAM.
+void gemv1_q6k(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
+  constexpr int ns = 16, G = 4, H = 8, offp2 = 32 * kVec;
+  const int64_t cb = t.chunk_bytes(), xstride = a.qi(r0, 1) - a.qi(r0, 0);
+  alignas(64) float dw[16 * kPanel], mw[16 * kPanel];
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m33 = _mm512_set1_epi8(0x33);
+  const __m512i mcc = _mm512_set1_epi8(static_cast<char>(0xCC));
+  __m512 c = _mm512_loadu_ps(acc);
+  auto step = [&](int64_t s, int j, __m512i isum) {
+    const float dx = a.dx[a.di(r0, s * 16 / QK)];
+    c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_load_ps(dw + j * kPanel), _mm512_set1_ps(dx)),
+                        c);
+  };
+  auto dot = [](__m512i sum, __m512i w, const int8_t* x) {
+    int32_t xv;
+    std::memcpy(&xv, x, 4);
+    return _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(xv));
+  };
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const uint8_t* p = packed + ch * cb;
+    prefetch_ahead(p, cb);
+    decode_scales<P512>(t, p, dw, mw);
+    const uint8_t* v = p + t.scale_bytes();
+    const int64_t s0 = ch * ns;
+    const int8_t* xq = a.q + a.qi(r0, s0);
+    __m512i hi_sum[H];
+#pragma GCC unroll 8
+    for (int b = 0; b < H; ++b) {
+      const __m512i pl = P512::load(v + offp2 + b * kVec), ph = P512::load(v + offp2 + (H + b) * kVec);
+      const __m512i ql = _mm512_and_si512(pl, m33), rl = _mm512_and_si512(pl, mcc);
+      const __m512i qh = _mm512_and_si512(ph, m33), rh = _mm512_and_si512(ph, mcc);
+      const __m512i f_lo[G] = {q6_field<0>(ql, rl), q6_field<1>(ql, rl), q6_field<2>(ql, rl), q6_field<3>(ql, rl)};
+      const __m512i f_hi[G] = {q6_field<0>(qh, rh), q6_field<1>(qh, rh), q6_field<2>(qh, rh), q6_field<3>(qh, rh)};
+      __m512i lo_sum = _mm512_set1_epi32(a.init[a.si(r0, s0 + b)]);
+      hi_sum[b] = _mm512_set1_epi32(a.init[a.si(r0, s0 + H + b)]);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512i n = P512::load(v + (b * G + g) * kVec);
+        const __m512i lo = _mm512_ternarylogic_epi32(m0f, n, f_lo[g], 0xCA);  // m0f ? n : field
+        const __m512i hi = _mm512_ternarylogic_epi32(m0f, _mm512_srli_epi16(n, 4), f_hi[g], 0xCA);
+        lo_sum = dot(lo_sum, lo, xq + b * xstride + 4 * g);
+        hi_sum[b] = dot(hi_sum[b], hi, xq + (H + b) * xstride + 4 * g);
+      }
+      step(s0 + b, b, lo_sum);
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < H; ++b) step(s0 + H + b, H + b, hi_sum[b]);
+  }
+  _mm512_storeu_ps(acc, c);
 }
 
 using GemvFn = void (*)(const QType&, const uint8_t*, int64_t, const Act&, int64_t, float*);
@@ -273,6 +342,8 @@ constexpr std::array<GemvFn, sizeof...(R)> gemvs(std::integer_sequence<int, R...
 template <Fmt f>
 GemvFn gemv_for(int64_t mr) {
   static constexpr auto table = gemvs<f>(std::make_integer_sequence<int, kMaxRows>());
+  if constexpr (f.nib && f.qb == 256 && f.p2 == 4 && f.s == 16 && !f.min)  // Q6_K
+    if (mr == 1) return gemv1_q6k;
   if constexpr (f.nib && f.qb == 256 && (f.p2 >= 0 || f.p1 >= 0))
     if (mr == 1) return gemv_dec1_t<f>;
   if constexpr (f.nib && f.qb == 256 && f.p2 < 0 && f.p1 < 0)

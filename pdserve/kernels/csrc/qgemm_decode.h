@@ -97,6 +97,7 @@ void decode_run(const QType& t, const uint8_t* packed, int64_t n, const Dec& d) 
   const int64_t cb = t.chunk_bytes(), ns = t.nsub() * kPanel;
   for (int64_t c = 0; c < n; ++c) {
     const uint8_t* ch = packed + c * cb;
+    prefetch_ahead(ch, cb);  // panels stream from DRAM (common.h)
     decode_scales<P>(t, ch, d.dw + c * ns, d.mw + c * ns);
     decode_values<P, QB, NIB, P2, P1, RAW, LUT>(ch + t.scale_bytes(), d.wq + c * QB * kPanel);
   }
