@@ -106,6 +106,9 @@ def test_autoscaling_maps_onto_ray_serve_and_follows_engine_signals() -> None:
     a = Autoscaling(min_replicas=1, max_replicas=4, target_waiting=2, target_kv_usage=0.5)
     ray_cfg = AutoscalingConfig(**autoscaling_config(a))  # Ray's own validation of the mapping
     assert ray_cfg.max_replicas == 4 and ray_cfg.policy.policy_kwargs["target_kv_usage"] == 0.5
+    assert (ray_cfg.metrics_interval_s, ray_cfg.look_back_period_s) == (10.0, 15.0)
+    with pytest.raises(RayConfigError):  # Ray averages the reports over the look-back window: it must hold some
+        Autoscaling(metrics_interval_s=20.0)
     assert desired_replicas([0, 0], [0.1, 0.1], 2, 0.5) == 1
     assert desired_replicas([3, 4], [0.1, 0.1], 2, 0.5) == 4  # 7 waiting / 2 per replica
     assert desired_replicas([0, 0], [0.9, 0.8], 2, 0.5) == 4  # KV 1.7 / 0.5 per replica
@@ -132,7 +135,7 @@ def test_autoscaling_scales_up_under_load_and_back_down(tiny_dir: Path) -> None:
         "engine": {"model": str(tiny_dir), "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 32},
         "engine_replicas": {"num_cpus": 0.5, "num_threads": 1, "autoscaling": {
             "min_replicas": 1, "max_replicas": 2, "target_waiting": 1, "target_kv_usage": 0.3, "upscale_delay_s": 1,
-            "downscale_delay_s": 5, "look_back_period_s": 2}}})
+            "downscale_delay_s": 5, "look_back_period_s": 2, "metrics_interval_s": 0.5}}})
     ray.init(num_cpus=2, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     base = "http://127.0.0.1:8932"
     stop = [time.monotonic() + 2 * WAIT]

@@ -15,7 +15,7 @@ POLICY = "pdserve.deploy.ray.autoscaling:engine_signal_policy"
 def autoscaling_config(a: Autoscaling) -> dict[str, Any]:
     return {"min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
             "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
-            "look_back_period_s": a.look_back_period_s,
+            "look_back_period_s": a.look_back_period_s, "metrics_interval_s": a.metrics_interval_s,
             "policy": {"policy_function": POLICY,
                        "policy_kwargs": {"target_waiting": a.target_waiting, "target_kv_usage": a.target_kv_usage}}}
 

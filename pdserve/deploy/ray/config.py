@@ -35,13 +35,16 @@ class Autoscaling:
     target_kv_usage: float = 0.8  # fraction of KV blocks in use
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
-    look_back_period_s: float = 15.0  # Ray wants it above its 10 s metrics interval
+    look_back_period_s: float = 15.0  # Ray wants it above the metrics interval
+    metrics_interval_s: float = 10.0  # how often each replica reports its waiting requests and KV usage
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise RayConfigError("autoscaling: need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         if self.target_waiting <= 0 or not 0 < self.target_kv_usage <= 1:
             raise RayConfigError("autoscaling: target_waiting must be > 0 and target_kv_usage in (0, 1]")
+        if not 0 < self.metrics_interval_s < self.look_back_period_s:
+            raise RayConfigError("autoscaling: need 0 < metrics_interval_s < look_back_period_s")
 
 
 @dataclass
