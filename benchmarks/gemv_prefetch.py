@@ -22,9 +22,7 @@ import numpy as np
 import torch
 
 import pdserve.kernels as K
-from pdserve.kernels.gguf_random import random_blocks
-
-GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+from pdserve.kernels.gguf_random import BLOCKS, random_blocks
 
 
 def cold_rate(ws: list, x: torch.Tensor) -> float:
@@ -65,9 +63,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     try:
         for name in args.types.split(","):
-            ws = [lib.pack_gguf(torch.from_numpy(random_blocks(rng, 2048, 8192, name)), GGML[name], 8192)
+            ws = [lib.pack_gguf(torch.from_numpy(random_blocks(rng, 2048, 8192, name)), BLOCKS[name][0], 8192)
                   for _ in range(args.matrices)]
-            small = lib.pack_gguf(torch.from_numpy(random_blocks(rng, 512, 2048, name)), GGML[name], 2048)
+            small = lib.pack_gguf(torch.from_numpy(random_blocks(rng, 512, 2048, name)), BLOCKS[name][0], 2048)
             x, xs = torch.randn(1, 8192), torch.randn(1, 2048)
             for level in levels:
                 lib.set_active_isa(level)

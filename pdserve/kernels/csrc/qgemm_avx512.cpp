@@ -263,8 +263,7 @@ void gemv_dec1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const A
   const Dec d = dec_view(t, 1, buf);
   const int64_t cb = t.chunk_bytes();
   for (int64_t ch = 0; ch < nchunks; ++ch) {
-    prefetch_ahead(packed + ch * cb, cb);
-    qgemm::decode<P512>(t, packed + ch * cb, 1, d);
+    qgemm::decode<P512>(t, packed + ch * cb, 1, d);  // prefetches ahead itself (qgemm_decode.h)
     tile_t<f.s, f.min, 1>(d, ns, a, ch * ns, r0, acc);
   }
 }
