@@ -1,8 +1,9 @@
 """Paged attention with bf16 dot products (levels avx512_bf16 and amx, bf16 caches, head_dim 64/128:
-csrc/attention_bf16.h) against a float64 reference that reads the same queries (bf16(q) for vdpbf16ps; q itself for
-AMX, which multiplies it as two bf16 parts): within the bound of the one remaining rounding, the probabilities' to
-bf16 (|error| <= 2^-9 max|v| per output, 2^-8 allowed). The kernels run from `attention_bf16_min_group()` query
-heads per KV head on (set to 1 here), the fp32 kernels below it."""
+csrc/attention_bf16.h, csrc/attention_avx512bf16_rows.cpp) against a float64 reference that reads the same queries
+(bf16(q) for vdpbf16ps's transposed tiles; q itself for AMX and for vdpbf16ps's rows kernel, which multiply it as two
+bf16 parts): within the bound of the one remaining rounding, the probabilities' to bf16 (|error| <= 2^-9 max|v| per
+output, 2^-8 allowed). The kernels run from `attention_bf16_min_group()` query heads per KV head on (set to 1 here),
+the fp32 kernels below it."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def every_group() -> Iterator[None]:
 
 
 def check_bf16(mod: Any, c: Case) -> None:
-    if mod.active_isa() == "amx":  # q multiplied as two bf16 parts: q itself, to ~16 bits
+    group = c.q.shape[1] // c.kv.shape[3]
+    # q multiplied as two bf16 parts (q itself, to ~16 bits): AMX, and vdpbf16ps's rows kernel, which takes
+    # generated rows (these cases have no prompt rows) below eight query heads per KV head
+    if mod.active_isa() == "amx" or group < 8:
         want = reference(c)
     else:  # what vdpbf16ps multiplies: bf16(q * scale)
         qb = (c.q * c.scale).bfloat16().float()
@@ -100,10 +104,10 @@ def test_min_group_chooses_the_kernel(level: str) -> None:
             assert (err < 1e-5) == exact, (group, err)
 
 
-@pytest.mark.parametrize("level,threshold", [("avx512_bf16", 8), ("amx", 4)])
+@pytest.mark.parametrize("level,threshold", [("avx512_bf16", 1), ("amx", 4)])
 def test_default_threshold_per_level(level: str, threshold: int) -> None:
-    """Threshold 0 is each level's own for generated rows: vdpbf16ps (avx512_bf16) from eight query heads per KV
-    head, AMX from four; prompt rows take the bf16 dot products at every G."""
+    """Threshold 0 is each level's own for generated rows: vdpbf16ps (avx512_bf16) at every G (its rows kernel below
+    eight query heads per KV head), AMX from four; prompt rows take the bf16 dot products at every G."""
     for mod in lowered(module(), level):
         mod.set_attention_bf16_min_group(0)
         assert mod.effective_attention_bf16_min_group() == threshold

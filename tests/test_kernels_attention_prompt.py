@@ -46,10 +46,11 @@ def test_prompt_rows_take_bf16_dot_products_others_keep_their_kernel(level: str,
             if level not in ("amx", "avx512_bf16"):  # no bf16 dot products: prompt_lens changes nothing
                 assert torch.equal(mixed, plain)
                 continue
-            mod.set_attention_bf16_min_group(1)  # every row on the bf16 dot-product kernel, at every group
-            tiles = run(mod, c, None)
+            # every row a prompt row: every row on the level's tile kernel (AMX tiles, vdpbf16ps transposed tiles)
+            tiles = run(mod, c, c.seq_lens)
             assert torch.equal(mixed[mask], tiles[mask])
-            # generated rows ran the fp32 kernel (G below the level's threshold, 4 or 8): prompt rows differ from it
+            # generated rows ran another kernel (amx: the fp32 one below G = 4; avx512_bf16: vdpbf16ps on rows as
+            # stored, q in two bf16 parts): prompt rows differ from it
             assert not torch.equal(mixed[mask], plain[mask])
             if level == "amx":  # vdpbf16ps rounds q to bf16 too: test_kernels_attention_bf16.py bounds it
                 bound = 2.0**-8 * float(c.kv[1].float().nan_to_num(0).abs().max())  # p to bf16; q split, not rounded

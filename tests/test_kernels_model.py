@@ -63,8 +63,8 @@ def test_isa_can_be_lowered_by_environment() -> None:
 @pytest.mark.parametrize("level", ALL_LEVELS)
 def test_attention_path_says_each_rows_kernel(level: str) -> None:
     """The start-up log's attention line, per level: prompt rows on the bf16 dot-product kernel where the level has
-    one (AMX tiles, vdpbf16ps), generated rows by the level's group threshold; fp32 kernels for other caches, head
-    sizes and soft-capping."""
+    one (AMX tiles, vdpbf16ps), generated rows by the level's group threshold (vdpbf16ps: on rows as stored below
+    G = 8, in transposed tiles from it); fp32 kernels for other caches, head sizes and soft-capping."""
     from kernel_levels import lowered, module
 
     for _ in lowered(module(), level):
@@ -73,7 +73,7 @@ def test_attention_path_says_each_rows_kernel(level: str) -> None:
             assert prompt == "AMX-BF16 tiles" and generated.startswith("fp32") and "below 4" in generated
             assert kernels.attention_path("bfloat16", 4, 128) == ("AMX-BF16 tiles", "AMX-BF16 tiles")
         elif level == "avx512_bf16":
-            assert prompt == "AVX512-BF16 vdpbf16ps" and generated.startswith("fp32") and "below 8" in generated
+            assert prompt == "AVX512-BF16 vdpbf16ps" and generated == "AVX512-BF16 vdpbf16ps on rows as stored"
             assert kernels.attention_path("bfloat16", 8, 128) == ("AVX512-BF16 vdpbf16ps",) * 2
         else:
             assert prompt == generated and generated.startswith(f"fp32 dot products ({level})")

@@ -132,7 +132,8 @@ def gemm_path(type_name: str) -> str:
     return f"pack_gguf, {_GEMM_PATHS['gguf'].get(level, level)} (activations int8 per 32)"
 
 
-_ATTENTION_KERNELS = {"amx": "AMX-BF16 tiles", "avx512_bf16": "AVX512-BF16 vdpbf16ps"}
+_ATTENTION_KERNELS = {"amx": "AMX-BF16 tiles", "avx512_bf16": "AVX512-BF16 vdpbf16ps",
+                      "avx512_bf16_rows": "AVX512-BF16 vdpbf16ps on rows as stored"}
 
 
 def attention_path(kv_storage: str, group: int, head_dim: int, softcap: bool = False) -> tuple[str, str]:

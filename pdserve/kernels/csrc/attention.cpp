@@ -60,17 +60,19 @@ struct Task {
 // avx512_bf16 and amx) from this many query heads per KV head on; below it the fp32 kernel (avx512), which reads bf16
 // rows in place and walks several KV heads per item (AttnItem::nkvh). 0: the level's own threshold. AMX multiplies
 // blocks of 16 rows, so a decode item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there
-// (Sapphire Rapids). vdpbf16ps transposes every key tile for the item's G rows of one KV head: on Zen 4 the fp32
-// kernel's decode was as fast or faster at G = 1 (2x, 32 KV heads), 2, 3, 4 and 7 (BENCHMARKS.md), so that level
-// keeps vdpbf16ps for generated rows from G = 8 on. Prompt rows (pick_prompt_kernel) run the bf16 dot-product
-// kernel of either level at every G. The choice depends on the model's shape and the CPU only, so every row of a
-// model still runs one arithmetic; change it only before serving (a row's bits depend on it).
+// (Sapphire Rapids). At avx512_bf16 generated rows take vdpbf16ps at every G: below kDotTileMinGroup in the fp32
+// kernel's walk (attention_avx512bf16_rows.cpp: rows as stored, several KV heads per item), from it in transposed
+// key tiles shared by the G rows (attention_avx512bf16.cpp); on Zen 4 the transposing kernel lost to the fp32 one at
+// G = 1-7 and the rows kernel beat both (BENCHMARKS.md). Prompt rows (pick_prompt_kernel) run the tile kernel of
+// either level at every G. The choice depends on the model's shape and the CPU only, so every row of a model still
+// runs one arithmetic; change it only before serving (a row's bits depend on it).
 std::atomic<int64_t> g_bf16_min_group{0};
+constexpr int64_t kDotTileMinGroup = 8;
 
 int64_t bf16_min_group(Isa level) {
   const int64_t g = g_bf16_min_group.load(std::memory_order_relaxed);
   if (g > 0) return g;
-  return level == Isa::kAmx ? 4 : 8;
+  return level == Isa::kAmx ? 4 : 1;
 }
 
 // Quantized caches (int8, fp8) run the fp32 kernels (rows dequantized per key tile): the bf16 dot-product levels
@@ -87,7 +89,12 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
   // soft-capped scores (Gemma 2): the fp32 kernels, which apply the cap to each tile's scores
   const bool dot = fmt == KVFormat::kBF16 && !softcap && group >= bf16_min_group(bf16.level());
-  return dot ? bf16.pick() : f32.pick();
+  if (!dot) return f32.pick();
+  const AttnFn fn = bf16.pick();
+#if defined(__x86_64__)
+  if (fn == attn_item_avx512bf16 && group < kDotTileMinGroup) return attn_item_avx512bf16_rows;
+#endif
+  return fn;
 }
 
 // The kernel of prompt rows (a row whose position is below its sequence's prompt length, paged_attention's
@@ -112,6 +119,7 @@ const char* kernel_level(AttnFn fn) {
 #if defined(__x86_64__)
   if (fn == attn_item_amx) return "amx";
   if (fn == attn_item_avx512bf16) return "avx512_bf16";
+  if (fn == attn_item_avx512bf16_rows) return "avx512_bf16_rows";
   if (fn == attn_item_avx512) return "avx512";
   if (fn == attn_item_avx2) return "avx2";
 #endif
@@ -184,7 +192,7 @@ AttnItem partition(const AttnItem& whole, int p) {
 // The kernels that take items spanning several KV heads (AttnItem::nkvh).
 bool takes_head_spans(AttnFn fn) {
 #if defined(__x86_64__)
-  if (fn == attn_item_avx512 || fn == attn_item_avx2) return true;
+  if (fn == attn_item_avx512 || fn == attn_item_avx2 || fn == attn_item_avx512bf16_rows) return true;
 #endif
   return fn == attn_item_generic;
 }
@@ -193,24 +201,43 @@ bool takes_head_spans(AttnFn fn) {
 // within this many rows, so its state (acc, m, l per row) stays in L1/L2.
 constexpr int64_t kHeadSpanRows = 64;
 
-// `head_spans`: generated rows' groups may span several KV heads (their kernel takes them).
+// The most KV heads a generated-row group may span: all of them, unless the call has fewer token groups (of `tile`
+// tokens) than threads; then each token group's heads are cut into as many spans as it takes to give every thread
+// one (a decode of one sequence otherwise ran all its heads on one thread: 1.8x slower at 32 KV heads and ~200 keys
+// on 2 threads). Further cuts read each token's rows in smaller pieces and measured slower. Which heads share an
+// item never changes a row's arithmetic.
+int64_t max_head_span(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, const int32_t* prompt_lens,
+                      int64_t nseq, int64_t tile, int64_t nthreads) {
+  int64_t token_groups = 0;
+  for (int64_t s = 0; s < nseq; ++s) {
+    const int64_t split = prompt_split(qsl[s], qsl[s + 1], sl[s], prompt_lens ? prompt_lens[s] : 0);
+    token_groups += (qsl[s + 1] - split + tile - 1) / tile;
+  }
+  if (token_groups == 0 || token_groups >= nthreads) return a.hkv;
+  const int64_t cuts = (nthreads + token_groups - 1) / token_groups;
+  return std::max<int64_t>(1, (a.hkv + cuts - 1) / cuts);
+}
+
+// `head_spans`: generated rows' groups may span several KV heads (their kernel takes them), up to max_head_span.
 std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int32_t* sl, const int32_t* prompt_lens,
-                               int64_t nseq, int64_t t, int64_t width, int64_t window, bool head_spans) {
+                               int64_t nseq, int64_t t, int64_t width, int64_t window, bool head_spans,
+                               int64_t nthreads) {
   const int64_t g = a.hq / a.hkv;
   // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does).
   // Prompt groups: ~128 rows (64 for d 128) in whole 16-token steps: a key tile's K/V preparation is shared by
   // more rows (the AMX kernel's row blocks of 16), and a prefill has rows enough for every thread.
   const int64_t tile = window > 0 ? 1 : std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);
   const int64_t prompt_tile = window > 0 ? 1 : std::max<int64_t>(16, (a.d <= 64 ? 128 : 64) / g / 16 * 16);
+  for (int64_t s = 0; s < nseq; ++s) check_sequence(a, s, qsl, sl, t, width);
+  const int64_t span_cap = head_spans ? max_head_span(a, qsl, sl, prompt_lens, nseq, tile, nthreads) : 1;
   std::vector<Group> groups;
   for (int64_t s = 0; s < nseq; ++s) {
-    const int64_t qlen = check_sequence(a, s, qsl, sl, t, width), ctx = sl[s] - qlen;
+    const int64_t qlen = qsl[s + 1] - qsl[s], ctx = sl[s] - qlen;
     // rows [qsl[s], split) are prompt rows, [split, qsl[s + 1]) generated ones; no group spans both
     const int64_t split = prompt_split(qsl[s], qsl[s + 1], sl[s], prompt_lens ? prompt_lens[s] : 0);
     for (int64_t t0 = qsl[s], t1; t0 < qsl[s + 1]; t0 = t1) {
       t1 = t0 < split ? std::min<int64_t>(split, t0 + prompt_tile) : std::min<int64_t>(qsl[s + 1], t0 + tile);
-      const int64_t span = t0 >= split && head_spans ? std::clamp<int64_t>(kHeadSpanRows / ((t1 - t0) * g), 1, a.hkv)
-                                                     : 1;
+      const int64_t span = t0 >= split ? std::clamp<int64_t>(kHeadSpanRows / ((t1 - t0) * g), 1, span_cap) : 1;
       for (int64_t h = 0; h < a.hkv; h += span) {
         const int64_t pos0 = ctx + (t0 - qsl[s]);
         const int64_t k0 = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
@@ -363,10 +390,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                    block_table.data_ptr<int32_t>(), block_table.stride(0), static_cast<float>(scale),
                    static_cast<float>(softcap)};
   const bool head_spans = takes_head_spans(pick_kernel(d, fmt, hq / hkv, softcap > 0));
+  const int64_t nthreads = num_threads();
   std::vector<Group> groups = make_groups(a, query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
                                           prompt_lens ? prompt_lens->data_ptr<int32_t>() : nullptr, nseq, t,
-                                          block_table.size(1), sliding_window, head_spans);
-  const int64_t nthreads = num_threads();
+                                          block_table.size(1), sliding_window, head_spans, nthreads);
   std::vector<float> parts;
   const std::vector<Task> tasks = make_tasks(groups, parts, nthreads, hq / hkv, d);
   run_tasks(a, groups, tasks, nthreads);
@@ -444,7 +471,7 @@ void register_attention(pybind11::module_& m) {
         "uint8 [T]: 1 where a step's row is a prompt row (position below its sequence's prompt length)");
   m.def("attention_bf16_min_group", [] { return g_bf16_min_group.load(); },
         "query heads per KV head from which bf16 caches use bf16 dot products (avx512_bf16, amx levels); "
-        "0: each level's own for generated rows (amx 4, avx512_bf16 8; prompt rows from 1)");
+        "0: each level's own for generated rows (amx 4, avx512_bf16 1; prompt rows from 1)");
   m.def("effective_attention_bf16_min_group", [] { return bf16_min_group(active_isa()); },
         "the threshold the active ISA level uses");
   m.def("attention_kernels", [](int64_t head_dim, bool bf16_cache, int64_t group, bool softcap) {
@@ -452,8 +479,8 @@ void register_attention(pybind11::module_& m) {
           return std::make_pair(std::string(kernel_level(pick_prompt_kernel(head_dim, fmt, group, softcap))),
                                 std::string(kernel_level(pick_kernel(head_dim, fmt, group, softcap))));
         }, py::arg("head_dim"), py::arg("bf16_cache"), py::arg("group"), py::arg("softcap") = false,
-        "(prompt rows' kernel, generated rows' kernel) by ISA level: amx and avx512_bf16 are the bf16 dot-product "
-        "kernels, the others fp32 dot products; int8/fp8 caches take the fp32 kernels as an fp32 cache does");
+        "(prompt rows' kernel, generated rows' kernel) by ISA level: amx, avx512_bf16 (transposed tiles) and "
+        "avx512_bf16_rows (rows as stored) are the bf16 dot-product kernels, the others fp32 dot products; int8/fp8 caches take the fp32 kernels as an fp32 cache does");
   m.def("set_attention_bf16_min_group", [](int64_t g) {
           TORCH_CHECK(g >= 0, "group must be >= 0 (0: each level's own)");
           g_bf16_min_group.store(g);

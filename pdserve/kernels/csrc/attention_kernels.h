@@ -82,6 +82,9 @@ void attn_item_avx2(const AttnArgs& a, const AttnItem& it);
 void attn_item_avx512(const AttnArgs& a, const AttnItem& it);
 // bf16 caches only, d in {64, 128}: bf16 dot products (attention_bf16.h)
 void attn_item_avx512bf16(const AttnArgs& a, const AttnItem& it);
+// bf16 caches only, d in {64, 128}, generated rows: the avx512 walk with vdpbf16ps (attention_avx512bf16_rows.cpp);
+// takes items spanning several KV heads
+void attn_item_avx512bf16_rows(const AttnArgs& a, const AttnItem& it);
 void attn_item_amx(const AttnArgs& a, const AttnItem& it);
 #endif
 
