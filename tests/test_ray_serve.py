@@ -34,6 +34,7 @@ from test_disagg import PROMPTS, TINY, complete
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'pdserve[ray]'; make install does)")
 
+from pdserve.deploy.ray.app import check_together  # noqa: E402
 from pdserve.deploy.ray.autoscaling import autoscaling_config, desired_replicas, engine_signal_policy  # noqa: E402
 from pdserve.deploy.ray.config import (  # noqa: E402
     Autoscaling,
@@ -85,6 +86,27 @@ def test_ray_serve_cli_reports_a_bad_config(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "pdserve.cli", "ray-serve", str(p)], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 2 and "unknown pdserve serve option(s) ['modle']" in r.stderr, r.stderr
+
+
+def test_applications_deployed_together_share_the_proxy(tmp_path: Path) -> None:
+    """Several files deploy together only with one host and port and distinct names and route prefixes: checked
+    before anything connects to Ray (the CLI exits 2 naming the clash)."""
+    a = config_from_dict({"name": "a", "route_prefix": "/a", "engine": {"model": "m"}})
+    check_together([a, config_from_dict({"name": "b", "route_prefix": "/b", "engine": {"model": "m"}})])
+    with pytest.raises(RayConfigError, match=r"distinct names; repeated: \['a'\]"):
+        check_together([a, config_from_dict({"name": "a", "route_prefix": "/b", "engine": {"model": "m"}})])
+    with pytest.raises(RayConfigError, match="distinct route_prefixs; repeated"):
+        check_together([a, config_from_dict({"name": "b", "route_prefix": "/a", "engine": {"model": "m"}})])
+    with pytest.raises(RayConfigError, match="host and port must be the same"):
+        check_together([a, config_from_dict({"name": "b", "route_prefix": "/b", "port": 8001,
+                                             "engine": {"model": "m"}})])
+    for name, prefix in (("a", "/a"), ("a", "/b")):
+        (tmp_path / f"{name}{prefix[1]}.yaml").write_text(
+            f"name: {name}\nroute_prefix: {prefix}\nengine: {{model: m}}\n")
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "ray-serve", str(tmp_path / "aa.yaml"),
+                        str(tmp_path / "ab.yaml")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2 and "distinct names" in r.stderr, r.stderr
 
 
 def test_load_config_reads_yaml_and_reports_bad_files(tmp_path: Path) -> None:
@@ -247,12 +269,15 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
         try:
             t0 = time.monotonic()
             _start_nodes(head, worker, head_ip, worker_ip, tmp)
-            for name, cfg in _app_configs(tiny_dir).items():  # `pdserve ray-serve` from the head node
-                path = tmp / f"{name}.yaml"
-                path.write_text(yaml.safe_dump(cfg))
-                out = _in_ns(head, sys.executable, "-m", "pdserve.cli", "ray-serve", str(path), "--address",
-                             f"{head_ip}:{GCS_PORT}", "--detach", timeout=600)
-                assert f"application {name!r} RUNNING" in out
+            paths = []
+            for name, cfg in _app_configs(tiny_dir).items():
+                paths.append(tmp / f"{name}.yaml")
+                paths[-1].write_text(yaml.safe_dump(cfg))
+            # one `pdserve ray-serve` from the head node deploys both applications together
+            out = _in_ns(head, sys.executable, "-m", "pdserve.cli", "ray-serve", *map(str, paths), "--address",
+                         f"{head_ip}:{GCS_PORT}", "--detach", timeout=600)
+            for name in _app_configs(tiny_dir):
+                assert f"application {name!r} RUNNING" in out, out
             _wait_proxy(f"http://{head_ip}:8000")
             print(f"two-node cluster and both applications up in {time.monotonic() - t0:.1f} s")
             yield Cluster(head, worker, head_ip, worker_ip, ref)

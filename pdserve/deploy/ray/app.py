@@ -1,7 +1,7 @@
 """The Ray Serve application of a RayServeConfig, and `pdserve ray-serve CONFIG.yaml`.
 
     serve run pdserve.deploy.ray.app:app_builder config=pdserve-ray.yaml   # Ray's own CLI (serve deploy too)
-    pdserve ray-serve pdserve-ray.yaml [--address auto]                    # deploy, wait until RUNNING
+    pdserve ray-serve pdserve-ray.yaml [more.yaml ...] [--address auto]    # deploy, wait until RUNNING
 
 One engine deployment per role (colocated: `engine`; disaggregated: `prefill` and `decode`, each with its own
 replicas and resources) and the OpenAI ingress in front of them.
@@ -18,6 +18,7 @@ from typing import Any
 
 from pdserve.deploy.ray.autoscaling import autoscaling_config
 from pdserve.deploy.ray.config import (
+    RayConfigError,
     RayServeConfig,
     ReplicaGroup,
     check_engine_options,
@@ -76,24 +77,53 @@ def app_builder(args: dict[str, Any]) -> Any:
 def deploy(cfg: RayServeConfig, address: str | None = None, timeout: float = 900.0) -> float:
     """Start Serve (HTTP on cfg.host:cfg.port) on the cluster at `address`, deploy the application and wait
     until it is RUNNING; returns the seconds that took."""
+    return deploy_all([cfg], address, timeout)[cfg.name]
+
+
+def check_together(cfgs: list[RayServeConfig]) -> None:
+    """Applications deployed together share the cluster's one Serve HTTP proxy: the same host and port, and
+    distinct names and route prefixes (RayConfigError otherwise)."""
+    for what, key in (("name", lambda c: c.name), ("route_prefix", lambda c: c.route_prefix)):
+        seen = [key(c) for c in cfgs]
+        dup = sorted({v for v in seen if seen.count(v) > 1})
+        if dup:
+            raise RayConfigError(f"applications deployed together need distinct {what}s; repeated: {dup}")
+    ports = sorted({(c.host, c.port) for c in cfgs})
+    if len(ports) > 1:
+        raise RayConfigError(f"applications deployed together share one Serve HTTP proxy: host and port must be "
+                             f"the same in every file, got {ports}")
+
+
+def deploy_all(cfgs: list[RayServeConfig], address: str | None = None, timeout: float = 900.0) -> dict[str, float]:
+    """Deploy the applications at once (their replicas start together) and wait until every one is RUNNING;
+    returns the seconds each took. A failed deploy raises RuntimeError naming it, a slow one TimeoutError."""
     import ray
     from ray import serve
 
+    check_together(cfgs)
     if not ray.is_initialized():
         ray.init(address=address, namespace="pdserve", log_to_driver=False)
     t0 = time.monotonic()
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
-    while True:
-        status = serve.status().applications.get(cfg.name)
-        if status is not None and status.status == "RUNNING":
-            return time.monotonic() - t0
-        if status is not None and status.status == "DEPLOY_FAILED":
-            raise RuntimeError(f"application {cfg.name!r} failed to deploy: {status.message}")
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"application {cfg.name!r} not RUNNING after {timeout:.0f} s: "
-                               f"{status.status if status else 'unknown'}")
-        time.sleep(1.0)
+    serve.start(http_options={"host": cfgs[0].host, "port": cfgs[0].port})
+    for cfg in cfgs:
+        serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
+    took: dict[str, float] = {}
+    while len(took) < len(cfgs):
+        apps = serve.status().applications
+        for cfg in cfgs:
+            status = apps.get(cfg.name)
+            if cfg.name in took or status is None:
+                continue
+            if status.status == "RUNNING":
+                took[cfg.name] = time.monotonic() - t0
+            elif status.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"application {cfg.name!r} failed to deploy: {status.message}")
+        if len(took) < len(cfgs) and time.monotonic() - t0 > timeout:
+            late = [c.name for c in cfgs if c.name not in took]
+            raise TimeoutError(f"applications {late} not RUNNING after {timeout:.0f} s")
+        if len(took) < len(cfgs):
+            time.sleep(0.5)
+    return took
 
 
 def delete_app(name: str) -> None:
@@ -114,17 +144,20 @@ def delete_app(name: str) -> None:
 def add_ray_serve_parser(sub: Any, serve_options: Callable[[], set[str]]) -> None:
     """`serve_options()`: the option names `pdserve serve` takes (the CLI's parser), to check `engine:` early."""
     p = sub.add_parser("ray-serve", help="deploy pdserve on a Ray cluster with Ray Serve (pip install pdserve[ray])")
-    p.add_argument("config", help="the application's YAML (README: Going multi-node on Ray Serve)")
+    p.add_argument("config", nargs="+", help="the application's YAML (README: Going multi-node on Ray Serve); "
+                   "several files deploy their applications together (one HTTP proxy: same host and port)")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local one)")
-    p.add_argument("--detach", action="store_true", help="return once the application is RUNNING (it keeps "
-                   "running on the cluster; `serve shutdown` or --delete removes it)")
-    p.add_argument("--delete", action="store_true", help="delete the application named in CONFIG and exit")
+    p.add_argument("--detach", action="store_true", help="return once the applications are RUNNING (they keep "
+                   "running on the cluster; `serve shutdown` or --delete removes them)")
+    p.add_argument("--delete", action="store_true", help="delete the applications named in CONFIG and exit")
     p.set_defaults(func=lambda args: _cmd_ray_serve(args, serve_options()))
 
 
 def _cmd_ray_serve(args: argparse.Namespace, serve_options: set[str]) -> int:
-    cfg = load_config(args.config)  # RayConfigError is a ValueError: the CLI prints it and exits 2
-    check_engine_options(cfg, serve_options)
+    cfgs = [load_config(path) for path in args.config]  # RayConfigError is a ValueError: the CLI prints it, exits 2
+    for cfg in cfgs:
+        check_engine_options(cfg, serve_options)
+    check_together(cfgs)
     if (args.detach or args.delete) and not (args.address or os.environ.get("RAY_ADDRESS")):
         raise ValueError("--detach and --delete need a running cluster: --address (or RAY_ADDRESS); without one "
                          "this command starts a local Ray that ends with it")
@@ -134,16 +167,19 @@ def _cmd_ray_serve(args: argparse.Namespace, serve_options: set[str]) -> int:
         raise ValueError("pdserve ray-serve needs Ray Serve: pip install 'pdserve[ray]'") from None
     if args.delete:
         ray.init(address=args.address, namespace="pdserve", log_to_driver=False)
-        delete_app(cfg.name)
+        for cfg in cfgs:
+            delete_app(cfg.name)
         return 0
-    took = deploy(cfg, args.address)
-    print(f"application {cfg.name!r} RUNNING after {took:.1f} s on http://{cfg.host}:{cfg.port}{cfg.route_prefix}",
-          flush=True)
+    took = deploy_all(cfgs, args.address)
+    for cfg in cfgs:
+        print(f"application {cfg.name!r} RUNNING after {took[cfg.name]:.1f} s on "
+              f"http://{cfg.host}:{cfg.port}{cfg.route_prefix}", flush=True)
     if args.detach:
         return 0
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        delete_app(cfg.name)
+        for cfg in cfgs:
+            delete_app(cfg.name)
     return 0
