@@ -480,7 +480,8 @@ void register_attention(pybind11::module_& m) {
                                 std::string(kernel_level(pick_kernel(head_dim, fmt, group, softcap))));
         }, py::arg("head_dim"), py::arg("bf16_cache"), py::arg("group"), py::arg("softcap") = false,
         "(prompt rows' kernel, generated rows' kernel) by ISA level: amx, avx512_bf16 (transposed tiles) and "
-        "avx512_bf16_rows (rows as stored) are the bf16 dot-product kernels, the others fp32 dot products; int8/fp8 caches take the fp32 kernels as an fp32 cache does");
+        "avx512_bf16_rows (rows as stored) are the bf16 dot-product kernels, the others fp32 dot products; "
+        "int8/fp8 caches take the fp32 kernels as an fp32 cache does");
   m.def("set_attention_bf16_min_group", [](int64_t g) {
           TORCH_CHECK(g >= 0, "group must be >= 0 (0: each level's own)");
           g_bf16_min_group.store(g);

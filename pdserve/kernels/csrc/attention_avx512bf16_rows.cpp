@@ -119,7 +119,10 @@ struct DotRows {
     };
     int i = 0;
     if constexpr (SETS == 2)
-      for (; i + 2 < n; i += 4) pair(i, std::integral_constant<int, 0>{}), pair(i + 2, std::integral_constant<int, 1>{});
+      for (; i + 2 < n; i += 4) {
+        pair(i, std::integral_constant<int, 0>{});
+        pair(i + 2, std::integral_constant<int, 1>{});
+      }
     for (; i < n; i += 2) pair(i, std::integral_constant<int, 0>{});
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NV; ++j) {
@@ -187,9 +190,10 @@ inline void softmax_row(const float* s, int nvis, float& m, float& l, uint16_t* 
   l = _mm512_reduce_add_ps(sum);
 }
 
-// One item in three passes over its keys (attention.cpp cuts items at partitions: at most 256): every row's scores, every row's softmax, then P . V. No
-// running max: the passes have no chain from one tile to the next, so the core overlaps the tiles' work (the
-// online softmax, tile after tile, waited on each tile's reduce, max and exp).
+// One item in three passes over its keys (attention.cpp cuts items at partitions: at most 256 keys): every row's
+// scores, every row's softmax, then P . V. No running max: the passes have no chain from one tile to the next, so
+// the core overlaps the tiles' work (the online softmax, tile after tile, waited on each tile's reduce, max and
+// exp).
 template <int D>
 void run_item(const AttnArgs& a, const AttnItem& it) {
   const int64_t g = a.hq / a.hkv, nt = it.t1 - it.t0, per_head = nt * g, nrows = per_head * it.nkvh;
