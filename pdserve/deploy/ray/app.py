@@ -108,22 +108,20 @@ def deploy_all(cfgs: list[RayServeConfig], address: str | None = None, timeout: 
     for cfg in cfgs:
         serve.run(build_app(cfg), name=cfg.name, route_prefix=cfg.route_prefix, blocking=False)
     took: dict[str, float] = {}
-    while len(took) < len(cfgs):
+    while True:
         apps = serve.status().applications
-        for cfg in cfgs:
-            status = apps.get(cfg.name)
-            if cfg.name in took or status is None:
-                continue
+        for cfg in (c for c in cfgs if c.name not in took and c.name in apps):
+            status = apps[cfg.name]
             if status.status == "RUNNING":
                 took[cfg.name] = time.monotonic() - t0
             elif status.status == "DEPLOY_FAILED":
                 raise RuntimeError(f"application {cfg.name!r} failed to deploy: {status.message}")
-        if len(took) < len(cfgs) and time.monotonic() - t0 > timeout:
-            late = [c.name for c in cfgs if c.name not in took]
+        late = [c.name for c in cfgs if c.name not in took]
+        if not late:
+            return took
+        if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"applications {late} not RUNNING after {timeout:.0f} s")
-        if len(took) < len(cfgs):
-            time.sleep(0.5)
-    return took
+        time.sleep(0.5)
 
 
 def delete_app(name: str) -> None:

@@ -60,9 +60,8 @@ void prepare_block(const AttnArgs& a, const AttnItem& it, int64_t kb, int n, Scr
     }
   }
   // V: dword (v[2i][dim], v[2i + 1][dim]) at [step][dim / 16][i][dim % 16]
-  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  __m512i lo, hi;
+  attn_bf16::pair_indices(lo, hi);
   for (int q = 0; q < nq; ++q) {
     uint32_t* dst = s.vt.data() + q * (D / 16) * 256;
     for (int i = 0; i < 16; ++i) {

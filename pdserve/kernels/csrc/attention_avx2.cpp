@@ -187,18 +187,9 @@ void run(const AttnArgs& a, const AttnItem& it) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float l = hsum(_mm256_add_ps(_mm256_loadu_ps(l16 + 16 * r), _mm256_loadu_ps(l16 + 16 * r + 8)));
-    if (it.part != nullptr) {
-      std::copy(acc + r * D, acc + (r + 1) * D, it.part + r * D);
-      it.part[rows * D + r] = m[r];
-      it.part[rows * D + rows + r] = l;
-      continue;
-    }
-    float* dst = a.out + item_row_offset(it, r, g, D, a.out_stride);
-    const __m256 inv = _mm256_set1_ps(l > 0.f ? 1.f / l : 0.f);
-    for (int j = 0; j < D; j += 8) _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + j), inv));
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    finish_row(a, it, rows, r, acc + r * D, m[r],
+               hsum(_mm256_add_ps(_mm256_loadu_ps(l16 + 16 * r), _mm256_loadu_ps(l16 + 16 * r + 8))));
 }
 
 }  // namespace

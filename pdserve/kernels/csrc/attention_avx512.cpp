@@ -322,18 +322,8 @@ void run(const AttnArgs& a, const AttnItem& it) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(l16 + 16 * r));
-    if (it.part != nullptr) {
-      std::copy(acc + r * D, acc + (r + 1) * D, it.part + r * D);
-      it.part[rows * D + r] = m[r];
-      it.part[rows * D + rows + r] = l;
-      continue;
-    }
-    float* dst = a.out + item_row_offset(it, r, g, D, a.out_stride);
-    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + j), inv));
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    finish_row(a, it, rows, r, acc + r * D, m[r], _mm512_reduce_add_ps(_mm512_loadu_ps(l16 + 16 * r)));
 }
 
 template <int D>

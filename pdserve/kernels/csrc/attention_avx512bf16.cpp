@@ -17,14 +17,9 @@
 namespace pdserve {
 namespace {
 
+using attn_bf16::bcast_pair;
 using attn_bf16::kTile;
 using attn_bf16::Scratch;
-
-inline __m512bh bcast_pair(const uint16_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
-}
 
 // Scores of row r (row block b, index i in it) against the key tile into sc[32].
 // Four accumulation chains (even and odd d-pairs of each key half): a decode block has G rows, too few to hide

@@ -23,27 +23,20 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 
-#include "vec_avx512.h"
+#include "attention_bf16.h"
 
 namespace pdserve {
 namespace {
 
+using attn_bf16::bcast_pair;
+using attn_bf16::kNegInf;
 using vec::reduce16;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline __m512bh bcast_pair(const uint16_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
-}
 
 template <int D>
 struct DotRows {
@@ -53,10 +46,8 @@ struct DotRows {
   const uint8_t* v[16];
   const uint16_t* qb = nullptr;  // per row: C chunks of hi, then C chunks of lo (32 bf16 each)
 
-  // qs: the item's pre-scaled q rows (D apart) as bf16 hi and lo parts.
-  void prepare(const float* qs, int64_t rows) {
-    thread_local std::vector<uint16_t> buf;
-    buf.resize(rows * 2 * D);
+  // qs: the item's pre-scaled q rows (D apart) as bf16 hi and lo parts, into buf (rows x 2D).
+  void prepare(const float* qs, int64_t rows, uint16_t* buf) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int c = 0; c < C; ++c) {
         const __m512 lo = _mm512_loadu_ps(qs + r * D + 32 * c), hi = _mm512_loadu_ps(qs + r * D + 32 * c + 16);
@@ -64,11 +55,11 @@ struct DotRows {
         const __m512 lo_h = vec::bf16_to_ps(_mm512_castsi512_si256(h));
         const __m512 hi_h = vec::bf16_to_ps(_mm512_extracti64x4_epi64(h, 1));
         const __m512i rest = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, hi_h), _mm512_sub_ps(lo, lo_h));
-        _mm512_storeu_si512(buf.data() + (r * 2 * C + c) * 32, h);
-        _mm512_storeu_si512(buf.data() + (r * 2 * C + C + c) * 32, rest);
+        _mm512_storeu_si512(buf + (r * 2 * C + c) * 32, h);
+        _mm512_storeu_si512(buf + (r * 2 * C + C + c) * 32, rest);
       }
     }
-    qb = buf.data();
+    qb = buf;
   }
 
   // Scores of row r against the tile's 16 keys (key i: one vector, hi then lo per chunk, chunks in order).
@@ -95,9 +86,8 @@ struct DotRows {
   template <int R>
   void pv(float* acc, const uint16_t* pp, int64_t ks, int n) const {
     constexpr int NV = D / 16, SETS = R * NV <= 8 ? 2 : 1;
-    alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i ilo = _mm512_load_si512(kLo), ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    __m512i ilo, ihi;
+    attn_bf16::pair_indices(ilo, ihi);
     __m512 o[SETS][R][NV];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NV; ++j) {
@@ -202,7 +192,7 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
   thread_local std::vector<float> fbuf;
   thread_local std::vector<uint16_t> pbuf;
   fbuf.resize(nrows * (2 * D + ks + 2));
-  pbuf.resize(nrows * ks);
+  pbuf.resize(nrows * (ks + 2 * D));  // bf16 probabilities, then q's two bf16 parts
   float *qs = fbuf.data(), *acc = qs + nrows * D, *sc = acc + nrows * D, *m = sc + nrows * ks, *l = m + nrows;
   uint16_t* pp = pbuf.data();
   const __m512 scale = _mm512_set1_ps(a.scale);
@@ -214,7 +204,7 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
     }
   }
   DotRows<D> rows;
-  rows.prepare(qs, nrows);
+  rows.prepare(qs, nrows, pp + nrows * ks);
   // a token t sees the tile at kt when kt <= pos0 + t
   each_tile<D>(a, it, rows, per_head, [&](int64_t kt, int, int64_t h0) {
     for (int64_t r = h0 + std::max<int64_t>(0, kt - it.pos0) * g; r < h0 + per_head; ++r) {
@@ -247,17 +237,7 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
       }
     }
   });
-  for (int64_t r = 0; r < nrows; ++r) {
-    if (it.part != nullptr) {
-      std::copy(acc + r * D, acc + (r + 1) * D, it.part + r * D);
-      it.part[nrows * D + r] = m[r];
-      it.part[nrows * D + nrows + r] = l[r];
-      continue;
-    }
-    float* dst = a.out + item_row_offset(it, r, g, D, a.out_stride);
-    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
-    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + j), inv));
-  }
+  for (int64_t r = 0; r < nrows; ++r) finish_row(a, it, nrows, r, acc + r * D, m[r], l[r]);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -115,6 +116,22 @@ inline void transpose16(__m512i* r) {
   }
 }
 
+// vpermt2w indices interleaving two rows of 32 bf16, x and y, into pairs (x[i], y[i]): lo for i = 0..15, hi for
+// 16..31 (the pair layout of vdpbf16ps's and AMX's B operands).
+inline void pair_indices(__m512i& lo, __m512i& hi) {
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  lo = _mm512_load_si512(kLo);
+  hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+}
+
+// The bf16 pair (p[0], p[1]) in every 32-bit lane.
+inline __m512bh bcast_pair(const uint16_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
+}
+
 // K^T and V tiles of keys kt .. kt + n - 1 (n <= 32; missing keys are zero).
 template <int D>
 void prepare_kv(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, Scratch& s) {
@@ -130,9 +147,8 @@ void prepare_kv(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, Scratc
     }
   }
   // V: dword (v[2i][dim], v[2i + 1][dim]) at [dim / 16][i][dim % 16]
-  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  __m512i lo, hi;
+  pair_indices(lo, hi);
   for (int i = 0; i < kTile / 2; ++i) {
     const uint16_t* v0 = 2 * i < n ? kv_row(a, it, 1, kt + 2 * i) : nullptr;
     const uint16_t* v1 = 2 * i + 1 < n ? kv_row(a, it, 1, kt + 2 * i + 1) : nullptr;
@@ -217,20 +233,10 @@ void walk(const AttnArgs& a, const AttnItem& it, Scratch& s, Scores scores, Pv p
 // The item's results: normalised rows into out, or (it.part) acc, m, l for attention.cpp's fold.
 template <int D>
 void finish(const AttnArgs& a, const AttnItem& it, const Scratch& s) {
-  const int64_t g = a.hq / a.hkv, rows = item_rows(a, it);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(s.l16.data() + 16 * r));
-    const float* acc = s.acc.data() + r * D;
-    if (it.part != nullptr) {
-      std::copy(acc, acc + D, it.part + r * D);
-      it.part[rows * D + r] = s.m[r];
-      it.part[rows * D + rows + r] = l;
-      continue;
-    }
-    float* dst = a.out + (it.t0 + r / g) * a.out_stride + (it.kvh * g + r % g) * D;
-    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
-    for (int j = 0; j < D; j += 16) _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), inv));
-  }
+  const int64_t rows = item_rows(a, it);
+  for (int64_t r = 0; r < rows; ++r)
+    finish_row(a, it, rows, r, s.acc.data() + r * D, s.m[r],
+               _mm512_reduce_add_ps(_mm512_loadu_ps(s.l16.data() + 16 * r)));
 }
 
 }  // namespace pdserve::attn_bf16

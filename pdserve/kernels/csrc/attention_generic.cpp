@@ -53,19 +53,7 @@ void attn_item_generic(const AttnArgs& a, const AttnItem& it) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* o = acc.data() + r * d;
-    if (it.part != nullptr) {
-      float* po = it.part + r * d;
-      for (int64_t i = 0; i < d; ++i) po[i] = o[i];
-      it.part[rows * d + r] = m[r];
-      it.part[rows * d + rows + r] = l[r];
-      continue;
-    }
-    float* dst = a.out + item_row_offset(it, r, g, d, a.out_stride);
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    for (int64_t i = 0; i < d; ++i) dst[i] = o[i] * inv;
-  }
+  for (int64_t r = 0; r < rows; ++r) finish_row(a, it, rows, r, acc.data() + r * d, m[r], l[r]);
 }
 
 }  // namespace pdserve

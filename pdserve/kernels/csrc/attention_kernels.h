@@ -59,6 +59,23 @@ inline int64_t item_row_offset(const AttnItem& it, int64_t r, int64_t g, int64_t
   return (it.t0 + rr / g) * stride + (h * g + rr % g) * d;
 }
 
+// Row r of an item's `rows` (head_dim d), its accumulator acc[d], running max m and sum l: acc / l into out, or, for
+// an item of one key partition (it.part), acc, m and l for attention.cpp's fold. Every kernel ends its rows here.
+// `static`: the kernel files are compiled for different ISA targets, and each keeps its own copy.
+static inline void finish_row(const AttnArgs& a, const AttnItem& it, int64_t rows, int64_t r, const float* acc,
+                              float m, float l) {
+  const int64_t d = a.d;
+  if (it.part != nullptr) {
+    std::copy(acc, acc + d, it.part + r * d);
+    it.part[rows * d + r] = m;
+    it.part[rows * d + rows + r] = l;
+    return;
+  }
+  float* dst = a.out + item_row_offset(it, r, a.hq / a.hkv, d, a.out_stride);
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int64_t i = 0; i < d; ++i) dst[i] = acc[i] * inv;
+}
+
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
 
 // A sequence's query rows [q0, q1) over seq_len keys: rows [q0, split) are prompt rows (position < prompt_len),
