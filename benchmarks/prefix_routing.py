@@ -2,13 +2,16 @@
 
     .venv/bin/python benchmarks/prefix_routing.py --model DIR [--conversations 16] [--systems 4] [--system-words 600]
                                                   [--turns 3] [--concurrency 8] [--rounds 2] [--out bench.json]
-                                                  [--kv-offload off|own|shared]
+                                                  [--kv-offload off|own|shared] [--think-time S]
 
 Two `pdserve serve` instances (`--num-threads 1` each, pinned to cores 0 and 1 when the machine has two or more) and
 two `pdserve router`s over both (no prefill pool: colocated), one `--routing prefix --tokenizer DIR`, one
 `--routing least-loaded`. Each run drives one router: `--conversations` chats, each on one of `--systems` system
 prompts (`--system-words` random words, new for every run so no run finds another's blocks), `--turns` user turns
 of which each sends the whole conversation so far, `--concurrency` chats at a time, 16 streamed output tokens a turn.
+With `--think-time S` each chat is a user who reads and types: its first turn starts at a uniform time in [0, S), each
+later one an exponential time of mean S after the previous answer (seeded), so the offered load stays below what the
+instances serve instead of a closed loop that queues every request behind the others.
 Runs alternate (least-loaded, prefix, prefix, least-loaded, ...). Reported per run: the client's TTFT p50/p90 over
 every turn, the prefix-hit rate (both instances' prefix_cache_hits / prefix_cache_queries gained during the run), and
 requests per second; then prefix / least-loaded ratios of the medians.
@@ -59,9 +62,11 @@ async def turn(http: httpx.AsyncClient, url: str, messages: list[dict[str, str]]
 
 
 async def conversation(http: httpx.AsyncClient, url: str, system: str, turns: int, rng: random.Random,
-                       ttfts: list[float]) -> None:
+                       ttfts: list[float], think: float = 0.0) -> None:
     messages = [{"role": "system", "content": system}]
     for t in range(turns):
+        if think > 0:  # the user's reading and typing time (the first turns spread over [0, think))
+            await asyncio.sleep(rng.uniform(0, think) if t == 0 else rng.expovariate(1.0 / think))
         messages.append({"role": "user", "content": f"Question {t}: " + " ".join(rng.choices(WORDS, k=12))})
         ttft, answer = await turn(http, url, messages)
         ttfts.append(ttft)
@@ -79,7 +84,7 @@ async def run(router: str, instances: list[str], args: argparse.Namespace, seed:
         async def one(i: int) -> None:
             async with sem:
                 await conversation(http, router, systems[i % len(systems)], args.turns, random.Random(seed * 1000 + i),
-                                   ttfts)
+                                   ttfts, args.think_time)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(args.conversations)))
@@ -125,6 +130,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="pairs of runs (least-loaded and prefix, alternating)")
     ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--think-time", type=float, default=0.0,
+                    help="mean seconds a user takes between an answer and the next turn (0: none, a closed loop)")
     ap.add_argument("--kv-offload", choices=("off", "own", "shared"), default="off",
                     help="the instances' disk tier (--kv-offload-dir): none, one directory each, or one shared")
     ap.add_argument("--out", default=None)

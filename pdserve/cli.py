@@ -332,7 +332,12 @@ def _add_introspection_args(srv: argparse.ArgumentParser) -> None:
                      "per request; needs pip install pdserve[otel]")
 
 
-def build_parser() -> argparse.ArgumentParser:
+CORE_COMMANDS = ("generate", "serve", "convert")  # built in this module; the others come from _add_tool_parsers
+
+
+def build_parser(tools: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; with tools=False only CORE_COMMANDS (what `pdserve serve` parses: the tool commands'
+    modules cost ~0.4 s of imports at every server start)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -396,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_bounds(srv)
     srv.set_defaults(func=_cmd_serve)
 
-    _add_tool_parsers(sub)
+    if tools:
+        _add_tool_parsers(sub)
 
     conv = sub.add_parser("convert", help="write a GGUF model as a Hugging Face safetensors directory")
     conv.add_argument("gguf", help="a .gguf file or smollm2-135m")
@@ -410,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call drowns bench output
     install_log_hygiene()  # no client-made line break splits a line (uvicorn's loggers get it once it set them up)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(tools=command not in CORE_COMMANDS).parse_args(argv)
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as exc:

@@ -544,14 +544,21 @@ def test_tokenizer_from_gguf_is_cached(llama_files: dict[str, Any], monkeypatch:
     assert (cache / ".complete").is_file()
     calls: list[dict[str, Any]] = []
     orig = transformers.AutoTokenizer.from_pretrained
+    read: list[str] = []
+    orig_dir = loader.load_tokenizer_dir
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs)
         return orig(*args, **kwargs)
 
+    def spy_dir(d: str) -> Any:
+        read.append(d)
+        return orig_dir(d)
+
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    monkeypatch.setattr(loader, "load_tokenizer_dir", spy_dir)
     tok2 = load_tokenizer(path)
-    assert calls and all("gguf_file" not in c for c in calls)  # served from the on-disk cache
+    assert read == [str(cache)] and all("gguf_file" not in c for c in calls)  # served from the on-disk cache
     text = "hello the world <|im_end|>"
     assert tok(text)["input_ids"] == tok2(text)["input_ids"]
     assert tok2.decode(tok2(text)["input_ids"]) == text

@@ -44,6 +44,7 @@ from pdserve.model.gguf_split import split_parts
 from pdserve.model.load_progress import LoadProgress, ProgressFn
 from pdserve.model.packaged_models import packaged_gguf_path
 from pdserve.model.packed_weights import GGUFMatrix, StateDict, reverse_permute_qk
+from pdserve.model.tokenizer_dir import load_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -416,11 +417,11 @@ def load_tokenizer(model: str | None) -> Any:
 
     path = resolve_model_path(model)
     if os.path.isdir(path):
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer_dir(path)
     cache = tokenizer_cache_dir(path)
     if (cache / ".complete").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cache))
+            return load_tokenizer_dir(str(cache))
         except Exception as e:  # corrupt cache: rebuild below
             logger.warning("ignoring broken tokenizer cache %s: %s", cache, e)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
