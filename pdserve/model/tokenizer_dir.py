@@ -49,7 +49,7 @@ def direct_class_applies(path: str) -> bool:
     if model_type in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS or model_cfg.get("model_name") in \
             MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS:
         return False
-    return (TOKENIZER_MAPPING_NAMES.get(model_type) or "") != "MistralCommonBackend"
+    return (TOKENIZER_MAPPING_NAMES.get(str(model_type)) or "") != "MistralCommonBackend"
 
 
 def load_tokenizer_dir(path: str) -> Any:
