@@ -337,7 +337,7 @@ CORE_COMMANDS = ("generate", "serve", "convert")  # built in this module; the ot
 
 def build_parser(tools: bool = True) -> argparse.ArgumentParser:
     """The whole command line; with tools=False only CORE_COMMANDS (what `pdserve serve` parses: the tool commands'
-    modules cost ~0.4 s of imports at every server start)."""
+    modules cost ~0.3 s of imports at every server start)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 

@@ -35,8 +35,10 @@ def direct_class_applies(path: str) -> bool:
         return False
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return False
-    model_cfg = _json(os.path.join(path, "config.json")) if os.path.exists(os.path.join(path, "config.json")) else {}
-    if model_cfg is None or "auto_map" in model_cfg:
+    config_path = os.path.join(path, "config.json")
+    # no config.json (pdserve's cache of a GGUF's tokenizer): AutoTokenizer falls back to an empty config
+    model_cfg = _json(config_path) if os.path.exists(config_path) else {}
+    if model_cfg is None or "auto_map" in model_cfg:  # unreadable, or remote code
         return False
     try:
         from transformers.models.auto.tokenization_auto import (
