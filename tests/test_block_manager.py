@@ -24,6 +24,7 @@ def admit(bm: BlockManager, req: Request) -> bool:
     blocks, n_cached = bm.get_computed_blocks(req)
     ok = bm.allocate_slots(req, req.num_tokens - n_cached, blocks)
     if ok:
+        bm.record_lookup(req.num_tokens, n_cached)
         req.num_computed_tokens = req.num_tokens
         bm.cache_full_blocks(req)
     return ok
@@ -126,6 +127,41 @@ def test_two_requests_share_prefix_blocks() -> None:
     bm.check_integrity()
     bm.free("b")
     assert bm.is_at_baseline()
+
+
+def test_in_flight_prefix_block_names_its_writer() -> None:
+    """A request computing its prompt names the next prompt block it writes; a waiting request whose first block
+    to compute after its hit is that one sees the writer, until the writer hashed it (then it hits it). Salts
+    keep their own chains; a freed or forgotten writer names nothing."""
+    bm = BlockManager(32, BS)
+    prompt = list(range(30))
+    a = make_request("a", prompt)
+    hit, n = bm.get_computed_blocks(a)
+    assert bm.allocate_slots(a, 30, hit)
+    bm.note_writing(a)
+    b = make_request("b", prompt[:21] + [99])
+    assert bm.in_flight_writer(b, bm.get_computed_blocks(b)[0]) == "a"
+    assert bm.in_flight_writer(make_request("s", prompt, cache_salt="x"), hit) is None
+    assert bm.in_flight_writer(make_request("o", [7] + prompt[1:]), hit) is None
+    a.num_computed_tokens = 10  # a chunk: blocks 0-1 hashed, block 2 in flight
+    bm.cache_full_blocks(a)
+    hit_b, n_b = bm.get_computed_blocks(b)
+    assert n_b == 8 and bm.in_flight_writer(b, hit_b) == "a"
+    a.num_computed_tokens = 28  # past b's shared blocks: b hits them and computes the rest itself
+    bm.cache_full_blocks(a)
+    hit_b, n_b = bm.get_computed_blocks(b)
+    assert n_b == 20 and bm.in_flight_writer(b, hit_b) is None
+    assert not bm.writing  # a's last full prompt block (6) is hashed: nothing of its prompt is in flight
+    d = make_request("d", list(range(100, 130)))
+    assert bm.allocate_slots(d, 30)
+    bm.note_writing(d)
+    e = make_request("e", list(range(100, 110)))
+    assert bm.in_flight_writer(e, bm.get_computed_blocks(e)[0]) == "d"
+    bm.free("d")
+    assert not bm.writing and not bm.req_writing
+    bm.free("a")
+    assert bm.is_at_baseline()
+    bm.check_integrity()
 
 
 def test_cache_salt_isolates_prefixes() -> None:

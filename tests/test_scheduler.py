@@ -177,3 +177,51 @@ def test_cache_salt_isolates_prefix_hits_end_to_end(make_llm: Any) -> None:
         with pytest.raises(RequestRejected) as e:
             eng.make_requests([prompt], params, "x", cache_salt=bad)  # type: ignore[arg-type]
         assert e.value.param == "cache_salt"
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_waiting_request_reuses_a_prefix_in_flight(make_llm: Any, prefix_caching: bool) -> None:
+    """Two requests with one long prompt arrive together: the second waits while the first computes the shared
+    blocks, then hits them and computes only the last partial block (not the prompt a second time), with the same
+    greedy output; requests with other prompts are not held. Its lookup counts once however long it waited."""
+    eng = make_llm(max_num_batched_tokens=512, enable_prefix_caching=prefix_caching).engine
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = ids(300)
+    a = eng.add_request(prompt, params)
+    b = eng.add_request(prompt, params)
+    other = eng.add_request(ids(40, 2000), params)
+    eng.step()
+    # held, b leaves its share of the step's budget to `other`; not held, it takes it (computing a's blocks again)
+    assert [n for _, n in other.times.prefill_chunks] == ([40] if prefix_caching else [])
+    assert b.num_computed_tokens == (0 if prefix_caching else 212)
+    outs = {o.request_id: o for o in drain(eng) if o.finished}
+    assert outs[a.request_id].outputs[0].token_ids == outs[b.request_id].outputs[0].token_ids
+    computed_b = sum(n for _, n in b.times.prefill_chunks)
+    if prefix_caching:
+        assert b.num_cached_tokens == 288 and computed_b == 12 and eng.scheduler.num_prefix_waits == 1
+        assert eng.block_manager.stats.queries == 640 and eng.block_manager.stats.hits == 288
+    else:
+        assert computed_b == 300 and eng.scheduler.num_prefix_waits == 0
+    assert not eng.block_manager.writing
+
+
+def test_a_held_prefix_writer_that_aborts_releases_its_waiters() -> None:
+    """The writer is aborted before its step ran: the request waiting on its block is admitted next and computes
+    the prompt itself (the aborted writer's blocks were never hashed)."""
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.request import Request, RequestStatus
+    from pdserve.engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=512)
+    a, b = (Request(r, ids(300)["prompt_token_ids"], SamplingParams(), eos_token_ids={2}, max_tokens=4)
+            for r in ("a", "b"))
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [d.req_id for d in out.scheduled_reqs] == ["a"] and sched.num_prefix_waits == 1
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert not sched.block_manager.writing
+    out = sched.schedule()
+    assert [(d.req_id, len(d.token_ids)) for d in out.scheduled_reqs] == [("b", 300)] and b.num_cached_tokens == 0
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert sched.block_manager.is_at_baseline() and not sched.block_manager.writing

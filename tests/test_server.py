@@ -254,6 +254,7 @@ def test_metrics_match_requests(server: ServerProc, client: openai.OpenAI) -> No
     assert delta("pdserve:request_time_per_output_token_seconds_count") == 3
     assert any(k.startswith("pdserve:engine_step_time_seconds_count{step_kind=decode") for k in after)
     assert "pdserve:prefix_cache_queries_total" in after and "pdserve:num_preemptions_total" in after
+    assert delta("pdserve:prefix_cache_inflight_waits_total") == 0  # one request at a time: nobody waits
     # live roofline: the FLOPs and bytes the steps needed, from the model shape (sequential requests: one prefill
     # step each, then one decode step per further token)
     arch = model_shape_from(None)

@@ -20,6 +20,12 @@ tokens, so a hash collision can never return wrong K/V, and requests with differ
 it is the same in every process (no PYTHONHASHSEED; `hash(None)` is not stable before Python 3.12); the hashing
 lives in pdserve/prefix_hash.py, shared with the router, which computes the same chains to route by prefix.
 `cache_version` counts changes to the set of cached hashes, so a published copy is rebuilt only when it moved.
+
+In-flight prefixes: a request computing its prompt records the hash of the next full prompt block it writes
+(`writing`, moved on as its blocks are hashed). A waiting request whose own next block, after its cache hit, is
+that block would compute the same K/V a second time; the scheduler holds it until the writer has hashed the block
+(`in_flight_writer`), and it then hits. Lookups count in `stats` once per admission (`record_lookup`), not once per
+step a request waits at the head of the queue.
 """
 
 from __future__ import annotations
@@ -101,6 +107,9 @@ class BlockManager:
         self.high_water = 0
         # blocks hashed since the disk tier last took them (engine/kv_offload.py); None: nobody records them
         self.newly_cached: list[KVCacheBlock] | None = None
+        # in-flight prefixes (module doc): hash of the next prompt block a request writes -> that request, and back
+        self.writing: dict[int, str] = {}
+        self.req_writing: dict[str, int] = {}
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -140,9 +149,45 @@ class BlockManager:
         if not self.enable_prefix_caching or request.needs_prompt_rows:
             return PrefixHit([[] for _ in self.windows]), 0
         hit = self._match_groups(request)
-        self.stats.queries += len(request.all_token_ids)
-        self.stats.hits += len(hit) * self.block_size
         return hit, len(hit) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count an admitted request's lookup: num_tokens looked up, num_cached of them hit."""
+        if self.enable_prefix_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_cached
+
+    def note_writing(self, request: Request) -> None:
+        """Record the request's next block to be written (its first block not hashed) as in flight when it is a full
+        block of its prompt; any earlier record of the request is dropped."""
+        rid = request.request_id
+        self.forget_writing(rid)
+        if not self.enable_prefix_caching or rid not in self.req_blocks:
+            return
+        n, bs = self.req_num_hashed.get(rid, 0), self.block_size
+        if (n + 1) * bs > request.num_prompt_tokens:
+            return
+        chain = self.req_hashes.get(rid, [])
+        parent = chain[n - 1] if n else root_hash(request.cache_salt, request.lora_int_id)
+        h = hash_block(parent, request.all_token_ids[n * bs:(n + 1) * bs])
+        if self.writing.setdefault(h, rid) == rid:  # the first writer keeps the record
+            self.req_writing[rid] = h
+
+    def in_flight_writer(self, request: Request, hit: PrefixHit) -> str | None:
+        """The request now writing the block this (waiting) request would compute first after its hit, if any."""
+        if not self.writing or request.needs_prompt_rows:
+            return None
+        n, bs, tokens = len(hit), self.block_size, request.all_token_ids
+        if (n + 1) * bs > len(tokens) - 1:  # its next block is not one a lookup could hit
+            return None
+        parent = hit.hashes[n - 1] if n else root_hash(request.cache_salt, request.lora_int_id)
+        return self.writing.get(hash_block(parent, tokens[n * bs:(n + 1) * bs]))
+
+    def forget_writing(self, rid: str) -> None:
+        """The request writes no prompt block any more (finished, aborted, preempted)."""
+        h = self.req_writing.pop(rid, None)
+        if h is not None and self.writing.get(h) == rid:
+            del self.writing[h]
 
     def match_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The cached blocks of group 0 on the request's longest matching prefix (of its first num_tokens - 1
@@ -242,6 +287,7 @@ class BlockManager:
                         self.newly_cached.append(blk)
             parent = h
         self.req_num_hashed[rid] = n_full
+        self.note_writing(request)
 
     # ---- allocation ----------------------------------------------------------------------------------------
     def allocate_slots(self, request: KVSequence, num_new_tokens: int,
@@ -315,6 +361,7 @@ class BlockManager:
         self.req_num_hashed.pop(request_id, None)
         self.req_hashes.pop(request_id, None)
         self.req_skipped.pop(request_id, None)
+        self.forget_writing(request_id)
 
     def _release(self, blk: KVCacheBlock) -> None:
         """One reference less; a block nobody holds joins the free queue: uncached ones first (reused first),

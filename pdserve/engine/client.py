@@ -524,7 +524,8 @@ class EngineClient:
         self.stat_logger.observe_step(stats, SchedulerStats(
             sched.num_running, sched.num_waiting, bm.usage, bm.stats.queries, bm.stats.hits, sched.num_preemptions,
             eng.spec.stats if eng.spec is not None else None, eng.lora_stats() if eng.lora is not None else None,
-            eng.kv_offload.stats if eng.kv_offload is not None else None, bm.num_window_freed))
+            eng.kv_offload.stats if eng.kv_offload is not None else None, bm.num_window_freed,
+            sched.num_prefix_waits))
 
     def _explain(self, req: Request, out: RequestOutput, tenant: str | None) -> None:
         """Keep a finished request's explanation (engine thread; never takes the loop down)."""

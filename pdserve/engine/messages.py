@@ -86,6 +86,7 @@ class SchedulerStats:
     lora: LoRAStats | None = None
     offload: KVOffloadStats | None = None  # the prefix cache's disk tier (None: off)
     kv_window_freed_blocks: int = 0  # total: blocks sliding-window KV groups freed (model/kv_layout.py)
+    prefix_inflight_waits: int = 0  # total: requests held for a prefix another request was computing
 
 
 @dataclass

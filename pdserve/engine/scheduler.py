@@ -77,6 +77,9 @@ class Scheduler:
         self._in_runner: set[str] = set()  # requests whose state the model runner holds (sent as new_requests)
         self.kv_offload: KVOffloadStore | None = None  # the prefix cache's disk tier (set by the engine)
         self._finished_req_ids: list[str] = []  # of those, finished since take_finished_req_ids
+        # waiting requests held for a prefix block another request is writing; the total held, for metrics
+        self._prefix_waiters: set[str] = set()
+        self.num_prefix_waits = 0
 
     # ---- admission / removal -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -119,12 +122,14 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
+        self.block_manager.forget_writing(request.request_id)  # nobody waits on a block it will not write
         # the KV transfer may keep the blocks (pinned for a decode instance, or a pull still writing them)
         if self.kv_transfer is None or not self.kv_transfer.on_finish(request, status):
             self.block_manager.free(request.request_id)
         if self.spec is not None:
             self.spec.on_finished(request)
         del self.requests[request.request_id]
+        self._prefix_waiters.discard(request.request_id)
         if request.request_id in self._in_runner:  # the runner drops its state (EngineCore tells it)
             self._in_runner.discard(request.request_id)
             self._finished_req_ids.append(request.request_id)
@@ -233,25 +238,32 @@ class Scheduler:
                 (decodes if decode else prefills).append((req, num_new))
                 budget -= num_new
 
-        # 2. waiting requests in queue order, unless this step had to preempt (memory is tight)
+        # 2. waiting requests in queue order, unless this step had to preempt (memory is tight); one whose next
+        # prompt block a running request is writing waits for it (it hits it then) while those behind it go on
         kv = self.kv_transfer
         num_loading = self.num_loading
-        while (self.waiting and not out.preempted_req_ids and budget > 0
+        bm = self.block_manager
+        i = 0
+        while (i < len(self.waiting) and not out.preempted_req_ids and budget > 0
                and len(self.running) + num_loading < self.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[i]
             if self.kv_offload is not None and not self.kv_offload.promote(req):
                 break  # its prefix is read from disk a bounded amount a step (cached blocks, then the lookup)
-            computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
+            computed_blocks, num_cached = bm.get_computed_blocks(req)
             if kv is not None and kv.wants_remote_load(req, num_cached):
                 # PD decode side: hold blocks, pull the prompt's KV in a connector thread (no token budget)
                 if not kv.start_load(req, computed_blocks, num_cached):
                     break
-                self.waiting.popleft()
+                del self.waiting[i]
+                self._admitted(req, num_cached, now)
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                req.num_cached_tokens = num_cached
-                if req.times.first_scheduled is None:
-                    req.times.first_scheduled = now
                 num_loading += 1
+                continue
+            if bm.in_flight_writer(req, computed_blocks) is not None:
+                if req.request_id not in self._prefix_waiters:
+                    self._prefix_waiters.add(req.request_id)
+                    self.num_prefix_waits += 1
+                i += 1
                 continue
             remaining = req.num_tokens - num_cached
             if not self.enable_chunked_prefill and remaining > budget:
@@ -261,14 +273,11 @@ class Scheduler:
                 if cap <= 0:
                     break
                 num_new = min(num_new, cap)
-            if not self.block_manager.allocate_slots(req, num_new, computed_blocks):
+            if not bm.allocate_slots(req, num_new, computed_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-            if req.times.first_scheduled is None:
-                req.times.first_scheduled = now
+            self._admitted(req, num_cached, now)
             self._add_running(req)
             prefills.append((req, num_new))
             budget -= num_new
@@ -279,6 +288,16 @@ class Scheduler:
         if self.spec is not None and decodes:
             budget = self._schedule_drafts(decodes, budget, len(prefills) + len(self.waiting))
         return self._fill_output(out, decodes, prefills, budget)
+
+    def _admitted(self, req: Request, num_cached: int, now: float) -> None:
+        """A waiting request got its blocks: its lookup counts, its next prompt block is in flight."""
+        self.block_manager.record_lookup(req.num_tokens, num_cached)
+        self.block_manager.note_writing(req)
+        self._prefix_waiters.discard(req.request_id)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        if req.times.first_scheduled is None:
+            req.times.first_scheduled = now
 
     def _schedule_drafts(self, decodes: list[tuple[Request, int]], budget: int, num_prefilling: int) -> int:
         """Speculative decoding: of each decode's proposals (spec_token_ids, from the runner's drafter after its

@@ -118,10 +118,12 @@ class Metrics:
         self._children = {name: getattr(self, name).labels(m) for name in (
             "ttft", "itl", "tpot", "e2e", "queue", "prefill", "decode", "prompt_hist", "gen_hist", "iter_tokens",
             "running", "waiting", "kv_usage", "prompt_tokens", "gen_tokens", "prefix_queries", "prefix_hits",
-            "preemptions", "window_freed", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")}
+            "preemptions", "window_freed", "inflight_waits", "spec_drafts", "spec_draft_tokens",
+            "spec_accepted_tokens")}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
         self._last_window_freed = 0
+        self._last_inflight_waits = 0
         self.lora_info = Gauge("pdserve:lora_requests_info", "LoRA adapters of the running and of the waiting "
                                "requests (comma-separated names; value: when they last changed, Unix seconds), as "
                                "vLLM's lora_requests_info.", ["model_name", "running_lora_adapters",
@@ -156,6 +158,8 @@ class Metrics:
         self._last_preemptions = num_preemptions
         c["window_freed"].inc(sched.kv_window_freed_blocks - self._last_window_freed)
         self._last_window_freed = sched.kv_window_freed_blocks
+        c["inflight_waits"].inc(sched.prefix_inflight_waits - self._last_inflight_waits)
+        self._last_inflight_waits = sched.prefix_inflight_waits
         self.live.record_step(step, num_running, num_waiting, kv_usage, prefix_queries, prefix_hits,
                               num_preemptions, sched.offload)
         if sched.spec is not None:
@@ -174,6 +178,9 @@ class Metrics:
                                     "returned to the pool because they fell out of the window of every query still "
                                     "to come (models with sliding windows; 0 with one block table).", lbl,
                                     registry=r)
+        self.inflight_waits = Counter("pdserve:prefix_cache_inflight_waits", "Requests held in the queue while "
+                                      "another request computed the prompt blocks they share (they hit those "
+                                      "blocks instead of computing them again).", lbl, registry=r)
 
     def _spec_counters(self, lbl: list[str], r: CollectorRegistry) -> None:
         # speculative decoding, vLLM's names (fed from the engine's SpecDecodeStats; zero while it is off)
