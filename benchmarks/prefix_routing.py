@@ -13,8 +13,9 @@ With `--think-time S` each chat is a user who reads and types: its first turn st
 later one an exponential time of mean S after the previous answer (seeded), so the offered load stays below what the
 instances serve instead of a closed loop that queues every request behind the others.
 Runs alternate (least-loaded, prefix, prefix, least-loaded, ...). Reported per run: the client's TTFT p50/p90 over
-every turn, the prefix-hit rate (both instances' prefix_cache_hits / prefix_cache_queries gained during the run), and
-requests per second; then prefix / least-loaded ratios of the medians.
+every turn, the prefix-hit rate (both instances' prefix_cache_hits / prefix_cache_queries gained during the run), the
+requests an instance held while another computed their prefix (prefix_cache_inflight_waits), and requests per
+second; then prefix / least-loaded ratios of the medians.
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ async def run(router: str, instances: list[str], args: argparse.Namespace, seed:
         after = [(await http.get(u + "/metrics")).text for u in instances]
         routed = (await http.get(router + "/metrics")).text
     gained = {k: sum(metric_sum(a, f"pdserve:prefix_cache_{k}_total") - metric_sum(b, f"pdserve:prefix_cache_{k}_total")
-                     for a, b in zip(after, before, strict=True)) for k in ("hits", "queries")}
+                     for a, b in zip(after, before, strict=True)) for k in ("hits", "queries", "inflight_waits")}
     decisions = {r: metric_sum(routed, f'pdserve:router_routing_decisions_total{{pool="decode",reason="{r}"}}')
                  for r in ("prefix", "no_match", "no_prefix")}
     return {"ttft_p50_s": float(np.percentile(ttfts, 50)), "ttft_p90_s": float(np.percentile(ttfts, 90)),
             "prefix_hit_rate": gained["hits"] / max(gained["queries"], 1.0), "requests": len(ttfts),
-            "requests_per_s": len(ttfts) / wall, "wall_s": wall, "decisions_so_far": decisions}
+            "requests_per_s": len(ttfts) / wall, "wall_s": wall, "decisions_so_far": decisions,
+            "inflight_waits": gained["inflight_waits"]}
 
 
 def start_all(tmp: Path, args: argparse.Namespace) -> tuple[list[ServerProc], dict[str, ServerProc]]:
@@ -146,7 +148,8 @@ def main() -> int:
             res = asyncio.run(run(routers[mode].base_url, [i.base_url for i in insts], args, seed))
             results[mode].append(res)
             print(f"{mode:>13}: TTFT p50 {res['ttft_p50_s'] * 1e3:7.0f} ms  p90 {res['ttft_p90_s'] * 1e3:7.0f} ms  "
-                  f"hit rate {res['prefix_hit_rate']:.2f}  {res['requests_per_s']:.2f} req/s  routed so far "
+                  f"hit rate {res['prefix_hit_rate']:.2f}  {res['requests_per_s']:.2f} req/s  held for an in-flight "
+                  f"prefix {res['inflight_waits']:.0f}  routed so far "
                   f"{res['decisions_so_far']}", flush=True)
     finally:
         for s in [*routers.values(), *insts]:
