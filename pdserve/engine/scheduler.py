@@ -238,14 +238,25 @@ class Scheduler:
                 (decodes if decode else prefills).append((req, num_new))
                 budget -= num_new
 
-        # 2. waiting requests in queue order, unless this step had to preempt (memory is tight); one whose next
-        # prompt block a running request is writing waits for it (it hits it then) while those behind it go on
+        # 2. waiting requests in queue order, unless this step had to preempt (memory is tight)
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(prefills, budget, cap, now)
+
+        # 3. drafts for the decodes, from the budget that prefills left (a draft never delays a prompt's chunk)
+        if self.spec is not None and decodes:
+            budget = self._schedule_drafts(decodes, budget, len(prefills) + len(self.waiting))
+        return self._fill_output(out, decodes, prefills, budget)
+
+    def _schedule_waiting(self, prefills: list[tuple[Request, int]], budget: int, cap: int | None,
+                          now: float) -> int:
+        """Admit waiting requests in queue order within the budget (and the step budget's prefill cap); one whose next
+        prompt block a running request is writing waits for it (it hits it then) while those behind it go on.
+        Returns the budget left."""
         kv = self.kv_transfer
         num_loading = self.num_loading
         bm = self.block_manager
         i = 0
-        while (i < len(self.waiting) and not out.preempted_req_ids and budget > 0
-               and len(self.running) + num_loading < self.max_num_seqs):
+        while i < len(self.waiting) and budget > 0 and len(self.running) + num_loading < self.max_num_seqs:
             req = self.waiting[i]
             if self.kv_offload is not None and not self.kv_offload.promote(req):
                 break  # its prefix is read from disk a bounded amount a step (cached blocks, then the lookup)
@@ -283,11 +294,7 @@ class Scheduler:
             budget -= num_new
             if cap is not None:
                 cap -= num_new
-
-        # 3. drafts for the decodes, from the budget that prefills left (a draft never delays a prompt's chunk)
-        if self.spec is not None and decodes:
-            budget = self._schedule_drafts(decodes, budget, len(prefills) + len(self.waiting))
-        return self._fill_output(out, decodes, prefills, budget)
+        return budget
 
     def _admitted(self, req: Request, num_cached: int, now: float) -> None:
         """A waiting request got its blocks: its lookup counts, its next prompt block is in flight."""

@@ -121,9 +121,7 @@ class Metrics:
             "preemptions", "window_freed", "inflight_waits", "spec_drafts", "spec_draft_tokens",
             "spec_accepted_tokens")}
         self._last_prefix = (0, 0)
-        self._last_preemptions = 0
-        self._last_window_freed = 0
-        self._last_inflight_waits = 0
+        self._last_preemptions = self._last_window_freed = self._last_inflight_waits = 0
         self.lora_info = Gauge("pdserve:lora_requests_info", "LoRA adapters of the running and of the waiting "
                                "requests (comma-separated names; value: when they last changed, Unix seconds), as "
                                "vLLM's lora_requests_info.", ["model_name", "running_lora_adapters",
