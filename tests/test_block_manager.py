@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve.engine.block_manager import BlockManager, root_hash
+from pdserve.engine.block_manager import BlockManager, hash_block, root_hash
 from pdserve.engine.request import Request
 from pdserve.sampling_params import SamplingParams
 
@@ -224,6 +224,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         else:
             assert req.request_id not in self.bm.req_blocks
 
+    @rule(prefix=st.sampled_from([[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9]]),
+          tail=st.lists(st.integers(3, 12), min_size=1, max_size=14), done=st.integers(0, 12))
+    def start_prompt(self, prefix: list[int], tail: list[int], done: int) -> None:
+        """Admitted as the scheduler does, its prompt computed only in part (a chunk): its next block in flight."""
+        self.n += 1
+        req = make_request(f"r{self.n}", prefix + tail)
+        hit, n_cached = self.bm.get_computed_blocks(req)
+        if self.bm.allocate_slots(req, req.num_tokens - n_cached, hit):
+            req.num_computed_tokens = min(n_cached + done, req.num_tokens)
+            self.bm.note_writing(req)
+            self.bm.cache_full_blocks(req)
+            self.live[req.request_id] = req
+
     @precondition(lambda self: self.live)
     @rule(data=st.data(), k=st.integers(1, 6))
     def append(self, data: st.DataObject, k: int) -> None:
@@ -262,6 +275,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for rid, req in self.live.items():
             table = self.bm.req_blocks[rid]
             assert len(table) * BS >= req.num_computed_tokens
+            if rid in self.bm.req_writing:  # the first block it has not hashed, a full block of its prompt
+                n = self.bm.req_num_hashed.get(rid, 0)
+                assert (n + 1) * BS <= req.num_prompt_tokens and n * BS <= req.num_computed_tokens < (n + 1) * BS
+                parent = self.bm.req_hashes[rid][n - 1] if n else root_hash(None)
+                assert self.bm.req_writing[rid] == hash_block(parent, req.all_token_ids[n * BS:(n + 1) * BS])
 
     def teardown(self) -> None:
         for rid in list(self.live):

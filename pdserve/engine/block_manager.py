@@ -431,6 +431,9 @@ class BlockManager:
         for g, cached in enumerate(self.group_cached):
             for h, blk in cached.items():
                 assert blk.block_hash == h and blk.group == g, "cached map points at a block with another hash"
+        for rid, h in self.req_writing.items():
+            assert self.writing.get(h) == rid and rid in self.req_blocks, f"{rid}'s in-flight record is stale"
+        assert all(self.req_writing.get(rid) == h for h, rid in self.writing.items())
         for rid, n in self.req_num_hashed.items():
             for group in self.group_blocks:
                 table = group.get(rid, [])
