@@ -263,3 +263,35 @@ def test_a_bad_size_is_refused_by_the_config() -> None:
     for bad in ("0", "-1GiB", "lots"):
         with pytest.raises(ValueError):
             EngineConfig(kv_offload_max_size=bad)
+
+
+def test_waiting_requests_walk_the_disk_once(tmp_path: Path) -> None:
+    """Requests held in the queue (here: for a prefix another request is computing) look their prefix up on disk
+    once, not at every step they wait; a preempted one looks again."""
+    import torch
+
+    from pdserve.engine.request import Request, RequestStatus
+    from pdserve.engine.scheduler import Scheduler
+
+    bm = BlockManager(64, 16)
+    store = kv_offload.KVOffloadStore(str(tmp_path), 2**30, "m", torch.zeros(2, 2, 65, 16, 1, 8), bm)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=512)
+    sched.kv_offload = store
+    walks: list[str] = []
+    match = bm.match_prefix
+    bm.match_prefix = lambda r: (walks.append(r.request_id), match(r))[1]  # type: ignore[method-assign]
+    ids = prompt_ids(7, 300)
+    reqs = [Request(r, ids, SamplingParams(), eos_token_ids={2}, max_tokens=4) for r in "abc"]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(3):  # the model never runs: a keeps writing its first block, b and c keep waiting for it
+        out = sched.schedule()
+        assert [d.req_id for d in out.scheduled_reqs] == ["a"]
+        reqs[0].num_computed_tokens = 0
+    assert sorted(walks) == ["a", "b", "c"] and sched.num_prefix_waits == 2
+    reqs[1].times.preemptions.append(0.0)  # as _preempt records it
+    sched.schedule()
+    assert sorted(walks) == ["a", "b", "b", "c"]
+    sched.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
+    store.close()
+    assert bm.is_at_baseline()

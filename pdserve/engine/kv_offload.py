@@ -51,6 +51,7 @@ _HEAD = struct.Struct("<8sI")  # magic, header length
 SUFFIX = ".kvb"
 MAX_PENDING_BYTES = 256 * 2**20  # K/V copied out and not yet written: past this, new blocks are not queued
 READ_BYTES_PER_STEP = 32 * 2**20  # read back per scheduling step (a bound on the stall of the step's other requests)
+SETTLED_MAX = 1024  # requests remembered as walked (promote): more than ever wait at once
 
 
 def layout_fingerprint(model: str, kv_cache: torch.Tensor, block_size: int) -> str:
@@ -66,6 +67,10 @@ def _name(block_hash: int) -> str:
     return f"{block_hash & (2**64 - 1):016x}{SUFFIX}"
 
 
+def _walk_key(request: Request) -> tuple[str, int]:
+    return request.request_id, len(request.times.preemptions)
+
+
 class KVOffloadStore:
     """The disk tier of one engine (see the module docstring). Engine thread: save_new_blocks, promote; the writer
     thread: files and the index (under the lock)."""
@@ -77,7 +82,10 @@ class KVOffloadStore:
         self.block_size = block_manager.block_size
         self.max_bytes = max_bytes
         self.block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()  # one block, every layer's K and V
-        self._settled: str | None = None  # the request whose disk walk ended: not walked again while it waits
+        # requests whose disk walk ended, not walked again while they wait (for seats, blocks, or a prefix another
+        # request is computing: several may wait at once), by (id, preemptions: a preempted one walks again); the
+        # most recent SETTLED_MAX
+        self._settled: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.fingerprint = layout_fingerprint(model, kv_cache, self.block_size)
         self.dir = Path(directory) / self.fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +212,7 @@ class KVOffloadStore:
         blocks, at most READ_BYTES_PER_STEP a call; leaves enough free blocks for the rest of the request. False
         while more may follow (the request should wait for the next step), True when nothing more is to be read."""
         bm = self.block_manager
-        if not bm.enable_prefix_caching or request.needs_prompt_rows or request.request_id == self._settled:
+        if not bm.enable_prefix_caching or request.needs_prompt_rows or _walk_key(request) in self._settled:
             return True
         tokens, bs = request.all_token_ids, self.block_size
         max_blocks = (len(tokens) - 1) // bs
@@ -233,7 +241,9 @@ class KVOffloadStore:
             self.stats.blocks_loaded += 1
             self.stats.bytes_loaded += payload.numel()
             parent, i, loaded = h, i + 1, loaded + 1
-        self._settled = request.request_id  # while it waits for seats or blocks, its walk is not repeated each step
+        self._settled[_walk_key(request)] = None
+        if len(self._settled) > SETTLED_MAX:
+            self._settled.popitem(last=False)
         return True
 
     def _read(self, block_hash: int, parent: int, tokens: Sequence[int]) -> torch.Tensor | None:
