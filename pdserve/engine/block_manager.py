@@ -167,9 +167,7 @@ class BlockManager:
         n, bs = self.req_num_hashed.get(rid, 0), self.block_size
         if (n + 1) * bs > request.num_prompt_tokens:
             return
-        chain = self.req_hashes.get(rid, [])
-        parent = chain[n - 1] if n else root_hash(request.cache_salt, request.lora_int_id)
-        h = hash_block(parent, request.all_token_ids[n * bs:(n + 1) * bs])
+        h = self._block_hash(request, self.req_hashes.get(rid, []), n)
         if self.writing.setdefault(h, rid) == rid:  # the first writer keeps the record
             self.req_writing[rid] = h
 
@@ -177,11 +175,16 @@ class BlockManager:
         """The request now writing the block this (waiting) request would compute first after its hit, if any."""
         if not self.writing or request.needs_prompt_rows:
             return None
-        n, bs, tokens = len(hit), self.block_size, request.all_token_ids
-        if (n + 1) * bs > len(tokens) - 1:  # its next block is not one a lookup could hit
+        n = len(hit)
+        if (n + 1) * self.block_size > len(request.all_token_ids) - 1:  # not a block a lookup could hit
             return None
-        parent = hit.hashes[n - 1] if n else root_hash(request.cache_salt, request.lora_int_id)
-        return self.writing.get(hash_block(parent, tokens[n * bs:(n + 1) * bs]))
+        return self.writing.get(self._block_hash(request, hit.hashes, n))
+
+    def _block_hash(self, request: Request, chain: Sequence[int], n: int) -> int:
+        """The hash of the request's block n, chained from chain[n - 1] (its first n blocks' hashes)."""
+        parent = chain[n - 1] if n else root_hash(request.cache_salt, request.lora_int_id)
+        bs = self.block_size
+        return hash_block(parent, request.all_token_ids[n * bs:(n + 1) * bs])
 
     def forget_writing(self, rid: str) -> None:
         """The request writes no prompt block any more (finished, aborted, preempted)."""

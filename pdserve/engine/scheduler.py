@@ -122,10 +122,11 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.block_manager.forget_writing(request.request_id)  # nobody waits on a block it will not write
         # the KV transfer may keep the blocks (pinned for a decode instance, or a pull still writing them)
         if self.kv_transfer is None or not self.kv_transfer.on_finish(request, status):
             self.block_manager.free(request.request_id)
+        else:  # kept, but nobody may wait on a block it will not write
+            self.block_manager.forget_writing(request.request_id)
         if self.spec is not None:
             self.spec.on_finished(request)
         del self.requests[request.request_id]
