@@ -106,3 +106,33 @@ def test_rows_spanning_partitions_in_one_chunk(min_group: Any, threads: None) ->
         alone = w.run(mod, [(0, 1, 0)])
         w.length = 300
         assert torch.equal(w.run(mod, [(0, 300, row)]), alone), (mod.active_isa(), row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_kv_prefetch_changes_no_output(min_group: Any, threads: None, dtype: torch.dtype) -> None:
+    """The decode kernels' K/V prefetch (prefetch_kv_rows: the next tile's rows into L2) only moves data: decode rows,
+    a verification chunk and a prompt chunk come out bitwise the same with it off, on every level and cache format,
+    with items spanning several KV heads (a batch of one, two threads) and not."""
+    from pdserve.model.kv_cache_dtype import quantize_kv
+
+    mod = min_group
+    torch.set_num_threads(2)
+    w = World(700, 64, torch.float32)
+    if dtype == torch.int8:
+        w.kv = quantize_kv(w.kv, dtype).view(dtype)
+    else:
+        w.kv = w.kv.to(dtype)
+    others = [(i, 1, -1) for i in range(1, 16)]
+    cases = [[(0, 1, 0)], [*others[:7], (0, 1, 0), *others[7:]], [(3, 1, -1), (0, 5, 4)], [(0, 300, 299)]]
+    before = mod.attention_prefetch()
+    try:
+        for seqs in cases:
+            outs = []
+            for on in (False, True):
+                mod.set_attention_prefetch(on)
+                outs.append(w.run(mod, seqs))
+            assert not outs[0].isnan().any()
+            assert torch.equal(outs[0], outs[1]), (mod.active_isa(), dtype, seqs[-1])
+    finally:
+        mod.set_attention_prefetch(before)
+    assert mod.attention_prefetch() == before

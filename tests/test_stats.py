@@ -37,8 +37,9 @@ def finished(rid: str, arrival: float, queue: float, prefill: float, itl: float,
 
 
 def step(kind: StepKind, duration: float, prefill: int = 0, decode: int = 0, flops: float = 0.0,
-         nbytes: float = 0.0) -> StepStats:
-    return StepStats(kind, prefill, decode, 0, duration, model_time=duration, flops=flops, bytes=nbytes)
+         nbytes: float = 0.0, model_time: float | None = None) -> StepStats:
+    return StepStats(kind, prefill, decode, 0, duration, model_time=duration if model_time is None else model_time,
+                     flops=flops, bytes=nbytes)
 
 
 def test_percentiles_and_empty() -> None:
@@ -113,9 +114,20 @@ def test_roofline_per_step_kind_against_the_peaks() -> None:
     for _ in range(4):
         live.record_step(step(StepKind.DECODE, 0.1, decode=1, flops=1e9, nbytes=5e9), 1, 0, 0.1, 0, 0, 0)
     kinds = live.snapshot(60)["steps"]["by_kind"]
+    assert kinds["prefill"]["model_ms"]["p50"] == pytest.approx(500.0)
     assert kinds["prefill"]["mfu"] == pytest.approx(0.5) and kinds["prefill"]["nearer_roof"] == "compute"
     assert kinds["decode"]["mbu"] == pytest.approx(0.5) and kinds["decode"]["nearer_roof"] == "bandwidth"
     assert kinds["decode"]["steps"] == 4 and kinds["decode"]["step_ms"]["p50"] == pytest.approx(100.0)
+
+
+def test_step_time_and_its_forward_apart() -> None:
+    """model_ms is the forward pass and sampling of each step, step_ms the whole step (scheduling and output
+    processing included): the difference is the engine's own time."""
+    live = LiveStats("m", Clock())
+    for _ in range(3):
+        live.record_step(step(StepKind.DECODE, 0.040, decode=32, model_time=0.034), 32, 0, 0.1, 0, 0, 0)
+    decode = live.snapshot(60)["steps"]["by_kind"]["decode"]
+    assert decode["step_ms"]["p50"] == pytest.approx(40.0) and decode["model_ms"]["p50"] == pytest.approx(34.0)
 
 
 def level(ttft: float, itl: float, queue: float, prefill: float, preemptions: float = 0.0,

@@ -302,7 +302,8 @@ class LiveStats:
             out[kind] = {"steps": len(ss), "busy_share": busy / span if span > 0 else 0.0,
                          "prefill_tokens_per_s": sum(s.prefill_tokens for s in ss) / span if span > 0 else 0.0,
                          "decode_tokens_per_s": sum(s.decode_tokens for s in ss) / span if span > 0 else 0.0,
-                         "step_ms": percentiles(s.duration for s in ss), **roof.get(kind, {})}
+                         "step_ms": percentiles(s.duration for s in ss),
+                         "model_ms": percentiles(s.model_time for s in ss), **roof.get(kind, {})}
         return {"peak_flops": self.peak_flops or None,
                 "peak_bandwidth": self.device.mem_bandwidth if self.device else None, "by_kind": out}
 

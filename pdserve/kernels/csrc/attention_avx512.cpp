@@ -298,6 +298,7 @@ void run(const AttnArgs& a, const AttnItem& it) {
     for (int64_t hl = 0; hl < it.nkvh; ++hl) {  // every head of the item on this tile
       AttnItem head = it;
       head.kvh = it.kvh + static_cast<int32_t>(hl);
+      prefetch_kv_rows(a, it, head.kvh, kt + 16, kv_row_bytes(F, D), 3);
       if constexpr (F == KVFormat::kF32) {
         locate_f32<D>(a, head, kt, n, tile.kp, tile.vp);
       } else {

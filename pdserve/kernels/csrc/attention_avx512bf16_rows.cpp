@@ -128,8 +128,10 @@ inline int64_t row_token(int64_t r, int64_t per_head, int64_t g) { return r % pe
 // The item's key tiles (heads inner: a token's rows of the item's heads are adjacent), calling f(kt, n, first row of
 // the head) after the tile's K/V rows of that head are in rows.k and rows.v (entries n..15 repeat key kt: their p
 // is 0). The block and offset of kt advance with it (no division per tile); a tile inside one block is one stride.
+// Each head's rows of the tile 16 keys ahead, of the plane this pass reads, are prefetched into L2 as the walk
+// reaches that head (prefetch_kv_rows).
 template <int D, class F>
-void each_tile(const AttnArgs& a, const AttnItem& it, DotRows<D>& rows, int64_t per_head, F f) {
+void each_tile(const AttnArgs& a, const AttnItem& it, DotRows<D>& rows, int64_t per_head, int plane_bit, F f) {
   const int32_t* bt = a.block_table + it.seq * a.bt_stride;
   const int64_t rb = 2 * D, stride = a.hkv * rb, plane = a.num_blocks * a.block_size * stride;
   const uint8_t* base = static_cast<const uint8_t*>(a.kv) + it.kvh * rb;
@@ -148,6 +150,7 @@ void each_tile(const AttnArgs& a, const AttnItem& it, DotRows<D>& rows, int64_t 
     }
     for (int i = n; i < 16; ++i) k[i] = first;
     for (int64_t hl = 0; hl < it.nkvh; ++hl) {
+      prefetch_kv_rows(a, it, it.kvh + hl, kt + 16, rb, plane_bit);
       for (int i = 0; i < 16; ++i) {
         rows.k[i] = k[i] + hl * rb;
         rows.v[i] = rows.k[i] + plane;
@@ -206,7 +209,7 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
   DotRows<D> rows;
   rows.prepare(qs, nrows, pp + nrows * ks);
   // a token t sees the tile at kt when kt <= pos0 + t
-  each_tile<D>(a, it, rows, per_head, [&](int64_t kt, int, int64_t h0) {
+  each_tile<D>(a, it, rows, per_head, 1, [&](int64_t kt, int, int64_t h0) {
     for (int64_t r = h0 + std::max<int64_t>(0, kt - it.pos0) * g; r < h0 + per_head; ++r) {
       __m512 s = rows.scores(r);
       if (a.softcap > 0.f) {
@@ -222,7 +225,7 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
     const int nvis = static_cast<int>(std::clamp<int64_t>(it.pos0 + row_token(r, per_head, g) + 1 - it.k0, 0, nkeys));
     softmax_row(sc + r * ks, nvis, m[r], l[r], pp + r * ks);
   }
-  each_tile<D>(a, it, rows, per_head, [&](int64_t kt, int n, int64_t h0) {
+  each_tile<D>(a, it, rows, per_head, 2, [&](int64_t kt, int n, int64_t h0) {
     for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {
       for (int64_t r = h0 + t * g, e = r + g; r < e; r += DotRows<D>::kRows) {
         const int64_t rr = std::min<int64_t>(DotRows<D>::kRows, e - r);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "common.h"
 #include "kv_quant.h"
@@ -74,6 +75,37 @@ static inline void finish_row(const AttnArgs& a, const AttnItem& it, int64_t row
   float* dst = a.out + item_row_offset(it, r, a.hq / a.hkv, d, a.out_stride);
   const float inv = l > 0.f ? 1.f / l : 0.f;
   for (int64_t i = 0; i < d; ++i) dst[i] = acc[i] * inv;
+}
+
+// Software prefetch of K/V rows into L2 for the decode kernels, which walk an item's key tiles: the rows of KV head
+// `head` for the 16 keys from `k` (none past the item's last key), of the K plane, the V plane or both (planes: bit 0
+// K, bit 1 V). A decode step streams its KV from memory with little arithmetic between the loads; its blocks lie
+// wherever the allocator put them (a new 16-token block every few KiB), and the hardware prefetchers alone left the
+// cores waiting on misses. The kernels ask for the tile ahead one head at a time, as they reach that head on the
+// current tile: a whole tile of many heads at once (64 KiB at 32 heads) held up the loads behind it, as the GEMVs'
+// prefetch bursts did (BENCHMARKS.md, "decode attention prefetch"). PDSERVE_ATTN_PREFETCH=0 turns it off at
+// start-up; set_attention_prefetch (benchmarks, tests) between calls. always_inline: GCC finds a function whose only
+// effects are prefetches pure and deletes its calls (an out-of-line copy of this one compiled to nothing).
+inline bool g_attn_prefetch = [] {
+  const char* v = std::getenv("PDSERVE_ATTN_PREFETCH");
+  return v == nullptr || std::atoi(v) != 0;
+}();
+
+__attribute__((always_inline)) inline void prefetch_kv_rows(const AttnArgs& a, const AttnItem& it, int64_t head, int64_t k, int64_t rb, int planes) {
+  const int64_t n = std::min<int64_t>(16, it.k1 - k);
+  if (!g_attn_prefetch || n <= 0) return;
+  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
+  const int64_t stride = a.hkv * rb, plane = a.num_blocks * a.block_size * stride;
+  const char* base = static_cast<const char*>(a.kv) + head * rb;
+  int64_t b = k / a.block_size, o = k % a.block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    const char* row = base + (static_cast<int64_t>(bt[b]) * a.block_size + o) * stride;
+    for (int64_t x = 0; x < rb; x += 64) {
+      if (planes & 1) __builtin_prefetch(row + x, 0, 2);
+      if (planes & 2) __builtin_prefetch(row + plane + x, 0, 2);
+    }
+    if (++o == a.block_size) o = 0, ++b;
+  }
 }
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
