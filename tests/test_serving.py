@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -447,3 +447,40 @@ def test_admission_gives_free_batch_seats_before_counting_waiting(tiny_hf_model:
 
     assert asyncio.run(burst()) == 3
     engine.close()
+
+
+def test_a_steps_outputs_reach_each_loop_in_one_call_and_in_order() -> None:
+    """StepDeliveries: a step's outputs go to each consumer loop with one thread-safe call (not one per stream),
+    every stream's queue gets its items in order, and a closed loop is skipped without an error."""
+    from pdserve.engine.streams import RequestStream, StepDeliveries
+    from pdserve.outputs import RequestOutput
+
+    loop = asyncio.new_event_loop()
+    closed = asyncio.new_event_loop()
+    closed.close()
+    calls = 0
+    real = loop.call_soon_threadsafe
+
+    def counting(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        streams = [RequestStream(loop, asyncio.Queue(), cast(Any, None)) for _ in range(3)]
+        gone = RequestStream(closed, asyncio.Queue(), cast(Any, None))
+        outs = [[cast(RequestOutput, f"s{i}-t{t}") for t in range(2)] for i in range(3)]
+        for t in range(2):  # two steps
+            batch = StepDeliveries()
+            for i, s in enumerate(streams):
+                batch.add(s, outs[i][t])
+            batch.add(gone, cast(RequestOutput, "lost"))
+            batch.flush()
+        assert calls == 2  # one per step for the live loop
+        loop.run_until_complete(asyncio.sleep(0))
+        for i, s in enumerate(streams):
+            assert [s.queue.get_nowait() for _ in range(2)] == outs[i]
+            assert s.queue.empty()
+    finally:
+        loop.close()

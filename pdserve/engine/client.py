@@ -33,6 +33,7 @@ from pdserve.engine.messages import KVOffloadStats, LoRAStats, SchedulerStats, S
 from pdserve.engine.published import KVSnapshot, PrefixSummary
 from pdserve.engine.request import Request
 from pdserve.engine.spec_decode.stats import SpecDecodeStats
+from pdserve.engine.streams import RequestStream, StepDeliveries
 from pdserve.kv_transfer.base import FinishedLoad
 from pdserve.lora_request import LoRARequest, next_lora_id
 from pdserve.model.inputs import StepKind
@@ -98,28 +99,6 @@ class StatLogger(Protocol):
     def observe_step(self, step: StepStats, sched: SchedulerStats) -> None: ...
 
     def observe_output(self, out: RequestOutput) -> None: ...
-
-
-@dataclass
-class RequestStream:
-    """One admitted request's outputs, queued for its consumer's event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    request: Request
-    on_finished: Callable[[RequestOutput], None] | None = None  # runs on the engine thread once, aborts included
-    tenant: str | None = None  # who sent it: kept with its explanation (GET /debug/requests/{id} shows it to them)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    def deliver(self, item: RequestOutput | BaseException) -> None:
-        """Hand an item to the consumer's event loop (from the engine thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # that loop is closed: nobody listens any more, and its abort is on the way
-            pass
 
 
 class EngineClient:
@@ -428,8 +407,12 @@ class EngineClient:
                 self._observe(result.stats)
                 # published before the outputs: a client that saw its request finish reads a state this new
                 self._publish(eng)
-                for out in result.outputs:
-                    self._dispatch(out)
+                batch = StepDeliveries()
+                try:
+                    for out in result.outputs:
+                        self._dispatch(out, batch)
+                finally:  # what was dispatched reaches its consumer even if a later output's dispatch raised
+                    batch.flush()
             self._abort_open()
         except BaseException as exc:  # a bug in the engine: fail every open request, refuse new ones
             logger.exception("engine loop died")
@@ -490,7 +473,7 @@ class EngineClient:
                 with self._lock:
                     self._streams.pop(arg, None)
 
-    def _dispatch(self, out: RequestOutput) -> None:
+    def _dispatch(self, out: RequestOutput, batch: StepDeliveries | None = None) -> None:
         with self._lock:
             stream = self._streams.get(out.request_id)
             if out.finished:
@@ -506,7 +489,10 @@ class EngineClient:
                     logger.exception("on_finished callback failed")
         if self.stat_logger is not None:
             self.stat_logger.observe_output(out)
-        stream.deliver(out)
+        if batch is None:
+            stream.deliver(out)
+        else:
+            batch.add(stream, out)
 
     def _step(self, eng: LLMEngine) -> StepResult:
         """One engine step: under the server's step turns when several models share it, profiled when asked."""
