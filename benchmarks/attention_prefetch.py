@@ -1,4 +1,4 @@
-"""Decode attention with and without the kernels' K/V prefetch (prefetch_kv_rows: each head's rows of the next key
+"""Decode attention with and without the kernels' K/V prefetch (KvRowsAhead: each head's rows of the next key
 tile into L2), one process, the two settings alternating round by round so that other load on the machine falls on
 both alike.
 
@@ -21,7 +21,7 @@ import torch
 import pdserve.kernels as K
 from benchmarks.kv_cache_dtype import FORMATS, SHAPES, Case
 
-SHAPES = {**SHAPES, "g8-128": (48, 32, 4, 128)}  # Qwen3-30B-A3B's heads: 8 query heads a KV head
+CASE_SHAPES = {**SHAPES, "g8-128": (48, 32, 4, 128)}  # Qwen3-30B-A3B's heads: 8 query heads a KV head
 DEFAULT_CASES = ("smollm2-135m:32x192:bf16,smollm2-135m:32x192:int8,smollm2-135m:32x192:fp32,smollm2-135m:8x1000:bf16,"
                  "smollm2-135m:1x4096:bf16,llama-1.7b:1x200:bf16,llama-1.7b:1x1000:bf16,llama-1.7b:8x500:bf16,"
                  "qwen3-1.7b:16x256:bf16,g8-128:16x256:bf16")
@@ -70,9 +70,9 @@ def main() -> None:
             for spec in args.cases.split(","):
                 name, bc, fmt = spec.split(":")
                 batch, ctx = (int(x) for x in bc.split("x"))
-                case = scattered(SHAPES[name], batch, ctx, fmt)
+                case = scattered(CASE_SHAPES[name], batch, ctx, fmt)
                 calls = max(10, int(2000 / (batch * ctx / 100 + 5)))
-                off, on = measure(mod, case, SHAPES[name][0], calls, args.rounds)
+                off, on = measure(mod, case, CASE_SHAPES[name][0], calls, args.rounds)
                 print(f"| {level} | {name} | {bc} | {fmt} | {off:.2f} | {on:.2f} | {on / off:.2f} |", flush=True)
                 del case
     finally:

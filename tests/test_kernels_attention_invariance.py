@@ -110,7 +110,7 @@ def test_rows_spanning_partitions_in_one_chunk(min_group: Any, threads: None) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_kv_prefetch_changes_no_output(min_group: Any, threads: None, dtype: torch.dtype) -> None:
-    """The decode kernels' K/V prefetch (prefetch_kv_rows: the next tile's rows into L2) only moves data: decode rows,
+    """The decode kernels' K/V prefetch (KvRowsAhead: the next tile's rows into L2) only moves data: decode rows,
     a verification chunk and a prompt chunk come out bitwise the same with it off, on every level and cache format,
     with items spanning several KV heads (a batch of one, two threads) and not."""
     from pdserve.model.kv_cache_dtype import quantize_kv

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.engine.request import Request
 from pdserve.outputs import RequestOutput
@@ -45,7 +44,8 @@ class StepDeliveries:
     one loop keep their order, and a step's batch goes out before the next step's."""
 
     def __init__(self) -> None:
-        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
+        self._by_loop: dict[asyncio.AbstractEventLoop,
+                            list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]] = {}
 
     def add(self, stream: RequestStream, out: RequestOutput) -> None:
         self._by_loop.setdefault(stream.loop, []).append((stream.queue, out))

@@ -487,7 +487,7 @@ void register_attention(pybind11::module_& m) {
           g_bf16_min_group.store(g);
         }, py::arg("group"), "change it (tests, benchmarks; before serving only: a row's bits depend on it)");
   m.def("set_attention_prefetch", [](bool on) { g_attn_prefetch = on; }, py::arg("on"),
-        "turn the decode kernels' K/V prefetch (prefetch_kv_rows) on or off (benchmarks, tests; outputs never depend "
+        "turn the decode kernels' K/V prefetch (KvRowsAhead) on or off (benchmarks, tests; outputs never depend "
         "on it); returns nothing");
   m.def("attention_prefetch", [] { return g_attn_prefetch; }, "whether the decode kernels prefetch K/V rows");
   m.def("reshape_and_cache", &reshape_and_cache,

@@ -165,10 +165,11 @@ void run(const AttnArgs& a, const AttnItem& it) {
   const float* vp[16];
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
+    const KvRowsAhead ahead(a, it, kt + 16, kv_row_bytes(a.kv_format, D));
     for (int64_t hl = 0; hl < it.nkvh; ++hl) {  // every head of the item on this tile
       AttnItem head = it;
       head.kvh = it.kvh + static_cast<int32_t>(hl);
-      prefetch_kv_rows(a, it, head.kvh, kt + 16, kv_row_bytes(a.kv_format, D), 3);
+      ahead.prefetch(head.kvh, 3);
       locate_tile<D>(a, head, kt, n, kp, vp, kbuf, vbuf);
       for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
         const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));

@@ -295,10 +295,11 @@ void run(const AttnArgs& a, const AttnItem& it) {
   tile.in_place = F != KVFormat::kF32 && per_head <= kInPlaceRows<F>;
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
+    const KvRowsAhead ahead(a, it, kt + 16, kv_row_bytes(F, D));
     for (int64_t hl = 0; hl < it.nkvh; ++hl) {  // every head of the item on this tile
       AttnItem head = it;
       head.kvh = it.kvh + static_cast<int32_t>(hl);
-      prefetch_kv_rows(a, it, head.kvh, kt + 16, kv_row_bytes(F, D), 3);
+      ahead.prefetch(head.kvh, 3);
       if constexpr (F == KVFormat::kF32) {
         locate_f32<D>(a, head, kt, n, tile.kp, tile.vp);
       } else {

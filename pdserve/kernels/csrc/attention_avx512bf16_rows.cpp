@@ -129,7 +129,7 @@ inline int64_t row_token(int64_t r, int64_t per_head, int64_t g) { return r % pe
 // the head) after the tile's K/V rows of that head are in rows.k and rows.v (entries n..15 repeat key kt: their p
 // is 0). The block and offset of kt advance with it (no division per tile); a tile inside one block is one stride.
 // Each head's rows of the tile 16 keys ahead, of the plane this pass reads, are prefetched into L2 as the walk
-// reaches that head (prefetch_kv_rows).
+// reaches that head (KvRowsAhead).
 template <int D, class F>
 void each_tile(const AttnArgs& a, const AttnItem& it, DotRows<D>& rows, int64_t per_head, int plane_bit, F f) {
   const int32_t* bt = a.block_table + it.seq * a.bt_stride;
@@ -149,8 +149,9 @@ void each_tile(const AttnArgs& a, const AttnItem& it, DotRows<D>& rows, int64_t 
       }
     }
     for (int i = n; i < 16; ++i) k[i] = first;
+    const KvRowsAhead ahead(a, it, kt + 16, rb);
     for (int64_t hl = 0; hl < it.nkvh; ++hl) {
-      prefetch_kv_rows(a, it, it.kvh + hl, kt + 16, rb, plane_bit);
+      ahead.prefetch(it.kvh + hl, plane_bit);
       for (int i = 0; i < 16; ++i) {
         rows.k[i] = k[i] + hl * rb;
         rows.v[i] = rows.k[i] + plane;

@@ -221,8 +221,8 @@ void walk(const AttnArgs& a, const AttnItem& it, Scratch& s, Scores scores, Pv p
     const int n = static_cast<int>(std::min<int64_t>(kTile, it.k1 - kt));
     const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
     if (r0 >= rows) break;
-    for (int64_t ahead = kt + kTile; ahead < kt + 2 * kTile; ahead += 16)  // the next tile's rows into L2
-      prefetch_kv_rows(a, it, it.kvh, ahead, 2 * D, 3);
+    for (int64_t k = kt + kTile; k < kt + 2 * kTile; k += 16)  // the next tile's rows into L2
+      KvRowsAhead(a, it, k, 2 * D).prefetch(it.kvh, 3);
     prepare_kv<D>(a, it, kt, n, s);
     for (int64_t b = r0 / 16; b * 16 < rows; ++b) {
       scores(b);

@@ -77,36 +77,50 @@ static inline void finish_row(const AttnArgs& a, const AttnItem& it, int64_t row
   for (int64_t i = 0; i < d; ++i) dst[i] = acc[i] * inv;
 }
 
-// Software prefetch of K/V rows into L2 for the decode kernels, which walk an item's key tiles: the rows of KV head
-// `head` for the 16 keys from `k` (none past the item's last key), of the K plane, the V plane or both (planes: bit 0
-// K, bit 1 V). A decode step streams its KV from memory with little arithmetic between the loads; its blocks lie
-// wherever the allocator put them (a new 16-token block every few KiB), and the hardware prefetchers alone left the
-// cores waiting on misses. The kernels ask for the tile ahead one head at a time, as they reach that head on the
-// current tile: a whole tile of many heads at once (64 KiB at 32 heads) held up the loads behind it, as the GEMVs'
-// prefetch bursts did (BENCHMARKS.md, "decode attention prefetch"). PDSERVE_ATTN_PREFETCH=0 turns it off at
-// start-up; set_attention_prefetch (benchmarks, tests) between calls. always_inline: GCC finds a function whose only
-// effects are prefetches pure and deletes its calls (an out-of-line copy of this one compiled to nothing).
+// Software prefetch of K/V rows into L2 for the kernels that walk an item's key tiles. A decode step streams its KV
+// from memory with little arithmetic between the loads; its blocks lie wherever the allocator put them (a new
+// 16-token block every few KiB), and the hardware prefetchers alone left the cores waiting on misses. A kernel
+// locates the 16 keys ahead of its tile once (KvRowsAhead), then asks for one KV head's rows at a time as it reaches
+// that head on the current tile: a whole tile of many heads at once (64 KiB at 32 heads) held up the loads behind it,
+// as the GEMVs' prefetch bursts did (BENCHMARKS.md, "decode attention prefetches the next key tile").
+// PDSERVE_ATTN_PREFETCH=0 turns it off at start-up; set_attention_prefetch (benchmarks, tests) between calls.
+// always_inline: GCC finds a function whose only effects are prefetches pure and deletes its calls (an out-of-line
+// copy compiled to nothing).
 inline bool g_attn_prefetch = [] {
   const char* v = std::getenv("PDSERVE_ATTN_PREFETCH");
   return v == nullptr || std::atoi(v) != 0;
 }();
 
-__attribute__((always_inline)) inline void prefetch_kv_rows(const AttnArgs& a, const AttnItem& it, int64_t head, int64_t k, int64_t rb, int planes) {
-  const int64_t n = std::min<int64_t>(16, it.k1 - k);
-  if (!g_attn_prefetch || n <= 0) return;
-  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
-  const int64_t stride = a.hkv * rb, plane = a.num_blocks * a.block_size * stride;
-  const char* base = static_cast<const char*>(a.kv) + head * rb;
-  int64_t b = k / a.block_size, o = k % a.block_size;
-  for (int64_t i = 0; i < n; ++i) {
-    const char* row = base + (static_cast<int64_t>(bt[b]) * a.block_size + o) * stride;
-    for (int64_t x = 0; x < rb; x += 64) {
-      if (planes & 1) __builtin_prefetch(row + x, 0, 2);
-      if (planes & 2) __builtin_prefetch(row + plane + x, 0, 2);
+// The keys [k, k + 16) of an item (none past its last key, none with the prefetch off): where KV head 0's row of each
+// lies in the K plane (`rb` bytes a row); `heads` prefetches them for one head.
+struct KvRowsAhead {
+  const char* row[16];
+  int64_t n = 0, rb = 0, plane = 0;
+
+  KvRowsAhead(const AttnArgs& a, const AttnItem& it, int64_t k, int64_t row_bytes) : rb(row_bytes) {
+    n = g_attn_prefetch ? std::clamp<int64_t>(it.k1 - k, 0, 16) : 0;
+    if (n == 0) return;
+    const int32_t* bt = a.block_table + it.seq * a.bt_stride;
+    const int64_t stride = a.hkv * rb;
+    plane = a.num_blocks * a.block_size * stride;
+    int64_t b = k / a.block_size, o = k % a.block_size;
+    for (int64_t i = 0; i < n; ++i) {
+      row[i] = static_cast<const char*>(a.kv) + (static_cast<int64_t>(bt[b]) * a.block_size + o) * stride;
+      if (++o == a.block_size) o = 0, ++b;
     }
-    if (++o == a.block_size) o = 0, ++b;
   }
-}
+
+  // KV head `head`'s rows into L2: of the K plane (planes bit 0), the V plane (bit 1) or both.
+  __attribute__((always_inline)) void prefetch(int64_t head, int planes) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const char* r = row[i] + head * rb;
+      for (int64_t x = 0; x < rb; x += 64) {
+        if (planes & 1) __builtin_prefetch(r + x, 0, 2);
+        if (planes & 2) __builtin_prefetch(r + plane + x, 0, 2);
+      }
+    }
+  }
+};
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
 
