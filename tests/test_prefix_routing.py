@@ -109,6 +109,7 @@ def test_disk_tier_blocks_count_at_their_cost() -> None:
     assert [x.inst for x in choose([a, b, c], query, cfg)] == [c]
     a.load = 5  # 6 + 4 x 5 = 26 > 24: b computes it sooner
     assert [x.inst for x in choose([a, b], query, cfg)] == [b]
+    assert Pool("decode", [a, b], prefix=cfg).choose(None, query) == (b, "load", 0)  # not a prefix decision
     gap = inst("gap", with_disk([], chain[1:5]))  # the disk run must start where the memory run ends (block 0)
     assert gap.prefixes.hit_tokens(query, 0.0) == (0, 0) and choose([gap, b], query, cfg) == []
     old = InstancePrefixes()  # an instance that publishes no disk_hashes (no tier, an older pdserve)

@@ -39,7 +39,8 @@ class RouterMetrics:
         self.load = Gauge("pdserve:router_instance_load", "Instance load: running + waiting requests.",
                           ["role", "url"], registry=r)
         self.routing = Counter("pdserve:router_routing_decisions", "Instances chosen, by pool and reason: prefix "
-                               "(holds the prompt's leading blocks, router/prefix.py), no_match (none does: least "
+                               "(holds the prompt's leading blocks, router/prefix.py), load (holds none of them, but "
+                               "those that do are busier by more than their hit is worth), no_match (none does: least "
                                "loaded), no_prefix (prefix routing off or the prompt not tokenized: least loaded), "
                                "retry.", ["pool", "reason"], registry=r)
         self.prefix_hit_tokens = Counter("pdserve:router_expected_prefix_hit_tokens", "Prompt tokens the chosen "

@@ -56,8 +56,9 @@ class Pool:
     def choose(self, exclude: set[Instance] | None = None,
                query: PrefixQuery | None = None) -> tuple[Instance | None, str, int]:
         """(instance, reason, expected prefix-hit tokens): with a `query` and prefix routing on, the instance of
-        lowest cost (prefix.py; reason `prefix`), else (reason `no_match`, or `no_prefix` without a query) the least
-        loaded; healthy instances not in `exclude` (unhealthy ones only as the `last_resort`)."""
+        lowest cost (prefix.py; reason `prefix`, or `load` when that instance holds none of the prompt: the ones
+        that hold some are busier by more than their hit is worth), else (reason `no_match`, or `no_prefix` without
+        a query) the least loaded; healthy instances not in `exclude` (unhealthy ones only as the `last_resort`)."""
         exclude = exclude or set()
         cands = [i for i in self.instances if i not in exclude]
         healthy = [i for i in cands if i.healthy]
@@ -69,7 +70,7 @@ class Pool:
         best = choose(cands, query, self.prefix)
         if best:
             got = best[next(self._rr) % len(best)]
-            inst, reason, hit = got.inst, "prefix", got.hit_tokens
+            inst, reason, hit = got.inst, "prefix" if got.hit_tokens else "load", got.hit_tokens
         else:
             inst, reason, hit = self._least_loaded(cands), "no_match", 0
         inst.prefixes.expect(query, self.prefix.clock() + self.prefix.pending_ttl)
