@@ -302,18 +302,7 @@ def _turn(c: Cluster, router: ServerProc, messages: list[dict[str, str]],
     while len(lines := _route_lines(router)) == n and time.monotonic() < deadline:
         time.sleep(0.05)
     gained = {d.base_url: metric(d, "pdserve:prefix_cache_hits_total") - before[d.base_url] for d in c.decode}
-    _quiet(router)
     return r.json()["choices"][0]["message"]["content"], lines[-1], gained
-
-
-def _quiet(router: ServerProc) -> None:
-    """Wait until the router's last /metrics poll shows every decode instance idle: a poll taken while the turn
-    ran leaves its instance one request more loaded in the router's eyes, and the load term of the next turn's
-    cost (--prefix-load-cost, 256 tokens by default) would then outweigh the prefix hit there."""
-    deadline = time.monotonic() + 10
-    while any(i["load"] or i["inflight"] for i in httpx.get(router.base_url + "/health").json()["decode"]):
-        assert time.monotonic() < deadline, "the router still sees load on an idle decode instance"
-        time.sleep(0.05)
 
 
 def _conversation(c: Cluster, router: ServerProc, system: str, **kw: Any) -> list[dict[str, str]]:

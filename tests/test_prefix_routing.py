@@ -167,7 +167,8 @@ def test_a_salt_or_tenant_never_routes_by_anothers_blocks() -> None:
 
 def test_registry_polls_the_summary_conditionally() -> None:
     """The poll asks /kv/prefix_hashes with the last ETag: a 304 keeps the set, a new body replaces it, a 404
-    (an instance without the route) forgets it; none of it touches health. The instances' API key goes along."""
+    (an instance without the route) forgets it; none of it touches health. The instances' API key goes along. The
+    load it keeps leaves out this router's own requests the answer counted (they count as in flight)."""
     hashes = sorted(cached_hashes(PROMPT))
     state: dict[str, Any] = {"status": 200, "etag": '"e-1"', "asked": []}
 
@@ -201,6 +202,10 @@ def test_registry_polls_the_summary_conditionally() -> None:
     state["status"] = 404
     asyncio.run(poll())
     assert a.prefixes.block_size is None and a.healthy
+    a.inflight = 1  # the request the instance reports is this router's own: counted once, as in flight
+    asyncio.run(poll())
+    assert a.load == 0.0
+    a.inflight = 0  # it ended before the next poll: the stale answer weighs nothing (load 0, none in flight)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,10 @@ class Instance:
     url: str
     role: str
     healthy: bool = True
-    load: float = 0.0  # running + waiting, from its /metrics
+    # running + waiting from its /metrics, less this router's requests that were on it when that poll was sent:
+    # those count in `inflight` while they last, so load + inflight counts each request once, and a request that
+    # ended since the poll counts nowhere (it would weigh on the instance until the next poll otherwise)
+    load: float = 0.0
     inflight: int = 0  # this router's requests on it now
     prefixes: InstancePrefixes = field(default_factory=InstancePrefixes)  # its prefix-cache blocks, as published
 
@@ -118,6 +121,8 @@ class InstanceRegistry:
         await asyncio.gather(*(self._poll(client, i) for i in self.instances))
 
     async def _poll(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        mine = inst.inflight  # this router's requests the instance's answer counts (see Instance.load)
+        load = None
         try:
             r = await client.get(inst.url + "/metrics", timeout=max(self.poll_interval, 1.0), headers=self.headers)
             r.raise_for_status()
@@ -125,13 +130,14 @@ class InstanceRegistry:
             for fam in text_string_to_metric_families(r.text):
                 if fam.name in _LOAD_METRICS:
                     load += sum(s.value for s in fam.samples)
-            inst.load, inst.healthy = load, True
+            inst.load, inst.healthy = max(0.0, load - mine), True
         except (httpx.HTTPError, ValueError):
             inst.healthy = False
         if inst.healthy and self.prefix is not None:
             await self._poll_prefixes(client, inst)
         self.metrics.up.labels(inst.role, inst.url).set(1 if inst.healthy else 0)
-        self.metrics.load.labels(inst.role, inst.url).set(inst.load)
+        if load is not None:
+            self.metrics.load.labels(inst.role, inst.url).set(load)  # as the instance reports it
 
     async def _poll_prefixes(self, client: httpx.AsyncClient, inst: Instance) -> None:
         """Refresh the instance's published prefix hashes (unchanged: 304). A failure keeps what it had, and an

@@ -92,7 +92,7 @@ inline bool g_attn_prefetch = [] {
 }();
 
 // The keys [k, k + 16) of an item (none past its last key, none with the prefetch off): where KV head 0's row of each
-// lies in the K plane (`rb` bytes a row); `heads` prefetches them for one head.
+// lies in the K plane (`rb` bytes a row); `prefetch` asks for one head's rows of them.
 struct KvRowsAhead {
   const char* row[16];
   int64_t n = 0, rb = 0, plane = 0;
