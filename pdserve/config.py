@@ -440,7 +440,8 @@ class EngineConfig:
     max_step_ms: float | None = option(
         None, "bound of a step that mixes decodes with prefill chunks, in ms: its prefill tokens are capped so the "
         "step time predicted by the cost model (fitted to measured steps) stays within it; `0`: no cap",
-        "3x the predicted time of the step's decodes alone")
+        "by the prompt backlog: 1.3x the decode step of the batch being formed, more while prompts queue (their "
+        "prefill spread over 16 steps), at most 3x the step's decodes alone")
     speculative_config: str | dict[str, Any] | None = option(
         None, "speculative decoding, as vLLM: a JSON object such as `{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}` (a dict for `LLM`); "

@@ -50,11 +50,36 @@ def test_time_model_coefficients_are_never_negative() -> None:
 def test_cap_keeps_mixed_step_within_ratio_of_decodes_alone() -> None:
     budget = fitted_budget()
     decodes = [(200, 1)] * 16
-    cap = budget.prefill_cap(decodes, 512)
+    cap = budget.prefill_cap(decodes, 512, formed=16, backlog=1 << 20)  # a backlog that needs the upper bound
     assert cap is not None and budget.min_chunk <= cap < 512
     alone = true_time(*budget.cost.cost(decodes, 16))
     assert true_time(*budget.cost.cost([*decodes, (0, cap)], 17)) <= 3 * alone * 1.001
     assert true_time(*budget.cost.cost([*decodes, (0, cap + 1)], 17)) > 3 * alone * 0.999
+
+
+def test_bound_grows_with_the_backlog_between_the_formed_batch_and_the_ratio() -> None:
+    budget = fitted_budget()
+    budget.tail_ratio = 2.0  # this synthetic machine's prefill tokens are dear: a bound above one min_chunk
+    t = lambda seqs: true_time(*budget.cost.cost(seqs, len(seqs)))  # noqa: E731
+
+    def fits(decodes: list[tuple[int, int]], cap: int | None, limit: float) -> bool:  # the largest chunk within
+        return cap is not None and t([*decodes, (0, cap)]) <= limit * 1.001 < t([*decodes, (0, cap + 1)]) * 1.002
+
+    decodes = [(200, 1)] * 16
+    loose = budget.prefill_cap(decodes, 512, formed=16, backlog=1 << 20)
+    tight = budget.prefill_cap(decodes, 512, formed=16, backlog=0)
+    assert loose is not None and tight is not None and budget.min_chunk <= tight < loose
+    assert fits(decodes, tight, budget.tail_ratio * t(decodes)) and fits(decodes, loose, budget.ratio * t(decodes))
+    # a backlog whose prefill, spread over `horizon` steps, needs more than the tail bound: the bound follows it
+    backlog = 768
+    drain = t([(0, 512)]) * backlog / 512
+    assert budget.tail_ratio * t(decodes) < t(decodes) + drain / budget.horizon < budget.ratio * t(decodes)
+    assert fits(decodes, budget.prefill_cap(decodes, 512, formed=16, backlog=backlog),
+                t(decodes) + drain / budget.horizon)
+    # few decodes while many wait: the tail bound is the full batch's step, not a multiple of the few's
+    few = [(200, 1)] * 2
+    limit = min(budget.ratio * t(few), budget.tail_ratio * t([(200, 1)] * 32))
+    assert fits(few, budget.prefill_cap(few, 512, formed=32, backlog=0), limit)
 
 
 def test_cap_absolute_and_off_and_without_decodes() -> None:
@@ -66,6 +91,7 @@ def test_cap_absolute_and_off_and_without_decodes() -> None:
     assert budget.prefill_cap([], 512) is None  # no decodes: prefill is never capped (TTFT)
     assert fitted_budget(max_step_ms=0).prefill_cap(decodes, 512) is None
     assert fitted_budget(max_step_ms=1).prefill_cap(decodes, 512) == budget.min_chunk  # always some progress
+    assert budget.prefill_cap(decodes, 512, formed=32, backlog=10) == cap  # an absolute bound is the bound
     assert StepBudget(cost_model(), None).prefill_cap(decodes, 512) is None  # not fitted yet
 
 
@@ -74,7 +100,7 @@ class FixedCap:
         self.cap = cap
         self.seen: list[int] = []
 
-    def prefill_cap(self, decodes: Any, max_tokens: int) -> int:
+    def prefill_cap(self, decodes: Any, max_tokens: int, formed: int = 0, backlog: int = 0) -> int:
         self.seen.append(len(decodes))
         return self.cap
 

@@ -22,6 +22,7 @@ is strict (priority, arrival), with no such bound.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -359,7 +360,15 @@ class Scheduler:
                    if is_decode(r, r.num_tokens - r.num_computed_tokens)]
         if not self.waiting and len(decodes) == len(self.running):
             return None  # a decode-only step: no prefill to cap, so no prediction to make
-        return self.step_budget.prefill_cap(decodes, budget - len(decodes))
+        backlog = 0  # prompt tokens still to compute, counted only as far as matters (the queue may be long)
+        for r in itertools.chain(self.running, self.waiting):
+            n = r.num_tokens - r.num_computed_tokens
+            if not is_decode(r, n):
+                backlog += n
+                if backlog > 64 * budget:
+                    break
+        formed = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+        return self.step_budget.prefill_cap(decodes, budget - len(decodes), formed, backlog)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         c = req.num_computed_tokens

@@ -7,9 +7,10 @@ fitted online to the steps it actually ran:
 
     t ≈ c0 + c1 · bytes + c2 · FLOPs      (least squares over the last `window` steps, coefficients >= 0)
 
-and caps a mixed step's prefill tokens so the prediction stays within `max_step_ms` — or, by default, within
-`ratio` times the predicted time of the same decodes alone. A step with no decodes has no cap (TTFT does not pay),
-and a capped step still takes at least `min_chunk` prefill tokens so a prompt always advances.
+and caps a mixed step's prefill tokens so the prediction stays within `max_step_ms` — or, by default, within a bound
+between `tail_ratio` times the decode step of the batch being formed and `ratio` times the same decodes alone, set by
+the prompt backlog (`StepBudget.limit`). A step with no decodes has no cap (TTFT does not pay), and a capped step
+still takes at least `min_chunk` prefill tokens so a prompt always advances.
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ class StepTimeModel:
 
 class StepBudget:
     def __init__(self, cost: StepCostModel, max_step_ms: float | None, ratio: float = 3.0,
-                 min_chunk: int = 16) -> None:
-        """`max_step_ms`: absolute bound of a mixed step (None: `ratio` x its decodes alone; 0: no cap)."""
+                 min_chunk: int = 16, tail_ratio: float = 1.3, horizon: float = 16) -> None:
+        """`max_step_ms`: absolute bound of a mixed step (None: the default rule of `limit`; 0: no cap)."""
         self.cost = cost
         self.max_step_s = None if max_step_ms is None else max_step_ms / 1000
         self.ratio = ratio
+        self.tail_ratio = tail_ratio
+        self.horizon = horizon
         self.min_chunk = min_chunk
         self.model = StepTimeModel()
 
@@ -87,14 +90,44 @@ class StepBudget:
         """Predicted model time of a step over `seqs` ((cached, new) each); None until the model is fitted."""
         return self.model.predict(*self.cost.cost(seqs, num_sampled))
 
-    def prefill_cap(self, decodes: Sequence[tuple[int, int]], max_tokens: int) -> int | None:
-        """Most prefill tokens a step with these decodes ((context, 1) each) should take; None: no cap."""
+    def limit(self, decodes: Sequence[tuple[int, int]], alone: float, formed: int, backlog: int,
+              max_tokens: int) -> float:
+        """Bound of a mixed step's predicted time (`alone`: its decodes' predicted time without prefill).
+
+        Default rule, between two bounds:
+        - at most `ratio` x `alone`: prefill keeps at least 1 - 1/ratio of a mixed step while decodes run;
+        - at least `tail_ratio` x the decode step of the batch being formed (`formed` decodes: running + waiting,
+          at most max_num_seqs), or the decodes' own step plus the waiting prompts' predicted prefill time
+          (`backlog` tokens) spread over `horizon` steps, whichever is longer.
+        At high concurrency a step's gaps are what p99 ITL is made of, and arrivals there need little prefill per
+        step: the steps stay within tail_ratio of the full batch's decode step. When prompts pile up (a burst,
+        long prompts) the bound grows with the backlog, so admission keeps pace and throughput does not fall.
+        """
+        if self.max_step_s is not None:
+            return self.max_step_s
+        limit = self.ratio * alone
+        ctx = sum(c for c, _ in decodes) // len(decodes)
+        full = list(decodes) + [(ctx, 1)] * max(0, formed - len(decodes))
+        formed_alone = self.predict(full, len(full))
+        chunk = self.predict([(0, max_tokens)], 1)  # the backlog's prefill time, as chunks of the token budget
+        drain = None if chunk is None else chunk * backlog / max_tokens
+        if formed_alone is None or drain is None:
+            return limit
+        tail = self.tail_ratio * formed_alone
+        return min(limit, max(tail, alone + drain / self.horizon))
+
+    def prefill_cap(self, decodes: Sequence[tuple[int, int]], max_tokens: int, formed: int = 0,
+                    backlog: int = 0) -> int | None:
+        """Most prefill tokens a step with these decodes ((context, 1) each) should take; None: no cap.
+
+        `formed`: decodes of the batch being formed (running + waiting, at most max_num_seqs); `backlog`: prompt
+        tokens not yet computed (see `limit`)."""
         if not decodes or not self.enabled or max_tokens <= self.min_chunk:
             return None
         alone = self.predict(decodes, len(decodes))
         if alone is None:
             return None
-        limit = self.max_step_s if self.max_step_s is not None else self.ratio * alone
+        limit = self.limit(decodes, alone, formed, backlog, max_tokens)
         lo, hi = self.min_chunk, max_tokens  # the largest n in [lo, hi] whose mixed step fits, else lo
         if (self.predict([*decodes, (0, hi)], len(decodes) + 1) or 0.0) <= limit:
             return None
