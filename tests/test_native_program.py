@@ -30,9 +30,9 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]  # qwen2: q/k/v bias; qwen3: q/k norm per head
 # a layer after its input norm (the column slices q, k, v of the qkv output are taken where first used)
 LAYER_OPS = {"llama": ["linear", "narrow", "narrow", "rotary", "narrow", "attention", "linear", "add_rms_norm",
-                       "linear", "silu_and_mul", "linear"],
+                       "gated_mlp"],
              "qwen3": ["linear", "narrow", "head_rms_norm", "narrow", "head_rms_norm", "rotary", "narrow",
-                       "attention", "linear", "add_rms_norm", "linear", "silu_and_mul", "linear"]}
+                       "attention", "linear", "add_rms_norm", "gated_mlp"]}
 
 
 def loaded(kind: str, weights: str, tmp_path: Path) -> LoadedModel:
@@ -60,11 +60,18 @@ STEPS = [  # two prefills, then a decode beside a chunk with context that crosse
 ]
 
 
-def assert_program_equals_definition(runner: ModelRunner) -> None:
+LONG_STEP = [  # a prompt longer than the gated MLP's row chunk (it runs as two chunks of 100 rows, then one of 4)
+    SchedulerOutput([ScheduledRequest("z", [(7 * i) % 200 + 3 for i in range(200)], 0, list(range(13)), True,
+                                      num_prompt_tokens=204)], num_prefill_tokens=200),
+    SchedulerOutput([ScheduledRequest("z", [5, 6, 7, 8], 200, list(range(13)), True, num_prompt_tokens=204)],
+                    num_prefill_tokens=4)]
+
+
+def assert_program_equals_definition(runner: ModelRunner, steps: list[SchedulerOutput] = STEPS) -> None:
     """Each step through the program and through the Python definition from the same cache: same bits."""
     model = runner.model
     assert model.program is not None
-    for sched in STEPS:
+    for sched in steps:
         inp = runner.prepare(sched)
         kv_program, kv_python = runner.kv_cache.clone(), runner.kv_cache.clone()
         with torch.inference_mode():
@@ -88,6 +95,16 @@ def test_program_equals_the_python_definition_with_bf16_prompt_rows(kind: str, t
     runner = native_runner(loaded(kind, "gguf", tmp_path), torch.bfloat16)
     assert runner.model.kernels.ops.bf16_prompt_rows
     assert_program_equals_definition(runner)
+    assert_program_equals_definition(runner, LONG_STEP)  # the MLP's row chunks keep each row's kind
+
+
+@pytest.mark.parametrize("weights", ["gguf", "float"])
+def test_long_prefill_runs_the_mlp_in_row_chunks_with_the_same_bits(weights: str, tmp_path: Path) -> None:
+    """A 200-row step: the gated MLP runs as two chunks of 100 rows (a bounded intermediate), each row's result
+    the bits of the whole-step linears of the Python definition."""
+    runner = native_runner(loaded("llama", weights, tmp_path))
+    assert "gated_mlp" in runner.model.program.ops()
+    assert_program_equals_definition(runner, LONG_STEP)
 
 
 def test_program_with_bf16_weights_and_kv_cache(tmp_path: Path) -> None:
@@ -112,11 +129,11 @@ def test_program_is_the_definitions_ops_in_order(kind: str, tmp_path: Path) -> N
     assert program.ops() == ["embedding", "rms_norm", *layer, "add_rms_norm", *layer, "add_rms_norm"]
     # buffers for the norms' outputs, the linears' outputs, the attention outputs and the activations, shared by
     # every layer and by each other where their widths agree (never two live values in one): a few per width, not
-    # per layer
+    # per layer; plus the gated MLPs' two intermediates ([chunk rows, 2I] and [chunk rows, I]), shared by all layers
     cfg = runner.model.cfg
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    widths = {cfg.hidden_size, q + 2 * kv, q, 2 * cfg.intermediate_size, cfg.intermediate_size}
-    assert len(widths) - 1 <= program.num_slots <= len(widths) + 1, (program.num_slots, widths)
+    widths = {cfg.hidden_size, q + 2 * kv, q}
+    assert len(widths) - 1 + 2 <= program.num_slots <= len(widths) + 1 + 2, (program.num_slots, widths)
 
 
 def live_values(recorder: ProgramRecorder) -> int:

@@ -12,6 +12,11 @@ dimension) and pass values along; anything else (arithmetic on tensors, reshapes
 made, which the recorder refuses (ProgramUnsupported) - a new computation is a new NativeOps method and program op.
 tests/test_native_program.py checks per architecture that the program computes bit for bit what the Python
 definition computes on the native ops.
+
+One rewrite happens at the end: each `linear -> silu/gelu_and_mul -> linear` (a gated MLP) whose intermediates
+nothing else reads becomes one `gated_mlp` op that runs in row chunks of at most 128, so a 512-token prefill of a
+1.7B model holds a [128, 2I] intermediate (8 MiB) instead of a [512, 2I] one (32 MiB); each row's bits are those of
+the three ops.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class Recordable(Protocol):
 
 RECORD_TOKENS = 2  # rows of the dummy step: more than one, so that row strides are seen
 # ops whose output buffer the executor allocates (slots)
-OWNED_OPS = ("rms_norm", "attention", "silu_and_mul", "gelu_tanh_and_mul", "linear", "moe")
+OWNED_OPS = ("rms_norm", "attention", "silu_and_mul", "gelu_tanh_and_mul", "linear", "moe", "gated_mlp")
+GATED_ACTS = {"silu_and_mul": 0, "gelu_tanh_and_mul": 1}  # the gated_mlp op's activation codes
 
 
 class ProgramUnsupported(ValueError):
@@ -205,9 +211,16 @@ class ProgramRecorder(NativeOps):
     # ---- the program ------------------------------------------------------------------------------------------
     def finish(self, output: torch.Tensor) -> Any:
         """Hand the recorded instructions to the NativeProgram, with buffer slots and release points."""
-        out = self._use(output)
+        out = self._fuse_gated_mlps(self._use(output))
         last = self._last_uses(out)
         slot_of = self._assign_slots(last)
+        scratch: dict[int, int] = {}  # width -> slot of the gated MLPs' intermediates (shared, used within the op)
+        for ins in self.instrs:
+            if ins.op == "gated_mlp":
+                for k in (5, 6):
+                    if ins.ints[k] not in scratch:
+                        scratch[ins.ints[k]] = int(self.prog.add_slot(ins.ints[k]))
+                    ins.ints[k] = scratch[ins.ints[k]]
         for vid, i in last.items():
             if i < len(self.instrs):
                 self.frees.setdefault(i, []).append(vid)
@@ -216,6 +229,45 @@ class ProgramRecorder(NativeOps):
                              sorted(self.frees.get(i, [])))
         self.prog.set_output(out)
         return self.prog
+
+    def _fuse_gated_mlps(self, output: int) -> int:
+        """Replace each `linear -> silu/gelu_and_mul -> linear` whose intermediates nothing else reads by one
+        `gated_mlp` op, which runs in row chunks (no [T, 2I] buffer for a long prefill); then number the values
+        again in instruction order, as the program requires. Returns the output's new number."""
+        readers: dict[int, int] = {}  # value (or the root of a view) -> instructions reading it
+        for ins in self.instrs:
+            for v in ins.inputs:
+                for r in {v, self.values[v].root}:
+                    readers[r] = readers.get(r, 0) + 1
+        fused: list[_Instr] = []
+        i = 0
+        while i < len(self.instrs):
+            a, b, c = (self.instrs[i:i + 3] + [None, None])[:3]
+            if (a and b and c and a.op == "linear" and b.op in GATED_ACTS and c.op == "linear"
+                    and b.inputs == [a.out] and c.inputs == [b.out] and readers.get(a.out) == 1
+                    and readers.get(b.out) == 1 and output not in (a.out, b.out)):
+                fused.append(_Instr("gated_mlp", a.inputs, c.out, c.width,
+                                    [a.ints[0], a.ints[1], c.ints[0], c.ints[1], GATED_ACTS[b.op], a.width,
+                                     b.width]))  # the scratch widths become slots in finish()
+                i += 3
+            else:
+                fused.append(self.instrs[i])
+                i += 1
+        if len(fused) == len(self.instrs):
+            return output
+        renumber = {0: 0, 1: 1}
+        values = self.values[:2]
+        for ins in fused:
+            if ins.out >= 0:
+                renumber[ins.out] = len(values)
+                values.append(self.values[ins.out])
+        for val in values[2:]:
+            val.root = renumber[val.root]
+        for ins in fused:
+            ins.inputs = [renumber[v] for v in ins.inputs]
+            ins.out = renumber.get(ins.out, -1)
+        self.instrs, self.values = fused, values
+        return renumber[output]
 
     def _last_uses(self, output: int) -> dict[int, int]:
         """Per value (step inputs aside), the last instruction reading it or a view of it (len(instrs): never)."""
