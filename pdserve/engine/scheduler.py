@@ -22,7 +22,6 @@ is strict (priority, arrival), with no such bound.
 from __future__ import annotations
 
 import bisect
-import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -356,17 +355,20 @@ class Scheduler:
         """The step budget's prefill cap for this step's decodes (the running requests one token behind)."""
         if self.step_budget is None:
             return None
-        decodes = [(r.num_computed_tokens, 1) for r in self.running
-                   if is_decode(r, r.num_tokens - r.num_computed_tokens)]
-        if not self.waiting and len(decodes) == len(self.running):
-            return None  # a decode-only step: no prefill to cap, so no prediction to make
-        backlog = 0  # prompt tokens still to compute, counted only as far as matters (the queue may be long)
-        for r in itertools.chain(self.running, self.waiting):
+        decodes: list[tuple[int, int]] = []
+        backlog = 0  # prompt tokens still to compute
+        for r in self.running:
             n = r.num_tokens - r.num_computed_tokens
-            if not is_decode(r, n):
+            if is_decode(r, n):
+                decodes.append((r.num_computed_tokens, 1))
+            else:
                 backlog += n
-                if backlog > 64 * budget:
-                    break
+        if not decodes or (not self.waiting and not backlog):
+            return None  # no decodes to protect, or a decode-only step: nothing to cap
+        for r in self.waiting:  # counted only as far as matters: the queue may be long
+            if backlog > 64 * budget:
+                break
+            backlog += r.num_tokens - r.num_computed_tokens
         formed = min(self.max_num_seqs, len(self.running) + len(self.waiting))
         return self.step_budget.prefill_cap(decodes, budget - len(decodes), formed, backlog)
 
