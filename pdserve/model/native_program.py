@@ -15,8 +15,8 @@ definition computes on the native ops.
 
 One rewrite happens at the end: each `linear -> silu/gelu_and_mul -> linear` (a gated MLP) whose intermediates
 nothing else reads becomes one `gated_mlp` op that runs in row chunks of at most 128, so a 512-token prefill of a
-1.7B model holds a [128, 2I] intermediate (8 MiB) instead of a [512, 2I] one (32 MiB); each row's bits are those of
-the three ops.
+1.7B model holds one [128, 2I] intermediate (8 MiB; the activation is written over its gate half) instead of a
+[512, 2I] one and a [512, I] one (48 MiB); each row's bits are those of the three ops.
 """
 
 from __future__ import annotations
@@ -214,13 +214,12 @@ class ProgramRecorder(NativeOps):
         out = self._fuse_gated_mlps(self._use(output))
         last = self._last_uses(out)
         slot_of = self._assign_slots(last)
-        scratch: dict[int, int] = {}  # width -> slot of the gated MLPs' intermediates (shared, used within the op)
+        scratch: dict[int, int] = {}  # width -> slot of the gated MLPs' [rows, 2I] scratch (shared, used within the op)
         for ins in self.instrs:
             if ins.op == "gated_mlp":
-                for k in (5, 6):
-                    if ins.ints[k] not in scratch:
-                        scratch[ins.ints[k]] = int(self.prog.add_slot(ins.ints[k]))
-                    ins.ints[k] = scratch[ins.ints[k]]
+                if ins.ints[5] not in scratch:
+                    scratch[ins.ints[5]] = int(self.prog.add_slot(ins.ints[5]))
+                ins.ints[5] = scratch[ins.ints[5]]
         for vid, i in last.items():
             if i < len(self.instrs):
                 self.frees.setdefault(i, []).append(vid)
@@ -247,8 +246,8 @@ class ProgramRecorder(NativeOps):
                     and b.inputs == [a.out] and c.inputs == [b.out] and readers.get(a.out) == 1
                     and readers.get(b.out) == 1 and output not in (a.out, b.out)):
                 fused.append(_Instr("gated_mlp", a.inputs, c.out, c.width,
-                                    [a.ints[0], a.ints[1], c.ints[0], c.ints[1], GATED_ACTS[b.op], a.width,
-                                     b.width]))  # the scratch widths become slots in finish()
+                                    [a.ints[0], a.ints[1], c.ints[0], c.ints[1], GATED_ACTS[b.op],
+                                     a.width]))  # the scratch width becomes a slot in finish()
                 i += 3
             else:
                 fused.append(self.instrs[i])

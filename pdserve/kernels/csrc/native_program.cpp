@@ -46,8 +46,8 @@ enum class Op : int64_t {
   kLinear,       // in [x]; ints [weight, bias const or -1] -> new (slot) x @ W.T (+ bias)
   kMoe,          // in [x, router logits]; ints [experts] -> new (slot) the sparse MLP's output (moe.h)
   kGatedMlp,     // in [x]; ints [gate_up weight, its bias const or -1, down weight, its bias or -1, act (0 silu,
-                 // 1 gelu_tanh), gate_up scratch slot, act scratch slot] -> new (slot) down(act(gate_up(x))), run
-                 // in row chunks of at most kMlpChunk, so the [T, 2I] intermediate never exists for a long prefill
+                 // 1 gelu_tanh), gate_up scratch slot] -> new (slot) down(act(gate_up(x))), run in row chunks of at
+                 // most mlp_chunk_rows, so the [T, 2I] intermediate never exists for a long prefill
   kNumOps
 };
 
@@ -80,7 +80,7 @@ Arity arity(Op op) {
     case Op::kScale: return {1, 0, 1, false};
     case Op::kLinear: return {1, 2, 0, true};
     case Op::kMoe: return {2, 1, 0, true};
-    case Op::kGatedMlp: return {1, 7, 0, true};
+    case Op::kGatedMlp: return {1, 6, 0, true};
     default: break;
   }
   TORCH_CHECK(false, "unknown op ", static_cast<int64_t>(op));
@@ -136,9 +136,8 @@ class NativeProgram {
     TORCH_CHECK(owns == (slot >= 0) && slot < static_cast<int64_t>(slot_widths_.size()), name,
                 ": bad slot ", slot);
     if (it->second == Op::kGatedMlp)
-      for (size_t k : {size_t{5}, size_t{6}})
-        TORCH_CHECK(ints[k] >= 0 && ints[k] < static_cast<int64_t>(slot_widths_.size()) && ints[k] != slot, name,
-                    ": bad scratch slot ", ints[k]);
+      TORCH_CHECK(ints[5] >= 0 && ints[5] < static_cast<int64_t>(slot_widths_.size()) && ints[5] != slot, name,
+                  ": bad scratch slot ", ints[5]);
     for (int64_t v : frees) TORCH_CHECK(v >= 0 && v < num_values_, name, " frees unknown value ", v);
     instrs_.push_back(Instr{it->second, std::move(in), out, slot, std::move(ints), std::move(floats),
                             std::move(frees)});
@@ -239,29 +238,33 @@ class NativeProgram {
     const std::optional<at::Tensor>& prompt_rows;  // uint8 [T]: the linears' row kinds (packed_weight.h), or none
   };
 
-  // Rows of one chunk of a gated MLP: chunks of 64-128 rows run the GEMM tiles as fast as one of 512 rows does,
-  // and the [rows, 2I] intermediate stays a few MiB (32 MiB at 512 rows of a 1.7B model's MLP).
-  static constexpr int64_t kMlpChunk = 128;
+  // Rows of one chunk of a gated MLP: as many as a 4 MiB [rows, 2I] scratch holds, within 64-128 (128 up to
+  // I = 4096, 64 from I = 8192, a 1.7B model's). A large MLP runs its GEMM tiles at 64 rows as fast as at 512 (1.7B
+  // shape: prefill time unchanged); on a small one (135M: I = 1536) 64-row chunks cost ~10 % of the prefill.
+  static int64_t mlp_chunk_rows(int64_t two_i) {
+    constexpr int64_t kScratchBytes = int64_t{4} << 20;
+    return std::clamp<int64_t>(kScratchBytes / (two_i * static_cast<int64_t>(sizeof(float))), 64, 128);
+  }
 
-  // The gated MLP in row chunks of equal size (T > kMlpChunk: at least 65 rows each), scratch in `slots`.
+  // The gated MLP in row chunks of equal size (more than half of mlp_chunk_rows each), its [rows, 2I] scratch in
+  // `slots`. act(g) * u is written over g (each element reads only its own g and u), and the down projection reads
+  // those first I columns with the scratch's row stride: no second buffer.
   void gated_mlp(const Instr& I, const at::Tensor& x, at::Tensor& out, const Step& st,
                  std::vector<at::Tensor>& slots) const {
     const auto& n = I.ints;
-    const int64_t t = x.size(0), chunks = (t + kMlpChunk - 1) / kMlpChunk;
+    const int64_t cap = mlp_chunk_rows(slot_widths_[n[5]]);
+    const int64_t t = x.size(0), chunks = (t + cap - 1) / cap;
     const int64_t rows = chunks > 0 ? (t + chunks - 1) / chunks : 0;
-    auto scratch = [&](int64_t slot) -> at::Tensor& {
-      at::Tensor& s = slots[slot];
-      if (!s.defined() || s.size(0) < rows) s = at::empty({rows, slot_widths_[slot]}, at::kFloat);
-      return s;
-    };
-    at::Tensor& gu_buf = scratch(n[5]);
-    at::Tensor& act_buf = scratch(n[6]);
+    at::Tensor& gu_buf = slots[n[5]];
+    if (!gu_buf.defined() || gu_buf.size(0) < rows) gu_buf = at::empty({rows, slot_widths_[n[5]]}, at::kFloat);
+    const int64_t inter = slot_widths_[n[5]] / 2;
     const auto bias = [&](int64_t i) { return i >= 0 ? std::optional<at::Tensor>(c(i)) : std::nullopt; };
     for (int64_t r0 = 0; r0 < t; r0 += rows) {
       const int64_t m = std::min(rows, t - r0);
       const std::optional<at::Tensor> kinds =
           st.prompt_rows ? std::optional<at::Tensor>(st.prompt_rows->narrow(0, r0, m)) : std::nullopt;
-      at::Tensor gu = gu_buf.narrow(0, 0, m), act = act_buf.narrow(0, 0, m), y = out.narrow(0, r0, m);
+      at::Tensor gu = gu_buf.narrow(0, 0, m), y = out.narrow(0, r0, m);
+      at::Tensor act = gu.narrow(1, 0, inter);
       packed_linear_into(w(n[0]), x.narrow(0, r0, m), bias(n[1]), gu, kinds);
       if (n[4] == 0)
         silu_and_mul(act, gu);
