@@ -188,7 +188,7 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 
 // One activation row straight from the packed panel, each weight vector built in registers (the 16 columns as two
 // ymm) and used at once: no store and reload of a decoded chunk. For the types without bit planes (Q4_0, Q4_1, Q4_K,
-// Q8_0, IQ4_*); the planes' shifts are cheaper loop-invariant in decode's L1 pass. Integer sums are exact, so
+// Q8_0, IQ4_*; Q6_K below); Q5_* and Q2_K/Q3_K keep decode's L1 pass, where the planes' shifts are loop-invariant. Integer sums are exact, so
 // summing more maddubs results in int16 before the widening (as many as cannot overflow: 8 for 4-bit weights)
 // leaves them unchanged; the fp32 steps are tile_t's, in the same order.
 struct Fmt {
@@ -257,6 +257,68 @@ void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& 
   _mm256_storeu_ps(acc + 8, c1);
 }
 
+// Field J (bits 2J..2J+1 of each byte) of a Q6_K 2-bit plane unit at bits 4..5, bits 6..7 zero, bits 0..3 anything,
+// from q = plane & 0x33 (fields 0, 2) or r = plane & 0xCC (fields 1, 3) (as qgemm_avx512.cpp's q6_field).
+template <int J>
+inline __m256i q6_field(__m256i q, __m256i r) {
+  if constexpr (J == 0) return _mm256_slli_epi16(q, 4);
+  if constexpr (J == 1) return _mm256_slli_epi16(r, 2);
+  if constexpr (J == 2) return q;
+  return _mm256_srli_epi16(r, 2);
+}
+
+// One activation row over Q6_K chunks, every weight vector built in registers: sub-block j takes nibbles (low for
+// j < 8, high after) of units 4(j % 8)..4(j % 8) + 3 and fields 0..3 of plane unit j, merged as (nibble & 0x0F) |
+// (field & 0xF0). 6-bit weights: two maddubs per widening (2 x 2 x 63 x 127 < 2^15). Sub-blocks in K order, the
+// fp32 steps tile_t's.
+void gemv1_q6k(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
+  constexpr int ns = 16, G = 4, H = 8, offp2 = 32 * kVec;
+  const int64_t cb = t.chunk_bytes();
+  alignas(32) float dw[16 * kPanel], mw[16 * kPanel];
+  const __m256i m0f = _mm256_set1_epi8(0x0F), m33 = _mm256_set1_epi8(0x33);
+  const __m256i mcc = _mm256_set1_epi8(static_cast<char>(0xCC)), ones = _mm256_set1_epi16(1);
+  __m256 c[2] = {_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)};
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const uint8_t* p = packed + ch * cb;
+    prefetch_ahead(p, cb);
+    decode_scales<P256>(t, p, dw, mw);
+    const uint8_t* v = p + t.scale_bytes();
+    for (int j = 0; j < ns; ++j) {
+      const int64_t s = ch * ns + j;
+      const int8_t* x = a.q + a.qi(r0, s);
+      const int b = j % H;
+      const __m256 dxr = _mm256_set1_ps(a.dx[a.di(r0, s * 16 / QK)]);
+      const __m256i init = _mm256_set1_epi32(a.init[a.si(r0, s)]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // columns 8h..8h+7
+        const uint8_t* vh = v + 32 * h;
+        const __m256i pl = P256::ld(vh + offp2 + j * kVec);
+        const __m256i q = _mm256_and_si256(pl, m33), r = _mm256_and_si256(pl, mcc);
+        const __m256i f[G] = {q6_field<0>(q, r), q6_field<1>(q, r), q6_field<2>(q, r), q6_field<3>(q, r)};
+        __m256i isum = init;
+#pragma GCC unroll 2
+        for (int g0 = 0; g0 < G; g0 += 2) {
+          __m256i p16 = _mm256_setzero_si256();
+#pragma GCC unroll 2
+          for (int g = g0; g < g0 + 2; ++g) {
+            __m256i n = P256::ld(vh + (b * G + g) * kVec);
+            if (j >= H) n = _mm256_srli_epi16(n, 4);
+            const __m256i w = _mm256_or_si256(_mm256_and_si256(n, m0f), _mm256_andnot_si256(m0f, f[g]));
+            int32_t xv;
+            std::memcpy(&xv, x + 4 * g, 4);
+            p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(xv)));
+          }
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p16, ones));
+        }
+        c[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_load_ps(dw + j * kPanel + 8 * h), dxr),
+                               c[h]);
+      }
+    }
+  }
+  _mm256_storeu_ps(acc, c[0]);
+  _mm256_storeu_ps(acc + 8, c[1]);
+}
+
 using GemvFn = void (*)(const QType&, const uint8_t*, int64_t, const Act&, int64_t, float*);
 
 GemvFn pick_gemv1(int id) {
@@ -265,6 +327,7 @@ GemvFn pick_gemv1(int id) {
     case 3: return gemv1_t<Fmt{32, true, false, false, true}>;      // Q4_1
     case 8: return gemv1_t<Fmt{32, false, true, false, false}>;     // Q8_0
     case 12: return gemv1_t<Fmt{256, true, false, false, true}>;    // Q4_K
+    case 14: return gemv1_q6k;                                       // Q6_K
     case 20: return gemv1_t<Fmt{32, true, false, true, false}>;     // IQ4_NL
     case 23: return gemv1_t<Fmt{256, true, false, true, false}>;    // IQ4_XS
     default: return nullptr;
