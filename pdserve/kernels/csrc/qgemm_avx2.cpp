@@ -186,11 +186,11 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
   table[mr - 1](d, nsubs, a, s0, r0, acc);
 }
 
-// One activation row straight from the packed panel, each weight vector built in registers (the 16 columns as two
-// ymm) and used at once: no store and reload of a decoded chunk. For the types without bit planes (Q4_0, Q4_1, Q4_K,
-// Q8_0, IQ4_*; Q6_K below); Q5_* and Q2_K/Q3_K keep decode's L1 pass, where the planes' shifts are loop-invariant. Integer sums are exact, so
-// summing more maddubs results in int16 before the widening (as many as cannot overflow: 8 for 4-bit weights)
-// leaves them unchanged; the fp32 steps are tile_t's, in the same order.
+// 1-4 activation rows straight from the packed panel, each weight vector built in registers (the 16 columns as two
+// ymm, one half at a time) and used at once: no store and reload of a decoded chunk. For the types without bit
+// planes (Q4_0, Q4_1, Q4_K, Q8_0, IQ4_*; one row of Q6_K below); Q5_* and Q2_K/Q3_K keep decode's L1 pass, where the
+// planes' shifts are loop-invariant. Integer sums are exact, so summing more maddubs results in int16 before the
+// widening (as many as cannot overflow: 8 for 4-bit weights) leaves them unchanged; the fp32 steps are tile_t's.
 struct Fmt {
   int qb;
   bool nib, raw, lut, min;
@@ -206,55 +206,64 @@ inline P256::V vec_of(const uint8_t* ch, int z) {
   return v;
 }
 
-template <Fmt f>
-void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
+template <Fmt f, int MR>
+void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
   constexpr bool SGN = f.raw || f.lut;  // signed bytes: the sign trick, one maddubs per widening
   constexpr int G = 8, ns = f.qb / 32, A = SGN ? 1 : 8;  // 32-value sub-blocks; 8 x 2 x 15 x 127 < 2^15
   const int64_t cb = t.chunk_bytes();
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   alignas(32) float dw[8 * kPanel], mw[8 * kPanel];
-  __m256 c0 = _mm256_loadu_ps(acc), c1 = _mm256_loadu_ps(acc + 8);
+  __m256 c[MR][2];
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) c[r][h] = _mm256_loadu_ps(acc + r * kPanel + 8 * h);
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const uint8_t* p = packed + ch * cb;
     if constexpr (!f.raw) prefetch_ahead(p, cb);
     decode_scales<P256>(t, p, dw, mw);
     const uint8_t* v = p + t.scale_bytes();
     for (int j = 0; j < ns; ++j) {
+      // rows r0..r0+MR share a 16-row tile: row r at constant offsets from these
       const int64_t s = ch * ns + j;
       const int8_t* x = a.q + a.qi(r0, s);
-      __m256i i0 = SGN ? _mm256_setzero_si256() : _mm256_set1_epi32(a.init[a.si(r0, s)]), i1 = i0;
-      for (int g0 = 0; g0 < G; g0 += A) {
-        __m256i p0 = _mm256_setzero_si256(), p1 = p0;
+      const float* dx = a.dx + a.di(r0, s);
+      const int32_t* init = a.init + a.si(r0, s);
+      const float* xs = a.xs + a.si(r0, s);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // columns 8h..8h+7
+        __m256i isum[MR];
+        for (int r = 0; r < MR; ++r) isum[r] = SGN ? _mm256_setzero_si256() : _mm256_set1_epi32(init[r]);
+        for (int g0 = 0; g0 < G; g0 += A) {
+          __m256i p16[MR];
+          for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int g = g0; g < g0 + A; ++g) {
-          int32_t xv;
-          std::memcpy(&xv, x + 4 * g, 4);
-          const __m256i xb = _mm256_set1_epi32(xv);
-          const P256::V w = vec_of<f>(v, j * G + g);
-          if constexpr (SGN) {
-            const __m256i wa = _mm256_xor_si256(w.a, flip), wb = _mm256_xor_si256(w.b, flip);
-            p0 = _mm256_maddubs_epi16(_mm256_abs_epi8(wa), _mm256_sign_epi8(xb, wa));
-            p1 = _mm256_maddubs_epi16(_mm256_abs_epi8(wb), _mm256_sign_epi8(xb, wb));
-          } else {
-            p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w.a, xb));
-            p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w.b, xb));
+          for (int g = g0; g < g0 + A; ++g) {
+            const P256::V wv = vec_of<f>(v, j * G + g);
+            const __m256i w = h == 0 ? wv.a : wv.b;
+            const __m256i ws = SGN ? _mm256_xor_si256(w, flip) : w, wa = SGN ? _mm256_abs_epi8(ws) : w;
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) {
+              int32_t xv;
+              std::memcpy(&xv, x + r * 32 + 4 * g, 4);
+              const __m256i xb = _mm256_set1_epi32(xv);
+              if constexpr (SGN)
+                p16[r] = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, ws));
+              else
+                p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(w, xb));
+            }
           }
+          for (int r = 0; r < MR; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p16[r], ones));
         }
-        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(p0, ones));
-        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(p1, ones));
-      }
-      const __m256 dxr = _mm256_set1_ps(a.dx[a.di(r0, s)]);
-      c0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(_mm256_load_ps(dw + j * kPanel), dxr), c0);
-      c1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(_mm256_load_ps(dw + j * kPanel + 8), dxr), c1);
-      if constexpr (f.min) {
-        const __m256 xs = _mm256_set1_ps(a.xs[a.si(r0, s)]);
-        c0 = _mm256_fmadd_ps(_mm256_load_ps(mw + j * kPanel), xs, c0);
-        c1 = _mm256_fmadd_ps(_mm256_load_ps(mw + j * kPanel + 8), xs, c1);
+        const __m256 dwh = _mm256_load_ps(dw + j * kPanel + 8 * h);
+        for (int r = 0; r < MR; ++r) {
+          c[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dwh, _mm256_set1_ps(dx[r])), c[r][h]);
+          if constexpr (f.min)
+            c[r][h] = _mm256_fmadd_ps(_mm256_load_ps(mw + j * kPanel + 8 * h), _mm256_set1_ps(xs[r]), c[r][h]);
+        }
       }
     }
   }
-  _mm256_storeu_ps(acc, c0);
-  _mm256_storeu_ps(acc + 8, c1);
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kPanel + 8 * h, c[r][h]);
 }
 
 // Field J (bits 2J..2J+1 of each byte) of a Q6_K 2-bit plane unit at bits 4..5, bits 6..7 zero, bits 0..3 anything,
@@ -321,25 +330,33 @@ void gemv1_q6k(const QType& t, const uint8_t* packed, int64_t nchunks, const Act
 
 using GemvFn = void (*)(const QType&, const uint8_t*, int64_t, const Act&, int64_t, float*);
 
-GemvFn pick_gemv1(int id) {
-  switch (id) {  //          qb   nib   raw    lut    min
-    case 2: return gemv1_t<Fmt{32, true, false, false, false}>;     // Q4_0
-    case 3: return gemv1_t<Fmt{32, true, false, false, true}>;      // Q4_1
-    case 8: return gemv1_t<Fmt{32, false, true, false, false}>;     // Q8_0
-    case 12: return gemv1_t<Fmt{256, true, false, false, true}>;    // Q4_K
-    case 14: return gemv1_q6k;                                       // Q6_K
-    case 20: return gemv1_t<Fmt{32, true, false, true, false}>;     // IQ4_NL
-    case 23: return gemv1_t<Fmt{256, true, false, true, false}>;    // IQ4_XS
+// 32-value chunks (Q4_0, Q4_1, Q8_0, IQ4_NL) in registers up to 2 rows: at 4 their per-chunk scale decoding and
+// spilled accumulators cost more than decode's L1 pass (Zen 4, one thread: 0.92x).
+template <Fmt f>
+GemvFn gemv_for(int64_t mr) {
+  static constexpr GemvFn table[kMaxRows] = {gemv_t<f, 1>, gemv_t<f, 2>, gemv_t<f, 3>, gemv_t<f, 4>};
+  return f.qb == 32 && mr > 2 ? nullptr : table[mr - 1];
+}
+
+// The register GEMV for this type and row count, or null (decode's L1 pass).
+GemvFn pick_gemv(int id, int64_t mr) {
+  switch (id) {  //                 qb   nib   raw    lut    min
+    case 2: return gemv_for<Fmt{32, true, false, false, false}>(mr);     // Q4_0
+    case 3: return gemv_for<Fmt{32, true, false, false, true}>(mr);      // Q4_1
+    case 8: return gemv_for<Fmt{32, false, true, false, false}>(mr);     // Q8_0
+    case 12: return gemv_for<Fmt{256, true, false, false, true}>(mr);    // Q4_K
+    case 14: return mr == 1 ? gemv1_q6k : nullptr;                       // Q6_K
+    case 20: return gemv_for<Fmt{32, true, false, true, false}>(mr);     // IQ4_NL
+    case 23: return gemv_for<Fmt{256, true, false, true, false}>(mr);    // IQ4_XS
     default: return nullptr;
   }
 }
 
-// Ops::gemv: one row of the types above in registers; any other type or row count decodes ~256 values of K at a
+// Ops::gemv: the rows gemv_for takes in registers (Q6_K: one row); any other type or row count decodes ~256 values of K at a
 // time into an L1 buffer and runs the tiles on it (what QgemmWeight::run_few does for a level without gemv).
 void gemv_rows(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, int64_t mr,
                float* acc) {
-  if (mr == 1)
-    if (const GemvFn fn = pick_gemv1(t.id)) return fn(t, packed, nchunks, a, r0, acc);
+  if (const GemvFn fn = pick_gemv(t.id, mr)) return fn(t, packed, nchunks, a, r0, acc);
   const int64_t group = std::max<int64_t>(1, 256 / t.qb), ns = t.nsub(), cb = t.chunk_bytes();
   alignas(64) uint8_t buf[256 * kPanel + 2 * 16 * kPanel * 4];  // dec_bytes of 256 values, 16-value sub-blocks
   const Dec d = dec_view(t, group, buf);
