@@ -44,6 +44,8 @@ struct P256 {
     const __m128i c = _mm_cvtsi32_si128(n);
     return {_mm256_sll_epi16(v.a, c), _mm256_sll_epi16(v.b, c)};
   }
+  static __m256i sll(__m256i v, int n) { return _mm256_sll_epi16(v, _mm_cvtsi32_si128(n)); }  // one half
+  static __m256i srl(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
   static V lut(V v) {
     const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Table)));
     return {_mm256_shuffle_epi8(t, v.a), _mm256_shuffle_epi8(t, v.b)};
@@ -266,16 +268,6 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kPanel + 8 * h, c[r][h]);
 }
 
-// Field J (bits 2J..2J+1 of each byte) of a Q6_K 2-bit plane unit at bits 4..5, bits 6..7 zero, bits 0..3 anything,
-// from q = plane & 0x33 (fields 0, 2) or r = plane & 0xCC (fields 1, 3) (as qgemm_avx512.cpp's q6_field).
-template <int J>
-inline __m256i q6_field(__m256i q, __m256i r) {
-  if constexpr (J == 0) return _mm256_slli_epi16(q, 4);
-  if constexpr (J == 1) return _mm256_slli_epi16(r, 2);
-  if constexpr (J == 2) return q;
-  return _mm256_srli_epi16(r, 2);
-}
-
 // One activation row over Q6_K chunks, every weight vector built in registers: sub-block j takes nibbles (low for
 // j < 8, high after) of units 4(j % 8)..4(j % 8) + 3 and fields 0..3 of plane unit j, merged as (nibble & 0x0F) |
 // (field & 0xF0). 6-bit weights: two maddubs per widening (2 x 2 x 63 x 127 < 2^15). Sub-blocks in K order, the
@@ -303,7 +295,8 @@ void gemv1_q6k(const QType& t, const uint8_t* packed, int64_t nchunks, const Act
         const uint8_t* vh = v + 32 * h;
         const __m256i pl = P256::ld(vh + offp2 + j * kVec);
         const __m256i q = _mm256_and_si256(pl, m33), r = _mm256_and_si256(pl, mcc);
-        const __m256i f[G] = {q6_field<0>(q, r), q6_field<1>(q, r), q6_field<2>(q, r), q6_field<3>(q, r)};
+        const __m256i f[G] = {q6_field<P256, 0>(q, r), q6_field<P256, 1>(q, r), q6_field<P256, 2>(q, r),
+                              q6_field<P256, 3>(q, r)};
         __m256i isum = init;
 #pragma GCC unroll 2
         for (int g0 = 0; g0 < G; g0 += 2) {

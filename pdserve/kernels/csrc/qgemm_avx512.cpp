@@ -268,17 +268,6 @@ void gemv_dec1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const A
   }
 }
 
-// Field J (bits 2J..2J+1 of each byte) of a Q6_K 2-bit plane unit at bits 4..5, bits 6..7 zero, bits 0..3 anything:
-// from q = plane & 0x33 (fields 0, 2) or r = plane & 0xCC (fields 1, 3), so a 16-bit shift brings in only zeros or
-// bits that the merge below takes from the nibble instead.
-template <int J>
-inline __m512i q6_field(__m512i q, __m512i r) {
-  if constexpr (J == 0) return _mm512_slli_epi16(q, 4);
-  if constexpr (J == 1) return _mm512_slli_epi16(r, 2);
-  if constexpr (J == 2) return q;
-  return _mm512_srli_epi16(r, 2);
-}
-
 // One activation row over Q6_K chunks, every weight vector built in registers: sub-blocks b and 8 + b (b < 8) take
 // the low and high nibbles of units 4b..4b+3 and fields 0..3 of plane units b and 8 + b; one vpternlogd (bits 0..3
 // from the nibble, 4..7 from the field) merges each. Sums and fp32 steps as gemv1_t's (K order: the high half's
@@ -314,8 +303,10 @@ void gemv1_q6k(const QType& t, const uint8_t* packed, int64_t nchunks, const Act
       const __m512i pl = P512::load(v + offp2 + b * kVec), ph = P512::load(v + offp2 + (H + b) * kVec);
       const __m512i ql = _mm512_and_si512(pl, m33), rl = _mm512_and_si512(pl, mcc);
       const __m512i qh = _mm512_and_si512(ph, m33), rh = _mm512_and_si512(ph, mcc);
-      const __m512i f_lo[G] = {q6_field<0>(ql, rl), q6_field<1>(ql, rl), q6_field<2>(ql, rl), q6_field<3>(ql, rl)};
-      const __m512i f_hi[G] = {q6_field<0>(qh, rh), q6_field<1>(qh, rh), q6_field<2>(qh, rh), q6_field<3>(qh, rh)};
+      const __m512i f_lo[G] = {q6_field<P512, 0>(ql, rl), q6_field<P512, 1>(ql, rl), q6_field<P512, 2>(ql, rl),
+                               q6_field<P512, 3>(ql, rl)};
+      const __m512i f_hi[G] = {q6_field<P512, 0>(qh, rh), q6_field<P512, 1>(qh, rh), q6_field<P512, 2>(qh, rh),
+                               q6_field<P512, 3>(qh, rh)};
       __m512i lo_sum = _mm512_set1_epi32(a.init[a.si(r0, s0 + b)]);
       hi_sum[b] = _mm512_set1_epi32(a.init[a.si(r0, s0 + H + b)]);
 #pragma GCC unroll 4

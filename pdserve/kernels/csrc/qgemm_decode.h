@@ -60,6 +60,18 @@ __attribute__((always_inline)) inline void decode_values(const uint8_t* ch, uint
   }
 }
 
+// Field J (bits 2J..2J+1 of each byte) of a Q6_K 2-bit plane unit at bits 4..5, bits 6..7 zero, bits 0..3 anything:
+// from q = plane & 0x33 (fields 0, 2) or r = plane & 0xCC (fields 1, 3), so a 16-bit shift brings in only zeros or
+// bits that a merge with the nibble (bits 0..3 from it, 4..7 from the field) discards. V: one vector register whose
+// 16-bit shifts P provides (P::sll, P::srl).
+template <class P, int J, class V>
+inline V q6_field(V q, V r) {
+  if constexpr (J == 0) return P::sll(q, 4);
+  if constexpr (J == 1) return P::sll(r, 2);
+  if constexpr (J == 2) return q;
+  return P::srl(r, 2);
+}
+
 // dw (and mw) of a chunk's sub-blocks, 16 columns each, from its scale section s.
 template <class P>
 __attribute__((always_inline)) inline void decode_scales(const QType& t, const uint8_t* s, float* dw, float* mw) {
