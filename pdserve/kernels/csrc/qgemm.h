@@ -137,8 +137,9 @@ struct Ops {
                float* acc);
   int max_rows;
   // As tile over n whole chunks of a panel read straight from the packed bytes (packed points at the first; the
-  // first sub-block is the panel's first), decoding in registers; null where the level has none.
-  void (*gemv)(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
+  // first sub-block is the panel's first), decoding in registers. Returns false, acc untouched, for a type or row
+  // count it leaves to decode + tile; null where the level has none.
+  bool (*gemv)(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
   // The amx level's: decode for tile16 (values u - off as signed bytes; it also configures the calling thread's
   // AMX tiles), tile with mr = 16 on AMX tiles (16 activation rows from r0: the Act buffer is padded to whole
   // tiles), and end16 to release the tiles after the last tile16. Null below amx.
@@ -161,7 +162,7 @@ namespace avx512 {  // the AVX-512 entries the amx level reuses
 void quantize_act(const QType& t, const float* x, int64_t ldx, int64_t r0, int64_t r1, const Act& a);
 void decode(const QType& t, const uint8_t* packed, int64_t n, const Dec& d);
 void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr, float* acc);
-void gemv(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
+bool gemv(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
 }  // namespace avx512
 #endif
 

@@ -6,7 +6,6 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
@@ -195,7 +194,7 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 // widening (as many as cannot overflow: 8 for 4-bit weights) leaves them unchanged; the fp32 steps are tile_t's.
 struct Fmt {
   int qb;
-  bool nib, raw, lut, min;
+  bool raw, lut, min;  // raw: Q8_0's bytes; otherwise nibbles (through the IQ4 table with lut)
 };
 
 template <Fmt f>
@@ -333,31 +332,24 @@ GemvFn gemv_for(int64_t mr) {
 
 // The register GEMV for this type and row count, or null (decode's L1 pass).
 GemvFn pick_gemv(int id, int64_t mr) {
-  switch (id) {  //                 qb   nib   raw    lut    min
-    case 2: return gemv_for<Fmt{32, true, false, false, false}>(mr);     // Q4_0
-    case 3: return gemv_for<Fmt{32, true, false, false, true}>(mr);      // Q4_1
-    case 8: return gemv_for<Fmt{32, false, true, false, false}>(mr);     // Q8_0
-    case 12: return gemv_for<Fmt{256, true, false, false, true}>(mr);    // Q4_K
-    case 14: return mr == 1 ? gemv1_q6k : nullptr;                       // Q6_K
-    case 20: return gemv_for<Fmt{32, true, false, true, false}>(mr);     // IQ4_NL
-    case 23: return gemv_for<Fmt{256, true, false, true, false}>(mr);    // IQ4_XS
+  switch (id) {  //                 qb   raw    lut    min
+    case 2: return gemv_for<Fmt{32, false, false, false}>(mr);     // Q4_0
+    case 3: return gemv_for<Fmt{32, false, false, true}>(mr);      // Q4_1
+    case 8: return gemv_for<Fmt{32, true, false, false}>(mr);      // Q8_0
+    case 12: return gemv_for<Fmt{256, false, false, true}>(mr);    // Q4_K
+    case 14: return mr == 1 ? gemv1_q6k : nullptr;                 // Q6_K
+    case 20: return gemv_for<Fmt{32, false, true, false}>(mr);     // IQ4_NL
+    case 23: return gemv_for<Fmt{256, false, true, false}>(mr);    // IQ4_XS
     default: return nullptr;
   }
 }
 
-// Ops::gemv: the rows gemv_for takes in registers (Q6_K: one row); any other type or row count decodes ~256 values of K at a
-// time into an L1 buffer and runs the tiles on it (what QgemmWeight::run_few does for a level without gemv).
-void gemv_rows(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, int64_t mr,
+// Ops::gemv: the types and row counts pick_gemv has in registers; false leaves the rest to decode + tile.
+bool gemv_rows(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, int64_t mr,
                float* acc) {
-  if (const GemvFn fn = pick_gemv(t.id, mr)) return fn(t, packed, nchunks, a, r0, acc);
-  const int64_t group = std::max<int64_t>(1, 256 / t.qb), ns = t.nsub(), cb = t.chunk_bytes();
-  alignas(64) uint8_t buf[256 * kPanel + 2 * 16 * kPanel * 4];  // dec_bytes of 256 values, 16-value sub-blocks
-  const Dec d = dec_view(t, group, buf);
-  for (int64_t c0 = 0; c0 < nchunks; c0 += group) {
-    const int64_t g = std::min(group, nchunks - c0);
-    qgemm::decode<P256>(t, packed + c0 * cb, g, d);  // prefetches the stream into L2 ahead of itself
-    tile_rows(t, d, g * ns, a, c0 * ns, r0, mr, acc);
-  }
+  const GemvFn fn = pick_gemv(t.id, mr);
+  if (fn) fn(t, packed, nchunks, a, r0, acc);
+  return fn != nullptr;
 }
 
 }  // namespace

@@ -377,8 +377,9 @@ void decode(const QType& t, const uint8_t* packed, int64_t n, const Dec& d) { qg
 void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr, float* acc) {
   tile_rows(t, d, nsubs, a, s0, r0, mr, acc);
 }
-void gemv(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, int64_t mr, float* acc) {
-  gemv_rows(t, packed, nchunks, a, r0, mr, acc);
+bool gemv(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, int64_t mr, float* acc) {
+  gemv_rows(t, packed, nchunks, a, r0, mr, acc);  // every type and row count
+  return true;
 }
 }  // namespace avx512
 

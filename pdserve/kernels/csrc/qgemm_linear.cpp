@@ -132,9 +132,7 @@ void QgemmWeight::run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, i
   const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));
   for (int64_t p = p0; p < p1; ++p) {
     std::fill(acc, acc + m * kPanel, 0.0f);
-    if (o.gemv) {
-      o.gemv(t_, panel(p), nchunks_, a, 0, m, acc);
-    } else {
+    if (!o.gemv || !o.gemv(t_, panel(p), nchunks_, a, 0, m, acc)) {
       for (int64_t c0 = 0; c0 < nchunks_; c0 += group) {
         const int64_t g = std::min(group, nchunks_ - c0);
         const uint8_t* src = panel(p) + c0 * cb;
