@@ -12,7 +12,8 @@
 //
 // Work: groups (sequence, KV head, tile of query tokens; generated rows' groups span several KV heads where their
 // kernel takes them: AttnItem::nkvh); tasks are claimed dynamically from an atomic counter, largest first, by the
-// threads of parallel_for (parallel.h); the last partition of a split group to finish folds them all.
+// threads of parallel_for (parallel.h); the last partition of a split group to finish folds them all. A thread
+// starting task i asks for the first K tile of task i + threads (likely its next) into L2 (KvRowsAhead).
 //
 // Sliding window (Gemma 3's local layers, sliding_window = W > 0): the row at position p sees keys p - W < j <= p.
 // Its group holds that one token (its G query heads), so the window's first key is the group's k0 and no kernel
@@ -346,6 +347,10 @@ void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::v
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const Task& tk = tasks[i];
       const Group& gr = groups[tk.group];
+      if (i + nthreads < n) {  // likely this thread's next task: its first K tile, while this one runs
+        const AttnItem& next_item = tasks[i + nthreads].item;
+        KvRowsAhead(a, next_item, next_item.k0, kv_row_bytes(a.kv_format, a.d)).prefetch_first(next_item, 1);
+      }
       const AttnFn fn = fns[gr.prompt];
       if (gr.nparts == 1) {
         fn(a, tk.item);  // one partition: the kernel writes the normalised output

@@ -187,7 +187,7 @@ inline void softmax_row(const float* s, int nvis, float& m, float& l, uint16_t* 
 // One item in three passes over its keys (attention.cpp cuts items at partitions: at most 256 keys): every row's
 // scores, every row's softmax, then P . V. No running max: the passes have no chain from one tile to the next, so
 // the core overlaps the tiles' work (the online softmax, tile after tile, waited on each tile's reduce, max and
-// exp).
+// exp). The first V tile is asked for before the softmax, which covers its latency.
 template <int D>
 void run_item(const AttnArgs& a, const AttnItem& it) {
   const int64_t g = a.hq / a.hkv, nt = it.t1 - it.t0, per_head = nt * g, nrows = per_head * it.nkvh;
@@ -222,6 +222,7 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
       _mm512_storeu_ps(sc + r * ks + (kt - it.k0), s);
     }
   });
+  KvRowsAhead(a, it, it.k0, 2 * D).prefetch_first(it, 2);  // P . V's first tile arrives during the softmax
   for (int64_t r = 0; r < nrows; ++r) {
     const int nvis = static_cast<int>(std::clamp<int64_t>(it.pos0 + row_token(r, per_head, g) + 1 - it.k0, 0, nkeys));
     softmax_row(sc + r * ks, nvis, m[r], l[r], pp + r * ks);

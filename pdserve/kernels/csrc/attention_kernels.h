@@ -120,6 +120,14 @@ struct KvRowsAhead {
       }
     }
   }
+
+  // One plane's rows of the item's first heads, heads kvh .. kvh + nkvh - 1 in walk order, up to kFirstTileBytes:
+  // the start of a walk that nothing prefetched. A bigger burst held up the demand loads behind it.
+  static constexpr int64_t kFirstTileBytes = 6144;
+  __attribute__((always_inline)) void prefetch_first(const AttnItem& it, int planes) const {
+    const int64_t heads = std::min<int64_t>(it.nkvh, std::max<int64_t>(1, kFirstTileBytes / (16 * rb)));
+    for (int64_t h = 0; h < heads; ++h) prefetch(it.kvh + h, planes);
+  }
 };
 
 using AttnFn = void (*)(const AttnArgs&, const AttnItem&);
