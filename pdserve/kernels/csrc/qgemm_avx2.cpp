@@ -188,13 +188,14 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 }
 
 // 1-4 activation rows straight from the packed panel, each weight vector built in registers (the 16 columns as two
-// ymm, one half at a time) and used at once: no store and reload of a decoded chunk. For the types without bit
-// planes (Q4_0, Q4_1, Q4_K, Q8_0, IQ4_*; one row of Q6_K below); Q5_* and Q2_K/Q3_K keep decode's L1 pass, where the
-// planes' shifts are loop-invariant. Integer sums are exact, so summing more maddubs results in int16 before the
-// widening (as many as cannot overflow: 8 for 4-bit weights) leaves them unchanged; the fp32 steps are tile_t's.
+// ymm, one half at a time) and used at once: no store and reload of a decoded chunk. For the types without a 2-bit
+// plane (Q4_0, Q4_1, Q4_K, Q5_*, Q8_0, IQ4_*; one row of Q6_K below); Q2_K/Q3_K keep decode's L1 pass. Integer sums
+// are exact, so summing more maddubs results in int16 before the widening (as many as cannot overflow: 8 for 4-bit
+// weights, 4 for 5-bit) leaves them unchanged; the fp32 steps are tile_t's.
 struct Fmt {
   int qb;
   bool raw, lut, min;  // raw: Q8_0's bytes; otherwise nibbles (through the IQ4 table with lut)
+  int p1;              // value bit of the 1-bit plane (Q5_*: 4), -1 if none
 };
 
 template <Fmt f>
@@ -203,6 +204,7 @@ inline P256::V vec_of(const uint8_t* ch, int z) {
   if constexpr (f.raw) return P256::load(ch + z * kVec);
   P256::V v = z < Z2 ? P256::and8(P256::load(ch + z * kVec), 0x0F)
                      : P256::and8(P256::srl(P256::load(ch + (z - Z2) * kVec), 4), 0x0F);
+  if constexpr (f.p1 >= 0) v = P256::or_(v, place<P256>(P256::load(ch + Z2 * kVec + (z / 8) * kVec), z % 8, f.p1, 1));
   if constexpr (f.lut) v = P256::lut(v);
   return v;
 }
@@ -210,7 +212,8 @@ inline P256::V vec_of(const uint8_t* ch, int z) {
 template <Fmt f, int MR>
 void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
   constexpr bool SGN = f.raw || f.lut;  // signed bytes: the sign trick, one maddubs per widening
-  constexpr int G = 8, ns = f.qb / 32, A = SGN ? 1 : 8;  // 32-value sub-blocks; 8 x 2 x 15 x 127 < 2^15
+  // 32-value sub-blocks; 8 x 2 x 15 x 127 and 4 x 2 x 31 x 127 < 2^15
+  constexpr int G = 8, ns = f.qb / 32, A = SGN ? 1 : f.p1 >= 0 ? 4 : 8;
   const int64_t cb = t.chunk_bytes();
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   alignas(32) float dw[8 * kPanel], mw[8 * kPanel];
@@ -332,14 +335,17 @@ GemvFn gemv_for(int64_t mr) {
 
 // The register GEMV for this type and row count, or null (decode's L1 pass).
 GemvFn pick_gemv(int id, int64_t mr) {
-  switch (id) {  //                 qb   raw    lut    min
-    case 2: return gemv_for<Fmt{32, false, false, false}>(mr);     // Q4_0
-    case 3: return gemv_for<Fmt{32, false, false, true}>(mr);      // Q4_1
-    case 8: return gemv_for<Fmt{32, true, false, false}>(mr);      // Q8_0
-    case 12: return gemv_for<Fmt{256, false, false, true}>(mr);    // Q4_K
-    case 14: return mr == 1 ? gemv1_q6k : nullptr;                 // Q6_K
-    case 20: return gemv_for<Fmt{32, false, true, false}>(mr);     // IQ4_NL
-    case 23: return gemv_for<Fmt{256, false, true, false}>(mr);    // IQ4_XS
+  switch (id) {  //                 qb   raw    lut    min    p1
+    case 2: return gemv_for<Fmt{32, false, false, false, -1}>(mr);     // Q4_0
+    case 3: return gemv_for<Fmt{32, false, false, true, -1}>(mr);      // Q4_1
+    case 6: return gemv_for<Fmt{32, false, false, false, 4}>(mr);      // Q5_0
+    case 7: return gemv_for<Fmt{32, false, false, true, 4}>(mr);       // Q5_1
+    case 8: return gemv_for<Fmt{32, true, false, false, -1}>(mr);      // Q8_0
+    case 12: return gemv_for<Fmt{256, false, false, true, -1}>(mr);    // Q4_K
+    case 13: return gemv_for<Fmt{256, false, false, true, 4}>(mr);     // Q5_K
+    case 14: return mr == 1 ? gemv1_q6k : nullptr;                     // Q6_K
+    case 20: return gemv_for<Fmt{32, false, true, false, -1}>(mr);     // IQ4_NL
+    case 23: return gemv_for<Fmt{256, false, true, false, -1}>(mr);    // IQ4_XS
     default: return nullptr;
   }
 }
