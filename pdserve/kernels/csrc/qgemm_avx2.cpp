@@ -188,35 +188,52 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 }
 
 // 1-4 activation rows straight from the packed panel, each weight vector built in registers (the 16 columns as two
-// ymm, one half at a time) and used at once: no store and reload of a decoded chunk. For the types without a 2-bit
-// plane (Q4_0, Q4_1, Q4_K, Q5_*, Q8_0, IQ4_*; one row of Q6_K below); Q2_K/Q3_K keep decode's L1 pass. Integer sums
-// are exact, so summing more maddubs results in int16 before the widening (as many as cannot overflow: 8 for 4-bit
-// weights, 4 for 5-bit) leaves them unchanged; the fp32 steps are tile_t's.
+// ymm, one half at a time) and used at once: no store and reload of a decoded chunk (one row of Q6_K: gemv1_q6k
+// below). Integer sums are exact, so summing more maddubs results in int16 before the widening (as many as cannot
+// overflow: 8 for 4-bit weights, 4 for 5-bit, 2 for 6-bit) leaves them unchanged; the fp32 steps are tile_t's.
+// The packed format of a type, as compile-time parameters (qgemm.h's QType fields).
 struct Fmt {
   int qb;
-  bool raw, lut, min;  // raw: Q8_0's bytes; otherwise nibbles (through the IQ4 table with lut)
-  int p1;              // value bit of the 1-bit plane (Q5_*: 4), -1 if none
+  bool nib;
+  int p2, p1;  // value bit of the 2-bit / 1-bit plane, -1 if none
+  bool raw, lut;
+  int s;
+  bool min;
 };
 
+// Weight vector z of a packed chunk (ch: its values), built in registers (what decode_values stores).
 template <Fmt f>
 inline P256::V vec_of(const uint8_t* ch, int z) {
-  constexpr int Z2 = f.qb / 8;
+  constexpr int Z = f.qb / 4, Z2 = Z / 2;
+  constexpr int offp2 = f.nib ? Z2 * kVec : 0, offp1 = offp2 + (f.p2 >= 0 ? Z / 4 * kVec : 0);
   if constexpr (f.raw) return P256::load(ch + z * kVec);
-  P256::V v = z < Z2 ? P256::and8(P256::load(ch + z * kVec), 0x0F)
-                     : P256::and8(P256::srl(P256::load(ch + (z - Z2) * kVec), 4), 0x0F);
-  if constexpr (f.p1 >= 0) v = P256::or_(v, place<P256>(P256::load(ch + Z2 * kVec + (z / 8) * kVec), z % 8, f.p1, 1));
+  P256::V v = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  if constexpr (f.nib)
+    v = z < Z2 ? P256::and8(P256::load(ch + z * kVec), 0x0F)
+               : P256::and8(P256::srl(P256::load(ch + (z - Z2) * kVec), 4), 0x0F);
+  if constexpr (f.p2 >= 0) v = P256::or_(v, place<P256>(P256::load(ch + offp2 + (z / 4) * kVec), 2 * (z % 4), f.p2, 3));
+  if constexpr (f.p1 >= 0) v = P256::or_(v, place<P256>(P256::load(ch + offp1 + (z / 8) * kVec), z % 8, f.p1, 1));
   if constexpr (f.lut) v = P256::lut(v);
   return v;
+}
+
+// maddubs results of one row summed in int16 before the widening: the most (a power of two dividing the G weight
+// vectors of a sub-block) whose sum cannot overflow, 2 x U x 127 each with U the largest unsigned weight.
+template <Fmt f>
+constexpr int int16_sums() {
+  const int bits = (f.nib ? 4 : 0) + (f.p2 >= 0 ? 2 : 0) + (f.p1 >= 0 ? 1 : 0), most = 32767 / (2 * ((1 << bits) - 1) * 127);
+  int a = f.s / 4;
+  while (a > most) a /= 2;
+  return a;
 }
 
 template <Fmt f, int MR>
 void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
   constexpr bool SGN = f.raw || f.lut;  // signed bytes: the sign trick, one maddubs per widening
-  // 32-value sub-blocks; 8 x 2 x 15 x 127 and 4 x 2 x 31 x 127 < 2^15
-  constexpr int G = 8, ns = f.qb / 32, A = SGN ? 1 : f.p1 >= 0 ? 4 : 8;
+  constexpr int G = f.s / 4, ns = f.qb / f.s, A = SGN ? 1 : int16_sums<f>();
   const int64_t cb = t.chunk_bytes();
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  alignas(32) float dw[8 * kPanel], mw[8 * kPanel];
+  alignas(32) float dw[16 * kPanel], mw[16 * kPanel];
   __m256 c[MR][2];
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 2; ++h) c[r][h] = _mm256_loadu_ps(acc + r * kPanel + 8 * h);
@@ -229,7 +246,7 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
       // rows r0..r0+MR share a 16-row tile: row r at constant offsets from these
       const int64_t s = ch * ns + j;
       const int8_t* x = a.q + a.qi(r0, s);
-      const float* dx = a.dx + a.di(r0, s);
+      const float* dx = a.dx + a.di(r0, s * f.s / QK);
       const int32_t* init = a.init + a.si(r0, s);
       const float* xs = a.xs + a.si(r0, s);
 #pragma GCC unroll 2
@@ -247,7 +264,7 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
 #pragma GCC unroll 4
             for (int r = 0; r < MR; ++r) {
               int32_t xv;
-              std::memcpy(&xv, x + r * 32 + 4 * g, 4);
+              std::memcpy(&xv, x + r * f.s + 4 * g, 4);
               const __m256i xb = _mm256_set1_epi32(xv);
               if constexpr (SGN)
                 p16[r] = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, ws));
@@ -335,17 +352,19 @@ GemvFn gemv_for(int64_t mr) {
 
 // The register GEMV for this type and row count, or null (decode's L1 pass).
 GemvFn pick_gemv(int id, int64_t mr) {
-  switch (id) {  //                 qb   raw    lut    min    p1
-    case 2: return gemv_for<Fmt{32, false, false, false, -1}>(mr);     // Q4_0
-    case 3: return gemv_for<Fmt{32, false, false, true, -1}>(mr);      // Q4_1
-    case 6: return gemv_for<Fmt{32, false, false, false, 4}>(mr);      // Q5_0
-    case 7: return gemv_for<Fmt{32, false, false, true, 4}>(mr);       // Q5_1
-    case 8: return gemv_for<Fmt{32, true, false, false, -1}>(mr);      // Q8_0
-    case 12: return gemv_for<Fmt{256, false, false, true, -1}>(mr);    // Q4_K
-    case 13: return gemv_for<Fmt{256, false, false, true, 4}>(mr);     // Q5_K
-    case 14: return mr == 1 ? gemv1_q6k : nullptr;                     // Q6_K
-    case 20: return gemv_for<Fmt{32, false, true, false, -1}>(mr);     // IQ4_NL
-    case 23: return gemv_for<Fmt{256, false, true, false, -1}>(mr);    // IQ4_XS
+  switch (id) {  //                qb   nib    p2  p1  raw    lut    s   min
+    case 2: return gemv_for<Fmt{32, true, -1, -1, false, false, 32, false}>(mr);     // Q4_0
+    case 3: return gemv_for<Fmt{32, true, -1, -1, false, false, 32, true}>(mr);      // Q4_1
+    case 6: return gemv_for<Fmt{32, true, -1, 4, false, false, 32, false}>(mr);      // Q5_0
+    case 7: return gemv_for<Fmt{32, true, -1, 4, false, false, 32, true}>(mr);       // Q5_1
+    case 8: return gemv_for<Fmt{32, false, -1, -1, true, false, 32, false}>(mr);     // Q8_0
+    case 10: return gemv_for<Fmt{256, false, 0, -1, false, false, 16, true}>(mr);    // Q2_K
+    case 11: return gemv_for<Fmt{256, false, 0, 2, false, false, 16, false}>(mr);    // Q3_K
+    case 12: return gemv_for<Fmt{256, true, -1, -1, false, false, 32, true}>(mr);    // Q4_K
+    case 13: return gemv_for<Fmt{256, true, -1, 4, false, false, 32, true}>(mr);     // Q5_K
+    case 14: return mr == 1 ? gemv1_q6k : gemv_for<Fmt{256, true, 4, -1, false, false, 16, false}>(mr);  // Q6_K
+    case 20: return gemv_for<Fmt{32, true, -1, -1, false, true, 32, false}>(mr);     // IQ4_NL
+    case 23: return gemv_for<Fmt{256, true, -1, -1, false, true, 32, false}>(mr);    // IQ4_XS
     default: return nullptr;
   }
 }
