@@ -191,37 +191,19 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 // ymm, one half at a time) and used at once: no store and reload of a decoded chunk (one row of Q6_K: gemv1_q6k
 // below). Integer sums are exact, so summing more maddubs results in int16 before the widening (as many as cannot
 // overflow: 8 for 4-bit weights, 4 for 5-bit, 2 for 6-bit) leaves them unchanged; the fp32 steps are tile_t's.
-// The packed format of a type, as compile-time parameters (qgemm.h's QType fields).
-struct Fmt {
-  int qb;
-  bool nib;
-  int p2, p1;  // value bit of the 2-bit / 1-bit plane, -1 if none
-  bool raw, lut;
-  int s;
-  bool min;
-};
 
-// Weight vector z of a packed chunk (ch: its values), built in registers (what decode_values stores).
+// Weight vector z of a packed chunk (ch: its values), as two ymm (columns 0-7, 8-15).
 template <Fmt f>
 inline P256::V vec_of(const uint8_t* ch, int z) {
-  constexpr int Z = f.qb / 4, Z2 = Z / 2;
-  constexpr int offp2 = f.nib ? Z2 * kVec : 0, offp1 = offp2 + (f.p2 >= 0 ? Z / 4 * kVec : 0);
-  if constexpr (f.raw) return P256::load(ch + z * kVec);
-  P256::V v = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-  if constexpr (f.nib)
-    v = z < Z2 ? P256::and8(P256::load(ch + z * kVec), 0x0F)
-               : P256::and8(P256::srl(P256::load(ch + (z - Z2) * kVec), 4), 0x0F);
-  if constexpr (f.p2 >= 0) v = P256::or_(v, place<P256>(P256::load(ch + offp2 + (z / 4) * kVec), 2 * (z % 4), f.p2, 3));
-  if constexpr (f.p1 >= 0) v = P256::or_(v, place<P256>(P256::load(ch + offp1 + (z / 8) * kVec), z % 8, f.p1, 1));
-  if constexpr (f.lut) v = P256::lut(v);
-  return v;
+  return weight_vector<P256, f>(ch, z);
 }
 
 // maddubs results of one row summed in int16 before the widening: the most (a power of two dividing the G weight
 // vectors of a sub-block) whose sum cannot overflow, 2 x U x 127 each with U the largest unsigned weight.
 template <Fmt f>
 constexpr int int16_sums() {
-  const int bits = (f.nib ? 4 : 0) + (f.p2 >= 0 ? 2 : 0) + (f.p1 >= 0 ? 1 : 0), most = 32767 / (2 * ((1 << bits) - 1) * 127);
+  const int bits = (f.nib ? 4 : 0) + (f.p2 >= 0 ? 2 : 0) + (f.p1 >= 0 ? 1 : 0);
+  const int most = 32767 / (2 * ((1 << bits) - 1) * 127);
   int a = f.s / 4;
   while (a > most) a /= 2;
   return a;

@@ -140,29 +140,10 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
   table[mr - 1](d, nsubs, a, s0, r0, acc);
 }
 
-// The packed format of a type, as compile-time parameters (qgemm.h's QType fields).
-struct Fmt {
-  int qb;
-  bool nib;
-  int p2, p1;
-  bool raw, lut;
-  int s;
-  bool min;
-};
-
-// Weight vector z of a packed chunk (ch: its values), built in a register (what decode_values stores, qgemm_decode.h).
+// Weight vector z of a packed chunk (ch: its values), in a zmm.
 template <Fmt f>
 inline __m512i vec_of(const uint8_t* ch, int64_t z) {
-  constexpr int Z = f.qb / 4, Z2 = Z / 2;
-  constexpr int offp2 = f.nib ? Z2 * kVec : 0, offp1 = offp2 + (f.p2 >= 0 ? Z / 4 * kVec : 0);
-  if constexpr (f.raw) return _mm512_loadu_si512(ch + z * kVec);
-  __m512i v = _mm512_setzero_si512();
-  if constexpr (f.nib)
-    v = z < Z2 ? P512::and8(P512::load(ch + z * kVec), 0x0F) : P512::and8(P512::srl(P512::load(ch + (z - Z2) * kVec), 4), 0x0F);
-  if constexpr (f.p2 >= 0) v = P512::or_(v, place<P512>(P512::load(ch + offp2 + (z / 4) * kVec), 2 * (z % 4), f.p2, 3));
-  if constexpr (f.p1 >= 0) v = P512::or_(v, place<P512>(P512::load(ch + offp1 + (z / 8) * kVec), z % 8, f.p1, 1));
-  if constexpr (f.lut) v = P512::lut(v);
-  return v;
+  return weight_vector<P512, f>(ch, z);
 }
 
 // Few rows straight from the packed panel: each weight vector decoded into a register and used at once (hot Q4_K

@@ -22,6 +22,31 @@ inline typename P::V place(typename P::V u, int from, int to, uint8_t width_mask
   return P::and8(from >= to ? P::srl(u, from - to) : P::sll(u, to - from), mask);
 }
 
+// A packed format as compile-time parameters (QType's fields), for the register GEMVs' template arguments.
+struct Fmt {
+  int qb;
+  bool nib;
+  int p2, p1;  // value bit of the 2-bit / 1-bit plane, -1 if none
+  bool raw, lut;
+  int s;
+  bool min;
+};
+
+// Weight vector z of a packed chunk (ch: its values), built in a register: what decode_values stores for it.
+template <class P, Fmt f>
+__attribute__((always_inline)) inline typename P::V weight_vector(const uint8_t* ch, int64_t z) {
+  constexpr int Z = f.qb / 4, Z2 = Z / 2;
+  constexpr int offp2 = f.nib ? Z2 * kVec : 0, offp1 = offp2 + (f.p2 >= 0 ? Z / 4 * kVec : 0);
+  if constexpr (f.raw) return P::load(ch + z * kVec);
+  typename P::V v = P::zero();
+  if constexpr (f.nib)
+    v = z < Z2 ? P::and8(P::load(ch + z * kVec), 0x0F) : P::and8(P::srl(P::load(ch + (z - Z2) * kVec), 4), 0x0F);
+  if constexpr (f.p2 >= 0) v = P::or_(v, place<P>(P::load(ch + offp2 + (z / 4) * kVec), 2 * (z % 4), f.p2, 3));
+  if constexpr (f.p1 >= 0) v = P::or_(v, place<P>(P::load(ch + offp1 + (z / 8) * kVec), z % 8, f.p1, 1));
+  if constexpr (f.lut) v = P::lut(v);
+  return v;
+}
+
 // The weight vectors of one chunk (ch: its values). Loops run plane position outermost so the shift counts are loop-invariant.
 template <class P, int QB, bool NIB, int P2, int P1, bool RAW, bool LUT>
 __attribute__((always_inline)) inline void decode_values(const uint8_t* ch, uint8_t* wq) {
