@@ -334,21 +334,8 @@ GemvFn gemv_for(int64_t mr) {
 
 // The register GEMV for this type and row count, or null (decode's L1 pass).
 GemvFn pick_gemv(int id, int64_t mr) {
-  switch (id) {  //                qb   nib    p2  p1  raw    lut    s   min
-    case 2: return gemv_for<Fmt{32, true, -1, -1, false, false, 32, false}>(mr);     // Q4_0
-    case 3: return gemv_for<Fmt{32, true, -1, -1, false, false, 32, true}>(mr);      // Q4_1
-    case 6: return gemv_for<Fmt{32, true, -1, 4, false, false, 32, false}>(mr);      // Q5_0
-    case 7: return gemv_for<Fmt{32, true, -1, 4, false, false, 32, true}>(mr);       // Q5_1
-    case 8: return gemv_for<Fmt{32, false, -1, -1, true, false, 32, false}>(mr);     // Q8_0
-    case 10: return gemv_for<Fmt{256, false, 0, -1, false, false, 16, true}>(mr);    // Q2_K
-    case 11: return gemv_for<Fmt{256, false, 0, 2, false, false, 16, false}>(mr);    // Q3_K
-    case 12: return gemv_for<Fmt{256, true, -1, -1, false, false, 32, true}>(mr);    // Q4_K
-    case 13: return gemv_for<Fmt{256, true, -1, 4, false, false, 32, true}>(mr);     // Q5_K
-    case 14: return mr == 1 ? gemv1_q6k : gemv_for<Fmt{256, true, 4, -1, false, false, 16, false}>(mr);  // Q6_K
-    case 20: return gemv_for<Fmt{32, true, -1, -1, false, true, 32, false}>(mr);     // IQ4_NL
-    case 23: return gemv_for<Fmt{256, true, -1, -1, false, true, 32, false}>(mr);    // IQ4_XS
-    default: return nullptr;
-  }
+  if (id == 14 && mr == 1) return gemv1_q6k;  // Q6_K
+  return with_fmt<GemvFn>(id, [mr](auto tag) { return gemv_for<decltype(tag)::value>(mr); });
 }
 
 // Ops::gemv: the types and row counts pick_gemv has in registers; false leaves the rest to decode + tile.

@@ -326,21 +326,7 @@ GemvFn gemv_for(int64_t mr) {
 }
 
 GemvFn pick_gemv(int id, int64_t mr) {
-  switch (id) {  //                qb   nib    p2  p1  raw    lut    s   min
-    case 2: return gemv_for<Fmt{32, true, -1, -1, false, false, 32, false}>(mr);     // Q4_0
-    case 3: return gemv_for<Fmt{32, true, -1, -1, false, false, 32, true}>(mr);      // Q4_1
-    case 6: return gemv_for<Fmt{32, true, -1, 4, false, false, 32, false}>(mr);      // Q5_0
-    case 7: return gemv_for<Fmt{32, true, -1, 4, false, false, 32, true}>(mr);       // Q5_1
-    case 8: return gemv_for<Fmt{32, false, -1, -1, true, false, 32, false}>(mr);     // Q8_0
-    case 10: return gemv_for<Fmt{256, false, 0, -1, false, false, 16, true}>(mr);    // Q2_K
-    case 11: return gemv_for<Fmt{256, false, 0, 2, false, false, 16, false}>(mr);    // Q3_K
-    case 12: return gemv_for<Fmt{256, true, -1, -1, false, false, 32, true}>(mr);    // Q4_K
-    case 13: return gemv_for<Fmt{256, true, -1, 4, false, false, 32, true}>(mr);     // Q5_K
-    case 14: return gemv_for<Fmt{256, true, 4, -1, false, false, 16, false}>(mr);    // Q6_K
-    case 20: return gemv_for<Fmt{32, true, -1, -1, false, true, 32, false}>(mr);     // IQ4_NL
-    case 23: return gemv_for<Fmt{256, true, -1, -1, false, true, 32, false}>(mr);    // IQ4_XS
-    default: return nullptr;
-  }
+  return with_fmt<GemvFn>(id, [mr](auto tag) { return gemv_for<decltype(tag)::value>(mr); });
 }
 
 void gemv_rows(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, int64_t mr,

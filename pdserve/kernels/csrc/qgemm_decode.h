@@ -47,6 +47,31 @@ __attribute__((always_inline)) inline typename P::V weight_vector(const uint8_t*
   return v;
 }
 
+// fn(FmtTag<f>{}) for the packed format f of ggml type `id` (fn's result), or R{} for a type without one: the one
+// table of the register GEMVs' formats.
+template <Fmt f>
+struct FmtTag {
+  static constexpr Fmt value = f;
+};
+template <class R, class Fn>
+R with_fmt(int id, Fn fn) {
+  switch (id) {  //                     qb   nib    p2  p1  raw    lut    s   min
+    case 2: return fn(FmtTag<Fmt{32, true, -1, -1, false, false, 32, false}>{});    // Q4_0
+    case 3: return fn(FmtTag<Fmt{32, true, -1, -1, false, false, 32, true}>{});     // Q4_1
+    case 6: return fn(FmtTag<Fmt{32, true, -1, 4, false, false, 32, false}>{});     // Q5_0
+    case 7: return fn(FmtTag<Fmt{32, true, -1, 4, false, false, 32, true}>{});      // Q5_1
+    case 8: return fn(FmtTag<Fmt{32, false, -1, -1, true, false, 32, false}>{});    // Q8_0
+    case 10: return fn(FmtTag<Fmt{256, false, 0, -1, false, false, 16, true}>{});   // Q2_K
+    case 11: return fn(FmtTag<Fmt{256, false, 0, 2, false, false, 16, false}>{});   // Q3_K
+    case 12: return fn(FmtTag<Fmt{256, true, -1, -1, false, false, 32, true}>{});   // Q4_K
+    case 13: return fn(FmtTag<Fmt{256, true, -1, 4, false, false, 32, true}>{});    // Q5_K
+    case 14: return fn(FmtTag<Fmt{256, true, 4, -1, false, false, 16, false}>{});   // Q6_K
+    case 20: return fn(FmtTag<Fmt{32, true, -1, -1, false, true, 32, false}>{});    // IQ4_NL
+    case 23: return fn(FmtTag<Fmt{256, true, -1, -1, false, true, 32, false}>{});   // IQ4_XS
+    default: return R{};
+  }
+}
+
 // The weight vectors of one chunk (ch: its values). Loops run plane position outermost so the shift counts are loop-invariant.
 template <class P, int QB, bool NIB, int P2, int P1, bool RAW, bool LUT>
 __attribute__((always_inline)) inline void decode_values(const uint8_t* ch, uint8_t* wq) {
