@@ -225,7 +225,7 @@ class ProgramRecorder(NativeOps):
                 self.frees.setdefault(i, []).append(vid)
         for i, ins in enumerate(self.instrs):
             self.prog.append(ins.op, ins.inputs, ins.out, slot_of.get(i, -1), ins.ints, ins.floats,
-                             sorted(self.frees.get(i, [])))
+                             sorted(self.frees.get(i, [])), ins.width if i in slot_of else -1)
         self.prog.set_output(out)
         return self.prog
 
@@ -284,19 +284,22 @@ class ProgramRecorder(NativeOps):
         return last
 
     def _assign_slots(self, last: dict[int, int]) -> dict[int, int]:
-        """Instruction index -> slot of its executor-allocated output: a slot is reused by a later output of the same
-        width once the value holding it is dead (its last use before that instruction)."""
+        """Instruction index -> slot of its executor-allocated output: a slot is reused by a later output no wider
+        than the slot once the value holding it is dead (its last use before that instruction), the narrowest such
+        slot first (e.g. a layer's o projection output in the buffer its qkv output no longer needs)."""
         holder: list[int] = []  # slot -> value holding it
+        widths: list[int] = []  # slot -> its width
         slot_of: dict[int, int] = {}
         for i, ins in enumerate(self.instrs):
             if ins.op not in OWNED_OPS:
                 continue
-            free = [s for s, v in enumerate(holder) if last[v] < i and self.values[v].width == ins.width]
+            free = [s for s, v in enumerate(holder) if last[v] < i and widths[s] >= ins.width]
             if free:
-                slot = free[0]
+                slot = min(free, key=lambda s: (widths[s], s))
             else:
                 slot = int(self.prog.add_slot(ins.width))
                 holder.append(-1)
+                widths.append(ins.width)
             holder[slot] = ins.out
             slot_of[i] = slot
         return slot_of

@@ -91,6 +91,7 @@ struct Instr {
   Op op;
   std::vector<int64_t> in;
   int64_t out, slot;  // value written (-1: none); slot of an executor-allocated output (-1: none)
+  int64_t width;      // columns of that output: its [T, width] lie contiguous at the start of the slot's buffer
   std::vector<int64_t> ints;
   std::vector<double> floats;
   std::vector<int64_t> frees;  // values whose last use this is
@@ -117,8 +118,10 @@ class NativeProgram {
     return static_cast<int64_t>(moes_.size()) - 1;
   }
 
+  // width: the columns of a slot output, at most the slot's (a slot serves outputs of any width up to its own, one
+  // live value at a time); -1: the slot's.
   void append(const std::string& name, std::vector<int64_t> in, int64_t out, int64_t slot, std::vector<int64_t> ints,
-              std::vector<double> floats, std::vector<int64_t> frees) {
+              std::vector<double> floats, std::vector<int64_t> frees, int64_t width) {
     const auto it = op_names().find(name);
     TORCH_CHECK(it != op_names().end(), "unknown native program op '", name, "'");
     const Arity a = arity(it->second);
@@ -139,7 +142,10 @@ class NativeProgram {
       TORCH_CHECK(ints[5] >= 0 && ints[5] < static_cast<int64_t>(slot_widths_.size()) && ints[5] != slot, name,
                   ": bad scratch slot ", ints[5]);
     for (int64_t v : frees) TORCH_CHECK(v >= 0 && v < num_values_, name, " frees unknown value ", v);
-    instrs_.push_back(Instr{it->second, std::move(in), out, slot, std::move(ints), std::move(floats),
+    if (slot >= 0 && width < 0) width = slot_widths_[slot];
+    TORCH_CHECK(slot < 0 || (width > 0 && width <= slot_widths_[slot]), name, ": width ", width,
+                " does not fit slot ", slot);
+    instrs_.push_back(Instr{it->second, std::move(in), out, slot, width, std::move(ints), std::move(floats),
                             std::move(frees)});
   }
 
@@ -178,7 +184,7 @@ class NativeProgram {
       if (I.slot >= 0) {
         at::Tensor& s = slots[I.slot];
         if (!s.defined() || s.size(0) < t) s = at::empty({t, slot_widths_[I.slot]}, at::kFloat);
-        out = s.narrow(0, 0, t);
+        out = s.view(-1).narrow(0, 0, t * I.width).view({t, I.width});
       }
       if (profiling_.load(std::memory_order_relaxed)) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -339,7 +345,7 @@ void register_native_program(pybind11::module_& m) {
       .def("add_moe", &NativeProgram::add_moe, py::arg("experts"))
       .def("add_slot", &NativeProgram::add_slot, py::arg("width"))
       .def("append", &NativeProgram::append, py::arg("op"), py::arg("inputs"), py::arg("out"), py::arg("slot"),
-           py::arg("ints"), py::arg("floats"), py::arg("frees"))
+           py::arg("ints"), py::arg("floats"), py::arg("frees"), py::arg("width") = -1)
       .def("set_output", &NativeProgram::set_output, py::arg("value"))
       .def("run", &NativeProgram::run, py::arg("ids"), py::arg("positions"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
