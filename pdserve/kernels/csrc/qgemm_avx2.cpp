@@ -192,12 +192,6 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
 // below). Integer sums are exact, so summing more maddubs results in int16 before the widening (as many as cannot
 // overflow: 8 for 4-bit weights, 4 for 5-bit, 2 for 6-bit) leaves them unchanged; the fp32 steps are tile_t's.
 
-// Weight vector z of a packed chunk (ch: its values), as two ymm (columns 0-7, 8-15).
-template <Fmt f>
-inline P256::V vec_of(const uint8_t* ch, int z) {
-  return weight_vector<P256, f>(ch, z);
-}
-
 // maddubs results of one row summed in int16 before the widening: the most (a power of two dividing the G weight
 // vectors of a sub-block) whose sum cannot overflow, 2 x U x 127 each with U the largest unsigned weight.
 template <Fmt f>
@@ -240,7 +234,7 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
           for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
           for (int g = g0; g < g0 + A; ++g) {
-            const P256::V wv = vec_of<f>(v, j * G + g);
+            const P256::V wv = weight_vector<P256, f>(v, j * G + g);  // columns 0-7, 8-15
             const __m256i w = h == 0 ? wv.a : wv.b;
             const __m256i ws = SGN ? _mm256_xor_si256(w, flip) : w, wa = SGN ? _mm256_abs_epi8(ws) : w;
 #pragma GCC unroll 4
@@ -324,17 +318,18 @@ void gemv1_q6k(const QType& t, const uint8_t* packed, int64_t nchunks, const Act
 
 using GemvFn = void (*)(const QType&, const uint8_t*, int64_t, const Act&, int64_t, float*);
 
-// 32-value chunks (Q4_0, Q4_1, Q8_0, IQ4_NL) in registers up to 2 rows: at 4 their per-chunk scale decoding and
-// spilled accumulators cost more than decode's L1 pass (Zen 4, one thread: 0.92x).
+// The register GEMV of format f for mr rows, or null (decode's L1 pass). 32-value chunks (Q4_0, Q4_1, Q5_*, Q8_0,
+// IQ4_NL) up to 2 rows: at 4 their per-chunk scale decoding and spilled accumulators cost more than the L1 pass
+// (Zen 4, one thread: 0.92x). One row of Q6_K: gemv1_q6k.
 template <Fmt f>
 GemvFn gemv_for(int64_t mr) {
   static constexpr GemvFn table[kMaxRows] = {gemv_t<f, 1>, gemv_t<f, 2>, gemv_t<f, 3>, gemv_t<f, 4>};
+  if constexpr (f.nib && f.qb == 256 && f.p2 == 4 && f.s == 16 && !f.min)  // Q6_K
+    if (mr == 1) return gemv1_q6k;
   return f.qb == 32 && mr > 2 ? nullptr : table[mr - 1];
 }
 
-// The register GEMV for this type and row count, or null (decode's L1 pass).
 GemvFn pick_gemv(int id, int64_t mr) {
-  if (id == 14 && mr == 1) return gemv1_q6k;  // Q6_K
   return with_fmt<GemvFn>(id, [mr](auto tag) { return gemv_for<decltype(tag)::value>(mr); });
 }
 

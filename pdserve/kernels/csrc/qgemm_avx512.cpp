@@ -140,12 +140,6 @@ void tile_rows(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_
   table[mr - 1](d, nsubs, a, s0, r0, acc);
 }
 
-// Weight vector z of a packed chunk (ch: its values), in a zmm.
-template <Fmt f>
-inline __m512i vec_of(const uint8_t* ch, int64_t z) {
-  return weight_vector<P512, f>(ch, z);
-}
-
 // Few rows straight from the packed panel: each weight vector decoded into a register and used at once (hot Q4_K
 // GEMV on Zen 4: 34 GB/s against 24 decoding to an L1 buffer first). Every chunk loop of these GEMVs prefetches
 // the panel's bytes a fixed distance ahead into L2 (prefetch_ahead): with the arithmetic between its loads a core
@@ -164,8 +158,8 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
     decode_scales<P512>(t, p, dw, mw);
     const uint8_t* v = p + t.scale_bytes();
     for (int j = 0; j < ns; ++j)
-      sub_step<f.s, f.min, MR>([v, j](int g) { return vec_of<f>(v, j * G + g); }, dw + j * kPanel, mw + j * kPanel, a,
-                               ch * ns + j, r0, c);
+      sub_step<f.s, f.min, MR>([v, j](int g) { return weight_vector<P512, f>(v, j * G + g); }, dw + j * kPanel,
+                               mw + j * kPanel, a, ch * ns + j, r0, c);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kPanel, c[r]);
