@@ -184,7 +184,7 @@ class NativeProgram {
       if (I.slot >= 0) {
         at::Tensor& s = slots[I.slot];
         if (!s.defined() || s.size(0) < t) s = at::empty({t, slot_widths_[I.slot]}, at::kFloat);
-        out = s.view(-1).narrow(0, 0, t * I.width).view({t, I.width});
+        out = s.as_strided({t, I.width}, {I.width, 1});  // one view, as cheap as the narrow it replaced
       }
       if (profiling_.load(std::memory_order_relaxed)) {
         const auto t0 = std::chrono::steady_clock::now();
