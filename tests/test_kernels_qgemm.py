@@ -155,7 +155,7 @@ def outputs_of_rows(mod: Any, pw: Any, x: np.ndarray, rows: np.ndarray) -> np.nd
 
 @pytest.mark.parametrize("name", TYPES)
 def test_batch_invariance(mod: Any, name: str) -> None:
-    """Row r's output is bitwise the same with M = 1-5, 17, 64, 300 (mixed with other random rows), with 1 or 2
+    """Row r's output is bitwise the same with M = 1-5, 12, 17, 64, 300 (mixed with other random rows), with 1 or 2
     threads, and on every ISA level this CPU has (every path: few-row tiles, whole-panel tiles, AMX tiles)."""
     rng = np.random.default_rng(100 + ggml_type(name))
     n, k = 37, 2 * 256
@@ -171,7 +171,7 @@ def test_batch_invariance(mod: Any, name: str) -> None:
             if ref is None:
                 ref = full
             np.testing.assert_array_equal(full.view(np.uint32), ref.view(np.uint32), err_msg=level)
-            for m in (1, 2, 3, 4, 5, 17, 64):
+            for m in (1, 2, 3, 4, 5, 12, 17, 64):
                 rows = rng.choice(300, size=m, replace=False)
                 got = outputs_of_rows(mod, pw, x, rows)
                 np.testing.assert_array_equal(got.view(np.uint32), ref[rows].view(np.uint32), err_msg=f"{level} M={m}")

@@ -140,6 +140,11 @@ struct Ops {
   // first sub-block is the panel's first), decoding in registers. Returns false, acc untouched, for a type or row
   // count it leaves to decode + tile; null where the level has none.
   bool (*gemv)(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
+  // Rows up to which a linear multiplies each panel row tile by row tile with gemv (its weight vectors decoded in
+  // registers again for every tile) instead of decoding the panel once into L2 for all the tiles: the decode pass
+  // reads the weights from memory with nothing to compute beside it, the register path overlaps the two, and pays
+  // while re-decoding costs less (measured per level and type). Null: max_rows.
+  int64_t (*few_rows)(const QType& t);
   // The amx level's: decode for tile16 (values u - off as signed bytes; it also configures the calling thread's
   // AMX tiles), tile with mr = 16 on AMX tiles (16 activation rows from r0: the Act buffer is padded to whole
   // tiles), and end16 to release the tiles after the last tile16. Null below amx.
@@ -163,6 +168,7 @@ void quantize_act(const QType& t, const float* x, int64_t ldx, int64_t r0, int64
 void decode(const QType& t, const uint8_t* packed, int64_t n, const Dec& d);
 void tile(const QType& t, const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, int64_t mr, float* acc);
 bool gemv(const QType& t, const uint8_t* packed, int64_t n, const Act& a, int64_t r0, int64_t mr, float* acc);
+int64_t few_rows(const QType& t);
 }  // namespace avx512
 #endif
 

@@ -147,7 +147,7 @@ void decode_bf16(const QType& t, const uint8_t* packed, int64_t n, const Dec& d,
 
 }  // namespace
 
-const Ops kAmxOps = {avx512::quantize_act, avx512::decode, avx512::tile, 8, avx512::gemv, decode16, tile16,
+const Ops kAmxOps = {avx512::quantize_act, avx512::decode, avx512::tile, 8, avx512::gemv, avx512::few_rows, decode16, tile16,
                       end16, decode_bf16};
 
 }  // namespace pdserve::qgemm

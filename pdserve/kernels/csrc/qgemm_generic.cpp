@@ -111,6 +111,6 @@ void dequant_decoded(const QType& t, const Dec& d, int64_t n, int c0, int c1, fl
   }
 }
 
-const Ops kGenericOps = {quantize_act, decode<PGeneric>, tile, 8, nullptr, nullptr, nullptr, nullptr, nullptr};
+const Ops kGenericOps = {quantize_act, decode<PGeneric>, tile, 8, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace pdserve::qgemm

@@ -120,24 +120,32 @@ constexpr size_t kBlockBytes = size_t{1} << 19;
 
 bool use_amx(const qgemm::Ops& o, int64_t m) { return o.tile16 && m > o.max_rows && m >= kAmxMinRows; }
 
-// Few rows: one row tile per panel, its accumulators carried along K; the weight vectors decoded in registers
-// straight from the packed panel where the level can (gemv), else ~256 values of K at a time into L1. (A prefetch
-// of the next group into L1 here, kept from an Intel measurement, made the AVX2 level 1.6x slower on Zen 4 than no
-// software prefetch; the L2 prefetch inside the decoders replaced it.)
+// Row tiles of one panel on the few-rows path, at most (Ops::few_rows).
+constexpr int64_t kFewRowsMax = 64;
+
+// Few rows: per panel, accumulators for every row carried along K; each row tile's weight vectors decoded in
+// registers straight from the packed panel where the level can (gemv), else ~256 values of K at a time into L1 for
+// all the row tiles. (A prefetch of the next group into L1 here, kept from an Intel measurement, made the AVX2 level
+// 1.6x slower on Zen 4 than no software prefetch; the L2 prefetch inside the decoders replaced it.)
 void QgemmWeight::run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
                           int64_t ldy, const float* bias) const {
   thread_local Scratch dec_buf, acc_buf;
-  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
-  const int64_t cb = t_.chunk_bytes(), ns = t_.nsub(), group = std::max<int64_t>(1, 256 / t_.qb);
+  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * kFewRowsMax));
+  const int64_t cb = t_.chunk_bytes(), ns = t_.nsub(), group = std::max<int64_t>(1, 256 / t_.qb), step = o.max_rows;
   const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));
   for (int64_t p = p0; p < p1; ++p) {
     std::fill(acc, acc + m * kPanel, 0.0f);
-    if (!o.gemv || !o.gemv(t_, panel(p), nchunks_, a, 0, m, acc)) {
+    // a level's gemv takes a (type, rows) or leaves it all to the decode path: the first row tile, the widest, tells
+    bool in_registers = o.gemv != nullptr;
+    for (int64_t r0 = 0; in_registers && r0 < m; r0 += step)
+      in_registers = o.gemv(t_, panel(p), nchunks_, a, r0, std::min(step, m - r0), acc + r0 * kPanel);
+    if (!in_registers) {
+      std::fill(acc, acc + m * kPanel, 0.0f);
       for (int64_t c0 = 0; c0 < nchunks_; c0 += group) {
         const int64_t g = std::min(group, nchunks_ - c0);
-        const uint8_t* src = panel(p) + c0 * cb;
-        o.decode(t_, src, g, d);  // prefetches the stream into L2 ahead of itself (common.h's prefetch_ahead)
-        o.tile(t_, d, g * ns, a, c0 * ns, 0, m, acc);
+        o.decode(t_, panel(p) + c0 * cb, g, d);  // prefetches the stream into L2 ahead of itself (prefetch_ahead)
+        for (int64_t r0 = 0; r0 < m; r0 += step)
+          o.tile(t_, d, g * ns, a, c0 * ns, r0, std::min(step, m - r0), acc + r0 * kPanel);
       }
     }
     store(acc, p, 0, m, y, ldy, bias);
@@ -182,8 +190,9 @@ void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int6
   if (rows > m) qgemm::zero_rows(a, m, rows);
   const int64_t threads = num_threads();
   const int64_t grain = (npanels_ + threads - 1) / threads;  // even split: each thread one contiguous stream
+  const bool few = m <= o.max_rows || (o.few_rows && !use_amx(o, m) && m <= std::min(kFewRowsMax, o.few_rows(t_)));
   parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) {
-    if (m <= o.max_rows) run_few(o, a, m, p0, p1, y, ldy, bias);
+    if (few) run_few(o, a, m, p0, p1, y, ldy, bias);
     else run_many(o, a, m, p0, p1, y, ldy, bias);
   });
 }
