@@ -166,6 +166,19 @@ def test_strided_rows_and_large_panels(isa_all: Any) -> None:  # noqa: F811
         torch.testing.assert_close(pw.forward(x), xr @ pw.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
+def test_cache_blocks_keep_each_rows_bits(isa_all: Any) -> None:  # noqa: F811
+    """Many rows of a long K run in chunks of rows x groups of panels (fgemm::run_blocked; at K = 8192: 32 rows, 2
+    panels), AMX C tiles stored straight into y for whole row blocks without bias: every row's bits equal its
+    result alone, with and without bias, N ending in a partial panel and M in a partial row block."""
+    w, x, bias = rand(100, 8192, seed=22), rand(100, 8192, seed=23), rand(100, seed=24)
+    for fmt in ("bf16", "f32"):
+        pw = isa_all.pack_float(w, fmt)
+        for b in (None, bias):
+            y = pw.forward(x, b)
+            for r in (0, 15, 31, 32, 63, 96, 99):
+                assert torch.equal(y[r], pw.forward(x[r:r + 1], b)[0]), (isa_all.active_isa(), fmt, b is None, r)
+
+
 def test_amx_tiles_are_not_a_vdpbf16ps_sequence(amx_rows: Any) -> None:
     """The finding behind the two bf16 orders (fgemm_amx.cpp): on a CPU with both, AMX tdpbf16ps (amx level, tiles
     forced) and vdpbf16ps (avx512_bf16 level) over the same pairs in the same order give different bits, each

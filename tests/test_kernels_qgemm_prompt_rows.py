@@ -71,6 +71,17 @@ def test_prompt_row_bits_do_not_depend_on_the_batch(mod: Any, m: int) -> None:
         assert torch.equal(y[r:r + 1], alone)
 
 
+def test_prompt_rows_in_cache_blocks(mod: Any) -> None:
+    """At K = 8192 prompt rows run in chunks of 32 rows over groups of 2 decoded panels (fgemm::run_blocked): still
+    the bits of pack_float(dequantize(), "bf16") on the amx level, row by row, with and without bias."""
+    for lv in lowered(mod, "amx"):
+        w = packed(lv, "Q4_0", 70, 8192, 5)
+        x = torch.randn(100, 8192)
+        ref = lv.pack_float(w.dequantize(), "bf16")
+        for bias in (None, torch.randn(70)):
+            assert torch.equal(w.forward(x, bias, torch.ones(100, dtype=torch.bool)), ref.forward(x, bias))
+
+
 def test_stacked_parts_pass_the_kinds_on(mod: Any) -> None:
     a, b = packed(mod, "Q4_0", 20, 64, 1), packed(mod, "Q8_0", 12, 64, 2)
     s = mod.stack_packed([a, b])

@@ -45,7 +45,7 @@ def loaded(kind: str, weights: str, tmp_path: Path, **overrides: Any) -> LoadedM
 
 
 def native_runner(lm: LoadedModel, dtype: torch.dtype = torch.float32) -> ModelRunner:
-    return ModelRunner(lm.arch, lm.state_dict, dtype, num_blocks=16, block_size=16, max_model_len=256,
+    return ModelRunner(lm.arch, lm.state_dict, dtype, num_blocks=20, block_size=16, max_model_len=320,
                        kernels="native")
 
 
@@ -60,11 +60,11 @@ STEPS = [  # two prefills, then a decode beside a chunk with context that crosse
 ]
 
 
-LONG_STEP = [  # a prompt longer than the gated MLP's row chunk (it runs as two chunks of 100 rows, then one of 4; with
-    # I = 8192, as four of 50 rows)
-    SchedulerOutput([ScheduledRequest("z", [(7 * i) % 200 + 3 for i in range(200)], 0, list(range(13)), True,
-                                      num_prompt_tokens=204)], num_prefill_tokens=200),
-    SchedulerOutput([ScheduledRequest("z", [5, 6, 7, 8], 200, list(range(13)), True, num_prompt_tokens=204)],
+LONG_STEP = [  # a prompt longer than the gated MLP's row chunk (it runs as two chunks of 150 rows, then one of 4; with
+    # I = 8192, as five of 60 rows)
+    SchedulerOutput([ScheduledRequest("z", [(7 * i) % 200 + 3 for i in range(300)], 0, list(range(19)), True,
+                                      num_prompt_tokens=304)], num_prefill_tokens=300),
+    SchedulerOutput([ScheduledRequest("z", [5, 6, 7, 8], 300, list(range(19)), True, num_prompt_tokens=304)],
                     num_prefill_tokens=4)]
 
 
@@ -101,7 +101,7 @@ def test_program_equals_the_python_definition_with_bf16_prompt_rows(kind: str, t
 
 @pytest.mark.parametrize("weights", ["gguf", "float"])
 def test_long_prefill_runs_the_mlp_in_row_chunks_with_the_same_bits(weights: str, tmp_path: Path) -> None:
-    """A 200-row step: the gated MLP runs as two chunks of 100 rows (a bounded intermediate), each row's result
+    """A 300-row step: the gated MLP runs as two chunks of 150 rows (a bounded intermediate), each row's result
     the bits of the whole-step linears of the Python definition."""
     runner = native_runner(loaded("llama", weights, tmp_path))
     assert "gated_mlp" in runner.model.program.ops()

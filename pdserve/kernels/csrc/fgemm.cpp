@@ -36,6 +36,36 @@ void bf16_activations(const Kernels& kn, const float* x, int64_t ldx, int64_t m,
   });
 }
 
+// L2 budgets of run_blocked (per core: Sapphire Rapids 2 MiB, Zen 4 1 MiB): activations of a row chunk, a group's
+// weights.
+constexpr int64_t kRowChunkBytes = 512 << 10, kGroupBytes = 256 << 10;
+
+int64_t row_chunk(int64_t kpad) { return std::max<int64_t>(32, kRowChunkBytes / (2 * kpad) / 32 * 32); }
+
+int64_t panel_group(int64_t kpad, int64_t weight_bytes) {
+  return std::max<int64_t>(2, kGroupBytes / (kpad * kPanel * weight_bytes) / 2 * 2);
+}
+
+// Row chunks start at multiples of 32 rows: whole 16-row AMX A tiles, whose offset (xb_tiles) is r0 * kpad as in the
+// row-major layout (ldx == kpad for bf16 activations).
+void run_row_chunks(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1) {
+  const int64_t rc = row_chunk(pr.kpad);
+  if (pr.m <= rc) return fn(pr, p0, p1);
+  for (int64_t r0 = 0; r0 < pr.m; r0 += rc) {
+    Problem c = pr;
+    c.m = std::min(rc, pr.m - r0);
+    if (c.x) c.x += r0 * pr.ldx;
+    if (c.xb) c.xb += r0 * pr.ldx;
+    c.y += r0 * pr.ldy;
+    fn(c, p0, p1);
+  }
+}
+
+void run_blocked(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1, int64_t weight_bytes) {
+  const int64_t g = panel_group(pr.kpad, weight_bytes);
+  for (int64_t q = p0; q < p1; q += g) run_row_chunks(fn, pr, q, std::min(q + g, p1));
+}
+
 }  // namespace fgemm
 
 namespace {
@@ -97,7 +127,8 @@ class PackedFloat final : public PackedWeight {
     const fgemm::PanelFn fn = bf16_ ? kn.bf16 : kn.f32;
     const int64_t np = panels(), pairs = (np + 1) / 2;
     const int64_t grain = std::max<int64_t>(1, (pairs + num_threads() - 1) / num_threads());
-    parallel_for(0, pairs, grain, [&](int64_t a, int64_t b) { fn(pr, 2 * a, std::min(2 * b, np)); });
+    parallel_for(0, pairs, grain,
+                 [&](int64_t a, int64_t b) { fgemm::run_blocked(fn, pr, 2 * a, std::min(2 * b, np), bf16_ ? 2 : 4); });
   }
 
   at::Tensor dequantize() const override {

@@ -38,15 +38,15 @@ void configure() {
   _tile_loadconfig(&cfg);
 }
 
-// MB row blocks of 16 from row r0 x NB panels from w, over all of K; the C tiles go to c (16 * MB rows x 32
-// floats). Tile loads cannot start before the tile products reading the same tile register finish, so a load that
+// MB row blocks of 16 from row r0 x NB panels from w, over all of K; the C tiles go to c (16 * MB rows of ldc floats:
+// the scratch's rows of 32 or, for whole row blocks of whole panels without bias, the rows of y themselves). Tile loads cannot start before the tile products reading the same tile register finish, so a load that
 // misses L1 stalls the products: the activation tiles two K steps ahead are prefetched (measured +25 % at
 // K = 8192, 512 rows), and so are the weight tiles four steps ahead on the first row blocks, which stream them
 // from memory (batch 1: 10.3 -> 12 GB/s, the single-core read bandwidth). Splitting K into chunks that stay in L1
 // (C reloaded between them) measured no faster.
 template <int MB, int NB>
-void block(const Problem& pr, const char* w, int64_t r0, float* c) {
-  const int64_t ps = pr.kpad * kPanel * 2, nkb = pr.kpad / kKBlock, ldc = 2 * kPanel * 4;
+void block(const Problem& pr, const char* w, int64_t r0, float* c, int64_t ldc_floats) {
+  const int64_t ps = pr.kpad * kPanel * 2, nkb = pr.kpad / kKBlock, ldc = ldc_floats * 4;
   const uint16_t* a = pr.xb + r0 / 16 * nkb * 512;  // row block r0 / 16: its K blocks' tiles, 512 bf16 each
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
@@ -72,20 +72,20 @@ void block(const Problem& pr, const char* w, int64_t r0, float* c) {
       if constexpr (MB > 1) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  float* c1 = c + 16 * 2 * kPanel;  // the second row block
+  float* c1 = c + 16 * ldc_floats;  // the second row block
   _tile_stored(0, c, ldc);
   if constexpr (NB > 1) _tile_stored(1, c + kPanel, ldc);
   if constexpr (MB > 1) _tile_stored(2, c1, ldc);
   if constexpr (MB > 1 && NB > 1) _tile_stored(3, c1 + kPanel, ldc);
 }
 
-// y (+ bias) of panel pair p0 (np = 1 or 2 panels) from the scratch c [rows][32].
-void store_pair(const Problem& pr, const float* c, int64_t p0, int np) {
+// y (+ bias) of panel pair p0 (np = 1 or 2 panels), rows [r0, m), from the scratch c [rows][32].
+void store_pair(const Problem& pr, const float* c, int64_t p0, int np, int64_t r0) {
   for (int j = 0; j < np; ++j) {
     const int64_t c0 = (p0 + j) * kPanel, nc = std::min<int64_t>(kPanel, pr.n - c0);
     const __mmask16 mask = nc >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << nc) - 1);
     const __m512 b = pr.bias ? _mm512_maskz_loadu_ps(mask, pr.bias + c0) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < pr.m; ++r) {
+    for (int64_t r = r0; r < pr.m; ++r) {
       __m512 y = _mm512_loadu_ps(c + r * 2 * kPanel + j * kPanel);
       if (pr.bias) y = _mm512_add_ps(y, b);
       _mm512_mask_storeu_ps(pr.y + r * pr.ldy + c0, mask, y);
@@ -106,12 +106,26 @@ void bf16_amx(const Problem& pr, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += 2) {
     const bool two = p + 1 < p1;
     const char* w = static_cast<const char*>(pr.w) + p * ps;
-    int64_t b = 0;
-    float* cb = c;
-    for (; b + 2 <= mb; b += 2, cb += 2 * 16 * 2 * kPanel)
-      two ? block<2, 2>(pr, w, 16 * b, cb) : block<2, 1>(pr, w, 16 * b, cb);
-    if (b < mb) two ? block<1, 2>(pr, w, 16 * b, cb) : block<1, 1>(pr, w, 16 * b, cb);
-    store_pair(pr, c, p, two ? 2 : 1);
+    // whole row blocks of whole panels without bias: C tiles stored straight into y (no pass over a scratch)
+    const bool direct = pr.bias == nullptr && (p + (two ? 2 : 1)) * kPanel <= pr.n;
+    int64_t b = 0, done = 0;  // rows [0, done) are in y
+    const auto dst = [&](int64_t blocks, float*& to, int64_t& ld) {
+      const bool in_y = direct && 16 * (b + blocks) <= pr.m && done == 16 * b;
+      to = in_y ? pr.y + 16 * b * pr.ldy + p * kPanel : c + 16 * b * 2 * kPanel;
+      ld = in_y ? pr.ldy : 2 * kPanel;
+      if (in_y) done = 16 * (b + blocks);
+    };
+    float* to;
+    int64_t ld;
+    for (; b + 2 <= mb; b += 2) {
+      dst(2, to, ld);
+      two ? block<2, 2>(pr, w, 16 * b, to, ld) : block<2, 1>(pr, w, 16 * b, to, ld);
+    }
+    if (b < mb) {
+      dst(1, to, ld);
+      two ? block<1, 2>(pr, w, 16 * b, to, ld) : block<1, 1>(pr, w, 16 * b, to, ld);
+    }
+    store_pair(pr, c, p, two ? 2 : 1, done);
   }
   _tile_release();
 }

@@ -86,6 +86,16 @@ void f32_avx512(const Problem& pr, int64_t p0, int64_t p1);
 void bf16_activations(const Kernels& kn, const float* x, int64_t ldx, int64_t m, int64_t k, int64_t kpad, bool tiles,
                       uint16_t* out);
 
+// Cache blocking of a many-row call: the kernels take panel pair by panel pair, each over all of the call's rows, so
+// a call's bf16 activations are read once per pair (512 rows x K = 2048: 2 MiB, past a core's L2, streamed from L3
+// per pair). run_blocked runs panels [p0, p1) in groups whose weights stay in L2 (panel_group), each group over chunks
+// of rows whose activations do (row_chunk): a chunk is read from L3 once per group, a group's weights from memory
+// once. Every output is still one kernel's sum over all of K, so the bits do not change.
+int64_t row_chunk(int64_t kpad);
+int64_t panel_group(int64_t kpad, int64_t weight_bytes);  // even: the AMX kernel's 32-column pairs
+void run_row_chunks(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1);
+void run_blocked(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1, int64_t weight_bytes);
+
 // Rows from which the amx level multiplies with AMX tiles (below: the avx512 block-order kernel; same bits). AMX
 // is as fast as the FMA kernel at one row and faster from two (BENCHMARKS.md), so 1 unless changed (tests).
 int64_t amx_min_rows();

@@ -210,16 +210,18 @@ void QgemmWeight::forward_bf16(const qgemm::Ops& o, const float* x, int64_t ldx,
   uint16_t* xb = reinterpret_cast<uint16_t*>(xb_buf.get(sizeof(uint16_t) * ((m + 15) / 16 * 16) * kp));
   fgemm::bf16_activations(kn, x, ldx, m, kp, kp, true, xb);
   const int64_t pairs = (npanels_ + 1) / 2, threads = num_threads();
+  const int64_t group = fgemm::panel_group(kp, 2);  // panels decoded together: each serves every row chunk
   parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t a0, int64_t a1) {
     thread_local Scratch dec_buf, w_buf;
     const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, dec_buf.get(qgemm::dec_bytes(t_, nchunks_)));
     const int64_t ps = kp * kPanel;  // bf16 values of one panel
-    uint16_t* w = reinterpret_cast<uint16_t*>(w_buf.get(sizeof(uint16_t) * 2 * ps));
-    for (int64_t pp = a0; pp < a1; ++pp) {  // a pair of panels: the AMX kernel's 32-column block
-      const int64_t p = 2 * pp, np = std::min<int64_t>(2, npanels_ - p), c0 = p * kPanel;
+    uint16_t* w = reinterpret_cast<uint16_t*>(w_buf.get(sizeof(uint16_t) * group * ps));
+    const int64_t end = std::min(2 * a1, npanels_);
+    for (int64_t p = 2 * a0; p < end; p += group) {
+      const int64_t np = std::min(group, end - p), c0 = p * kPanel;
       for (int64_t j = 0; j < np; ++j) o.decode_bf16(t_, panel(p + j), nchunks_, d, w + j * ps);
       const fgemm::Problem pr{w, kp, n() - c0, nullptr, xb, kp, true, m, y + c0, ldy, bias ? bias + c0 : nullptr};
-      kn.bf16(pr, 0, np);
+      fgemm::run_row_chunks(kn.bf16, pr, 0, np);
     }
   });
 #else
