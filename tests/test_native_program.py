@@ -110,9 +110,21 @@ def test_long_prefill_runs_the_mlp_in_row_chunks_with_the_same_bits(weights: str
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_wide_mlp_runs_in_64_row_chunks_with_the_same_bits(dtype: torch.dtype, tmp_path: Path) -> None:
-    """I = 8192 (a 1.7B model's MLP): 64-row chunks keep the scratch at 4 MiB; still each row's bits."""
+    """I = 8192 (a 1.7B model's MLP): 64-row chunks keep the scratch at 4 MiB (on AMX with bf16 prompt rows, whose
+    panels are decoded per call, 150-row chunks in 16 MiB); still each row's bits."""
     runner = native_runner(loaded("llama", "gguf", tmp_path, intermediate_size=8192, num_hidden_layers=1), dtype)
     assert_program_equals_definition(runner, LONG_STEP)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_scratch_may_be_spare_room_in_another_buffer(dtype: torch.dtype, tmp_path: Path) -> None:
+    """With its own scratch lowered to 64 rows, a 300-row gated MLP takes the room past its input in the buffer the
+    layer's qkv output left (75 rows of 2I): each row keeps the definition's bits, the input and the cache intact."""
+    runner = native_runner(loaded("llama", "gguf", tmp_path), dtype)
+    program = runner.model.program
+    program.set_mlp_scratch_bytes(1)
+    assert_program_equals_definition(runner, LONG_STEP)
+    assert program.mlp_spare_calls > 0
 
 
 def test_program_with_bf16_weights_and_kv_cache(tmp_path: Path) -> None:

@@ -14,9 +14,10 @@ tests/test_native_program.py checks per architecture that the program computes b
 definition computes on the native ops.
 
 One rewrite happens at the end: each `linear -> silu/gelu_and_mul -> linear` (a gated MLP) whose intermediates
-nothing else reads becomes one `gated_mlp` op that runs in row chunks of 64-128 (as many as a 4 MiB scratch holds),
-so a 512-token prefill of a 1.7B model holds one [64, 2I] intermediate (4 MiB; the activation is written over its
-gate half) instead of a [512, 2I] one and a [512, I] one (48 MiB); each row's bits are those of the three ops.
+nothing else reads becomes one `gated_mlp` op that runs in row chunks of 64-256 (as many as a 4 MiB scratch holds,
+or, if more, the room in a buffer that no live value uses there), so a 512-token prefill of a 1.7B model holds at most a
+[64, 2I] intermediate of its own (4 MiB; the activation is written over its gate half) instead of a [512, 2I] one and
+a [512, I] one (48 MiB); each row's bits are those of the three ops.
 """
 
 from __future__ import annotations
@@ -213,13 +214,14 @@ class ProgramRecorder(NativeOps):
         """Hand the recorded instructions to the NativeProgram, with buffer slots and release points."""
         out = self._fuse_gated_mlps(self._use(output))
         last = self._last_uses(out)
-        slot_of = self._assign_slots(last)
+        slot_of, spare_slot = self._assign_slots(last)
         scratch: dict[int, int] = {}  # width -> slot of the gated MLPs' [rows, 2I] scratch (shared, used within the op)
-        for ins in self.instrs:
+        for i, ins in enumerate(self.instrs):
             if ins.op == "gated_mlp":
                 if ins.ints[5] not in scratch:
                     scratch[ins.ints[5]] = int(self.prog.add_slot(ins.ints[5]))
                 ins.ints[5] = scratch[ins.ints[5]]
+                ins.ints.append(spare_slot.get(i, -1))
         for vid, i in last.items():
             if i < len(self.instrs):
                 self.frees.setdefault(i, []).append(vid)
@@ -283,26 +285,43 @@ class ProgramRecorder(NativeOps):
             last.pop(v, None)
         return last
 
-    def _assign_slots(self, last: dict[int, int]) -> dict[int, int]:
+    def _assign_slots(self, last: dict[int, int]) -> tuple[dict[int, int], dict[int, int]]:
         """Instruction index -> slot of its executor-allocated output: a slot is reused by a later output no wider
         than the slot once the value holding it is dead (its last use before that instruction), the narrowest such
-        slot first (e.g. a layer's o projection output in the buffer its qkv output no longer needs)."""
+        slot first (e.g. a layer's o projection output in the buffer its qkv output no longer needs). Also, per
+        gated MLP, the slot with the most room no live value uses there (columns per row): another slot whose value
+        is dead, or the slot of the op's input when that input is the slot's value and narrower than the slot (the
+        room past it: a 1.7B model's MLP input sits in its qkv output's buffer); that room may serve as scratch."""
         holder: list[int] = []  # slot -> value holding it
         widths: list[int] = []  # slot -> its width
+        held: list[int] = []  # slot -> the width of the value holding it
         slot_of: dict[int, int] = {}
+        spare_slot: dict[int, int] = {}
         for i, ins in enumerate(self.instrs):
             if ins.op not in OWNED_OPS:
                 continue
-            free = [s for s, v in enumerate(holder) if last[v] < i and widths[s] >= ins.width]
+            dead = [s for s, v in enumerate(holder) if last[v] < i]
+            free = [s for s in dead if widths[s] >= ins.width]
             if free:
                 slot = min(free, key=lambda s: (widths[s], s))
             else:
                 slot = int(self.prog.add_slot(ins.width))
                 holder.append(-1)
                 widths.append(ins.width)
+                held.append(0)
+            if ins.op == "gated_mlp":
+                room = {s: widths[s] for s in dead if s != slot}
+                x = ins.inputs[0]
+                for s, v in enumerate(holder):
+                    if v == x and self.values[x].root == x and s != slot:
+                        room[s] = widths[s] - held[s]
+                best = max(room, key=lambda s: (room[s], -s), default=-1)
+                if best >= 0 and room[best] > 0:
+                    spare_slot[i] = best
             holder[slot] = ins.out
+            held[slot] = ins.width
             slot_of[i] = slot
-        return slot_of
+        return slot_of, spare_slot
 
 
 def record(model: Recordable) -> ProgramRecorder:

@@ -46,8 +46,9 @@ enum class Op : int64_t {
   kLinear,       // in [x]; ints [weight, bias const or -1] -> new (slot) x @ W.T (+ bias)
   kMoe,          // in [x, router logits]; ints [experts] -> new (slot) the sparse MLP's output (moe.h)
   kGatedMlp,     // in [x]; ints [gate_up weight, its bias const or -1, down weight, its bias or -1, act (0 silu,
-                 // 1 gelu_tanh), gate_up scratch slot] -> new (slot) down(act(gate_up(x))), run in row chunks of at
-                 // most mlp_chunk_rows, so the [T, 2I] intermediate never exists for a long prefill
+                 // 1 gelu_tanh), gate_up scratch slot, a slot with room no live value uses here or -1] -> new (slot)
+                 // down(act(gate_up(x))), run in row chunks, so the [T, 2I] intermediate never exists for a long
+                 // prefill (gated_mlp)
   kNumOps
 };
 
@@ -80,7 +81,7 @@ Arity arity(Op op) {
     case Op::kScale: return {1, 0, 1, false};
     case Op::kLinear: return {1, 2, 0, true};
     case Op::kMoe: return {2, 1, 0, true};
-    case Op::kGatedMlp: return {1, 6, 0, true};
+    case Op::kGatedMlp: return {1, 7, 0, true};
     default: break;
   }
   TORCH_CHECK(false, "unknown op ", static_cast<int64_t>(op));
@@ -139,8 +140,10 @@ class NativeProgram {
     TORCH_CHECK(owns == (slot >= 0) && slot < static_cast<int64_t>(slot_widths_.size()), name,
                 ": bad slot ", slot);
     if (it->second == Op::kGatedMlp)
-      TORCH_CHECK(ints[5] >= 0 && ints[5] < static_cast<int64_t>(slot_widths_.size()) && ints[5] != slot, name,
-                  ": bad scratch slot ", ints[5]);
+      TORCH_CHECK(ints[5] >= 0 && ints[5] < static_cast<int64_t>(slot_widths_.size()) && ints[5] != slot &&
+                      ints[6] >= -1 && ints[6] < static_cast<int64_t>(slot_widths_.size()) && ints[6] != slot &&
+                      ints[6] != ints[5],
+                  name, ": bad scratch slots ", ints[5], ", ", ints[6]);
     for (int64_t v : frees) TORCH_CHECK(v >= 0 && v < num_values_, name, " frees unknown value ", v);
     if (slot >= 0 && width < 0) width = slot_widths_[slot];
     TORCH_CHECK(slot < 0 || (width > 0 && width <= slot_widths_[slot]), name, ": width ", width,
@@ -211,6 +214,11 @@ class NativeProgram {
     return out;
   }
   int64_t num_slots() const { return static_cast<int64_t>(slot_widths_.size()); }
+  void set_mlp_scratch_bytes(int64_t bytes) {
+    TORCH_CHECK(bytes > 0, "scratch bytes must be positive");
+    mlp_scratch_bytes_ = bytes;
+  }
+  int64_t mlp_spare_calls() const { return mlp_spare_calls_.load(std::memory_order_relaxed); }
 
   // Profiling (benchmarks, `pdserve profile`): wall time and calls per op kind while on; turning it on resets.
   void set_profiling(bool on) {
@@ -245,27 +253,39 @@ class NativeProgram {
   };
 
   // Rows of one chunk of a gated MLP: as many as a 4 MiB [rows, 2I] scratch holds, within 64-256 (256 up to
-  // I = 2048, 64 from I = 8192, a 1.7B model's). A large MLP runs its GEMM tiles at 64 rows as fast as at 512 (1.7B
-  // shape: prefill time unchanged); on a small one (135M: I = 1536) 64-row chunks cost ~10 % of the prefill, and
-  // prompt rows on AMX tiles (their panels decoded once per call) run a 135M gate_up at 778 / 867 / 922 GMAC/s at
-  // 128 / 256 / 512 rows (Sapphire Rapids).
-  static int64_t mlp_chunk_rows(int64_t two_i) {
-    constexpr int64_t kScratchBytes = int64_t{4} << 20;
-    return std::clamp<int64_t>(kScratchBytes / (two_i * static_cast<int64_t>(sizeof(float))), 64, 256);
-  }
+  // I = 2048, 64 from I = 8192, a 1.7B model's), or as many as the spare room of another slot's buffer holds (the
+  // recorder names the slot: a dead value's, or the input's own when the input is narrower than its slot; a 1.7B
+  // model's input [T, 2048] in its qkv output's [T, 6144] buffer leaves 128 rows of 2I at T = 512), whichever is
+  // more: more rows at no memory. A large MLP's int8 / fp32 GEMM tiles run at 64 rows as fast as at 512 (1.7B shape), but prompt rows
+  // on AMX decode the panels once per call (1.7B Q4_K_M, 512-token prefill on Sapphire Rapids: gated MLP 1.18-1.26 s
+  // at 64-row chunks, 0.91-0.99 at 128, 0.77 at 256), and on a small MLP (135M: I = 1536) 64-row chunks cost ~10 %
+  // of the prefill.
+  static constexpr int64_t kMlpMaxChunkRows = 256;
 
-  // The gated MLP in row chunks of equal size (more than half of mlp_chunk_rows each), its [rows, 2I] scratch in
-  // `slots`. act(g) * u is written over g (each element reads only its own g and u), and the down projection reads
-  // those first I columns with the scratch's row stride: no second buffer.
+  // The gated MLP in row chunks of equal size (more than half of the cap each), its [rows, 2I] scratch in its own
+  // slot or in the spare room (past the input when the input lives in that buffer, contiguous at its start, as a
+  // slot's value does). act(g) * u is written over g (each element reads only its own g and u), and the
+  // down projection reads those first I columns with the scratch's row stride: no second buffer. A row's bits do
+  // not depend on the chunking.
   void gated_mlp(const Instr& I, const at::Tensor& x, at::Tensor& out, const Step& st,
                  std::vector<at::Tensor>& slots) const {
     const auto& n = I.ints;
-    const int64_t cap = mlp_chunk_rows(slot_widths_[n[5]]);
-    const int64_t t = x.size(0), chunks = (t + cap - 1) / cap;
-    const int64_t rows = chunks > 0 ? (t + chunks - 1) / chunks : 0;
-    at::Tensor& gu_buf = slots[n[5]];
-    if (!gu_buf.defined() || gu_buf.size(0) < rows) gu_buf = at::empty({rows, slot_widths_[n[5]]}, at::kFloat);
-    const int64_t inter = slot_widths_[n[5]] / 2;
+    const int64_t two_i = slot_widths_[n[5]], inter = two_i / 2, t = x.size(0);
+    int64_t cap = std::clamp<int64_t>(mlp_scratch_bytes_ / (two_i * static_cast<int64_t>(sizeof(float))), 64,
+                                      kMlpMaxChunkRows);
+    const at::Tensor* spare = n[6] >= 0 && slots[n[6]].defined() ? &slots[n[6]] : nullptr;
+    int64_t start = 0, spare_rows = 0;  // the room's first element in the spare buffer, its rows of 2I
+    if (spare && x.data_ptr() == spare->data_ptr()) start = x.is_contiguous() ? x.numel() : spare->numel();
+    if (spare) spare_rows = std::min(kMlpMaxChunkRows, (spare->numel() - start) / two_i);
+    const bool borrow = t > cap && spare_rows > cap;
+    if (borrow) {
+      cap = spare_rows;
+      mlp_spare_calls_.fetch_add(1, std::memory_order_relaxed);
+    }
+    const int64_t chunks = (t + cap - 1) / cap, rows = chunks > 0 ? (t + chunks - 1) / chunks : 0;
+    at::Tensor& own = slots[n[5]];
+    if (!borrow && (!own.defined() || own.size(0) < rows)) own = at::empty({rows, two_i}, at::kFloat);
+    const at::Tensor gu_buf = borrow ? spare->as_strided({rows, two_i}, {two_i, 1}, spare->storage_offset() + start) : own;
     const auto bias = [&](int64_t i) { return i >= 0 ? std::optional<at::Tensor>(c(i)) : std::nullopt; };
     for (int64_t r0 = 0; r0 < t; r0 += rows) {
       const int64_t m = std::min(rows, t - r0);
@@ -333,6 +353,8 @@ class NativeProgram {
   int64_t num_values_ = 2, output_ = -1;
   std::atomic<bool> profiling_{false};
   mutable std::mutex cache_mu_;
+  int64_t mlp_scratch_bytes_ = int64_t{4} << 20;  // the gated MLPs' own scratch (tests lower it)
+  mutable std::atomic<int64_t> mlp_spare_calls_{0};  // gated MLP calls whose scratch was another buffer's room
   mutable std::vector<at::Tensor> slot_cache_;  // per slot, [rows >= the step's T, width]
   mutable std::array<std::atomic<int64_t>, static_cast<size_t>(Op::kNumOps)> op_ns_{}, op_calls_{};
 };
@@ -357,7 +379,11 @@ void register_native_program(pybind11::module_& m) {
            "time each op kind of the following runs (turning it on resets the totals)")
       .def("op_times", &NativeProgram::op_times, "op kind -> (calls, seconds) since profiling was turned on")
       .def("ops", &NativeProgram::ops, "the op name of each instruction, in order")
-      .def_property_readonly("num_slots", &NativeProgram::num_slots);
+      .def_property_readonly("num_slots", &NativeProgram::num_slots)
+      .def("set_mlp_scratch_bytes", &NativeProgram::set_mlp_scratch_bytes, py::arg("bytes"),
+           "the gated MLPs' own scratch budget (4 MiB; tests lower it to exercise the chunking)")
+      .def_property_readonly("mlp_spare_calls", &NativeProgram::mlp_spare_calls,
+                             "gated MLP calls whose scratch was spare room in another slot's buffer");
 }
 
 }  // namespace
