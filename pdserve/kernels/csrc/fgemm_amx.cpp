@@ -39,8 +39,9 @@ void configure() {
 }
 
 // MB row blocks of 16 from row r0 x NB panels from w, over all of K; the C tiles go to c (16 * MB rows of ldc floats:
-// the scratch's rows of 32 or, for whole row blocks of whole panels without bias, the rows of y themselves). Tile loads cannot start before the tile products reading the same tile register finish, so a load that
-// misses L1 stalls the products: the activation tiles two K steps ahead are prefetched (measured +25 % at
+// the scratch's rows of 32 or, for whole row blocks of whole panels without bias, the rows of y themselves). Tile
+// loads cannot start before the tile products reading the same tile register finish, so a load that misses L1
+// stalls the products: the activation tiles two K steps ahead are prefetched (measured +25 % at
 // K = 8192, 512 rows), and so are the weight tiles four steps ahead on the first row blocks, which stream them
 // from memory (batch 1: 10.3 -> 12 GB/s, the single-core read bandwidth). Splitting K into chunks that stay in L1
 // (C reloaded between them) measured no faster.

@@ -256,10 +256,10 @@ class NativeProgram {
   // I = 2048, 64 from I = 8192, a 1.7B model's), or as many as the spare room of another slot's buffer holds (the
   // recorder names the slot: a dead value's, or the input's own when the input is narrower than its slot; a 1.7B
   // model's input [T, 2048] in its qkv output's [T, 6144] buffer leaves 128 rows of 2I at T = 512), whichever is
-  // more: more rows at no memory. A large MLP's int8 / fp32 GEMM tiles run at 64 rows as fast as at 512 (1.7B shape), but prompt rows
-  // on AMX decode the panels once per call (1.7B Q4_K_M, 512-token prefill on Sapphire Rapids: gated MLP 1.18-1.26 s
-  // at 64-row chunks, 0.91-0.99 at 128, 0.77 at 256), and on a small MLP (135M: I = 1536) 64-row chunks cost ~10 %
-  // of the prefill.
+  // more: more rows at no memory. A large MLP's int8 / fp32 GEMM tiles run at 64 rows as fast as at 512 (1.7B
+  // shape), but prompt rows on AMX decode the panels once per call (1.7B Q4_K_M, 512-token prefill on Sapphire
+  // Rapids: gated MLP 1.18-1.26 s at 64-row chunks, 0.91-0.99 at 128, 0.77 at 256), and on a small MLP (135M:
+  // I = 1536) 64-row chunks cost ~10 % of the prefill.
   static constexpr int64_t kMlpMaxChunkRows = 256;
 
   // The gated MLP in row chunks of equal size (more than half of the cap each), its [rows, 2I] scratch in its own
@@ -285,7 +285,8 @@ class NativeProgram {
     const int64_t chunks = (t + cap - 1) / cap, rows = chunks > 0 ? (t + chunks - 1) / chunks : 0;
     at::Tensor& own = slots[n[5]];
     if (!borrow && (!own.defined() || own.size(0) < rows)) own = at::empty({rows, two_i}, at::kFloat);
-    const at::Tensor gu_buf = borrow ? spare->as_strided({rows, two_i}, {two_i, 1}, spare->storage_offset() + start) : own;
+    const at::Tensor gu_buf =
+        borrow ? spare->as_strided({rows, two_i}, {two_i, 1}, spare->storage_offset() + start) : own;
     const auto bias = [&](int64_t i) { return i >= 0 ? std::optional<at::Tensor>(c(i)) : std::nullopt; };
     for (int64_t r0 = 0; r0 < t; r0 += rows) {
       const int64_t m = std::min(rows, t - r0);
