@@ -86,11 +86,11 @@ void f32_avx512(const Problem& pr, int64_t p0, int64_t p1);
 void bf16_activations(const Kernels& kn, const float* x, int64_t ldx, int64_t m, int64_t k, int64_t kpad, bool tiles,
                       uint16_t* out);
 
-// Cache blocking of a many-row call: the kernels take panel pair by panel pair, each over all of the call's rows, so
-// a call's bf16 activations are read once per pair (512 rows x K = 2048: 2 MiB, past a core's L2, streamed from L3
-// per pair). run_blocked runs panels [p0, p1) in groups whose weights stay in L2 (panel_group), each group over chunks
-// of rows whose activations do (row_chunk): a chunk is read from L3 once per group, a group's weights from memory
-// once. Every output is still one kernel's sum over all of K, so the bits do not change.
+// Cache blocking of a many-row call on AMX tiles: the kernel takes panel pair by panel pair, each over all of the
+// call's rows, so a call's bf16 activations are read once per pair (512 rows x K = 2048: 2 MiB, past a core's L2,
+// streamed from L3 per pair). run_blocked runs panels [p0, p1) in groups whose weights stay in L2 (panel_group), each
+// group over chunks of rows whose activations do (row_chunk): a chunk is read from L3 once per group, a group's
+// weights from memory once. Every output is still one kernel's sum over all of K, so the bits do not change.
 int64_t row_chunk(int64_t kpad);
 int64_t panel_group(int64_t kpad, int64_t weight_bytes);  // even: the AMX kernel's 32-column pairs
 void run_row_chunks(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1);
