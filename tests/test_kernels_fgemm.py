@@ -167,9 +167,9 @@ def test_strided_rows_and_large_panels(isa_all: Any) -> None:  # noqa: F811
 
 
 def test_cache_blocks_keep_each_rows_bits(isa_all: Any) -> None:  # noqa: F811
-    """Many rows of a long K run in chunks of rows x groups of panels (fgemm::run_blocked; at K = 8192: 32 rows, 2
-    panels), AMX C tiles stored straight into y for whole row blocks without bias: every row's bits equal its
-    result alone, with and without bias, N ending in a partial panel and M in a partial row block."""
+    """On AMX tiles many rows of a long K run in chunks of rows x groups of panels (fgemm::run_blocked; at K = 8192:
+    32 rows, 2 panels), C tiles stored straight into y for whole row blocks without bias: every row's bits equal its
+    result alone, with and without bias, N ending in a partial panel and M in a partial row block (every level)."""
     w, x, bias = rand(100, 8192, seed=22), rand(100, 8192, seed=23), rand(100, seed=24)
     for fmt in ("bf16", "f32"):
         pw = isa_all.pack_float(w, fmt)

@@ -15,9 +15,9 @@ definition computes on the native ops.
 
 One rewrite happens at the end: each `linear -> silu/gelu_and_mul -> linear` (a gated MLP) whose intermediates
 nothing else reads becomes one `gated_mlp` op that runs in row chunks of 64-256 (as many as a 4 MiB scratch holds,
-or, if more, the room in a buffer that no live value uses there), so a 512-token prefill of a 1.7B model holds at most a
-[64, 2I] intermediate of its own (4 MiB; the activation is written over its gate half) instead of a [512, 2I] one and
-a [512, I] one (48 MiB); each row's bits are those of the three ops.
+or, if more, the room in a buffer that no live value uses there), so a 512-token prefill of a 1.7B model holds at
+most a [64, 2I] intermediate of its own (4 MiB; the activation is written over its gate half) instead of a [512, 2I]
+one and a [512, I] one (48 MiB); each row's bits are those of the three ops.
 """
 
 from __future__ import annotations
@@ -294,7 +294,6 @@ class ProgramRecorder(NativeOps):
         room past it: a 1.7B model's MLP input sits in its qkv output's buffer); that room may serve as scratch."""
         holder: list[int] = []  # slot -> value holding it
         widths: list[int] = []  # slot -> its width
-        held: list[int] = []  # slot -> the width of the value holding it
         slot_of: dict[int, int] = {}
         spare_slot: dict[int, int] = {}
         for i, ins in enumerate(self.instrs):
@@ -308,18 +307,16 @@ class ProgramRecorder(NativeOps):
                 slot = int(self.prog.add_slot(ins.width))
                 holder.append(-1)
                 widths.append(ins.width)
-                held.append(0)
             if ins.op == "gated_mlp":
                 room = {s: widths[s] for s in dead if s != slot}
                 x = ins.inputs[0]
                 for s, v in enumerate(holder):
                     if v == x and self.values[x].root == x and s != slot:
-                        room[s] = widths[s] - held[s]
+                        room[s] = widths[s] - self.values[x].width
                 best = max(room, key=lambda s: (room[s], -s), default=-1)
                 if best >= 0 and room[best] > 0:
                     spare_slot[i] = best
             holder[slot] = ins.out
-            held[slot] = ins.width
             slot_of[i] = slot
         return slot_of, spare_slot
 

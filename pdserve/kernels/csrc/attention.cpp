@@ -61,9 +61,11 @@ struct Task {
 // avx512_bf16 and amx) from this many query heads per KV head on; below it the fp32 kernel (avx512), which reads bf16
 // rows in place and walks several KV heads per item (AttnItem::nkvh). 0: the level's own threshold. AMX multiplies
 // blocks of 16 rows, so a decode item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there
-// (Sapphire Rapids), except at G = 1, where the avx512_bf16 rows kernel is (pick_kernel). At avx512_bf16 generated rows take vdpbf16ps at every G: below kDotTileMinGroup in the fp32
-// kernel's walk (attention_avx512bf16_rows.cpp: rows as stored, several KV heads per item), from it in transposed
-// key tiles shared by the G rows (attention_avx512bf16.cpp); on Zen 4 the transposing kernel lost to the fp32 one at
+// (Sapphire Rapids), except at G = 1, where the avx512_bf16 rows kernel is (with the level's own threshold; one bf16
+// layer of 32 KV heads: 0.80-0.82x the fp32 kernel's time at G = 1, 0.97-1.00x at G = 2, 1.1-1.3x at G = 3). At
+// avx512_bf16 generated rows take vdpbf16ps at every G: below kDotTileMinGroup in the fp32 kernel's walk
+// (attention_avx512bf16_rows.cpp: rows as stored, several KV heads per item), from it in transposed key tiles shared
+// by the G rows (attention_avx512bf16.cpp); on Zen 4 the transposing kernel lost to the fp32 one at
 // G = 1-7 and the rows kernel beat both (BENCHMARKS.md). Prompt rows (pick_prompt_kernel) run the tile kernel of
 // either level at every G. The choice depends on the model's shape and the CPU only, so every row of a model still
 // runs one arithmetic; change it only before serving (a row's bits depend on it).
@@ -89,17 +91,15 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
   if (d == 256) return f32.pick();                     // Gemma: the fp32 kernels (bf16 caches widened per tile)
   if (d != 64 && d != 128) return attn_item_generic;  // the vector kernels take these head sizes
   // soft-capped scores (Gemma 2): the fp32 kernels, which apply the cap to each tile's scores
-  const bool dot = fmt == KVFormat::kBF16 && !softcap && group >= bf16_min_group(bf16.level());
-#if defined(__x86_64__)
-  // amx level, G = 1 (its own threshold): vdpbf16ps on the rows as stored, the avx512_bf16 level's kernel. Sapphire
-  // Rapids, one bf16 layer of 32 KV heads: 0.80-0.82x the fp32 kernel's time at G = 1, 0.97-1.00x at G = 2,
-  // 1.1-1.3x at G = 3 (BENCHMARKS.md, 2026-12-05).
-  if (!dot && fmt == KVFormat::kBF16 && !softcap && group == 1 && bf16.level() == Isa::kAmx &&
-      g_bf16_min_group.load(std::memory_order_relaxed) == 0)
-    return attn_item_avx512bf16_rows;
-#endif
-  if (!dot) return f32.pick();
+  if (fmt != KVFormat::kBF16 || softcap) return f32.pick();
   const AttnFn fn = bf16.pick();
+  if (group < bf16_min_group(bf16.level())) {
+#if defined(__x86_64__)
+    if (fn == attn_item_amx && group == 1 && g_bf16_min_group.load(std::memory_order_relaxed) == 0)
+      return attn_item_avx512bf16_rows;
+#endif
+    return f32.pick();
+  }
 #if defined(__x86_64__)
   if (fn == attn_item_avx512bf16 && group < kDotTileMinGroup) return attn_item_avx512bf16_rows;
 #endif

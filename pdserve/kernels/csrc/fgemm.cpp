@@ -36,15 +36,13 @@ void bf16_activations(const Kernels& kn, const float* x, int64_t ldx, int64_t m,
   });
 }
 
-// L2 budgets of run_blocked (per core: Sapphire Rapids 2 MiB, Zen 4 1 MiB): activations of a row chunk, a group's
+// L2 budgets of run_blocked (a Sapphire Rapids core's L2: 2 MiB): bf16 activations of a row chunk, a group's bf16
 // weights.
 constexpr int64_t kRowChunkBytes = 512 << 10, kGroupBytes = 256 << 10;
 
 int64_t row_chunk(int64_t kpad) { return std::max<int64_t>(32, kRowChunkBytes / (2 * kpad) / 32 * 32); }
 
-int64_t panel_group(int64_t kpad, int64_t weight_bytes) {
-  return std::max<int64_t>(2, kGroupBytes / (kpad * kPanel * weight_bytes) / 2 * 2);
-}
+int64_t panel_group(int64_t kpad) { return std::max<int64_t>(2, kGroupBytes / (kpad * kPanel * 2) / 2 * 2); }
 
 // Row chunks start at multiples of 32 rows: whole 16-row AMX A tiles, whose offset (xb_tiles) is r0 * kpad as in the
 // row-major layout (ldx == kpad for bf16 activations).
@@ -54,15 +52,14 @@ void run_row_chunks(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1) {
   for (int64_t r0 = 0; r0 < pr.m; r0 += rc) {
     Problem c = pr;
     c.m = std::min(rc, pr.m - r0);
-    if (c.x) c.x += r0 * pr.ldx;
-    if (c.xb) c.xb += r0 * pr.ldx;
+    c.xb += r0 * pr.ldx;
     c.y += r0 * pr.ldy;
     fn(c, p0, p1);
   }
 }
 
-void run_blocked(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1, int64_t weight_bytes) {
-  const int64_t g = panel_group(pr.kpad, weight_bytes);
+void run_blocked(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1) {
+  const int64_t g = panel_group(pr.kpad);
   for (int64_t q = p0; q < p1; q += g) run_row_chunks(fn, pr, q, std::min(q + g, p1));
 }
 
@@ -130,7 +127,7 @@ class PackedFloat final : public PackedWeight {
     parallel_for(0, pairs, grain, [&](int64_t a, int64_t b) {
       // AMX tiles in cache blocks; the FMA kernels keep one call per thread (blocked, the f32 format's 1.7B gate_up
       // ran 1.2x slower on Sapphire Rapids' avx512 level)
-      if (pr.xb_tiles) fgemm::run_blocked(fn, pr, 2 * a, std::min(2 * b, np), 2);
+      if (pr.xb_tiles) fgemm::run_blocked(fn, pr, 2 * a, std::min(2 * b, np));
       else fn(pr, 2 * a, std::min(2 * b, np));
     });
   }

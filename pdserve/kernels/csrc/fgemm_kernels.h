@@ -92,9 +92,10 @@ void bf16_activations(const Kernels& kn, const float* x, int64_t ldx, int64_t m,
 // group over chunks of rows whose activations do (row_chunk): a chunk is read from L3 once per group, a group's
 // weights from memory once. Every output is still one kernel's sum over all of K, so the bits do not change.
 int64_t row_chunk(int64_t kpad);
-int64_t panel_group(int64_t kpad, int64_t weight_bytes);  // even: the AMX kernel's 32-column pairs
+int64_t panel_group(int64_t kpad);  // even: the AMX kernel's 32-column pairs
+// fn over rows in chunks; pr is a bf16 problem (the chunks offset xb and y).
 void run_row_chunks(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1);
-void run_blocked(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1, int64_t weight_bytes);
+void run_blocked(PanelFn fn, const Problem& pr, int64_t p0, int64_t p1);
 
 // Rows from which the amx level multiplies with AMX tiles (below: the avx512 block-order kernel; same bits). AMX
 // is as fast as the FMA kernel at one row and faster from two (BENCHMARKS.md), so 1 unless changed (tests).

@@ -210,7 +210,7 @@ void QgemmWeight::forward_bf16(const qgemm::Ops& o, const float* x, int64_t ldx,
   uint16_t* xb = reinterpret_cast<uint16_t*>(xb_buf.get(sizeof(uint16_t) * ((m + 15) / 16 * 16) * kp));
   fgemm::bf16_activations(kn, x, ldx, m, kp, kp, true, xb);
   const int64_t pairs = (npanels_ + 1) / 2, threads = num_threads();
-  const int64_t group = fgemm::panel_group(kp, 2);  // panels decoded together: each serves every row chunk
+  const int64_t group = fgemm::panel_group(kp);  // panels decoded together: each serves every row chunk
   parallel_for(0, pairs, (pairs + threads - 1) / threads, [&](int64_t a0, int64_t a1) {
     thread_local Scratch dec_buf, w_buf;
     const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, dec_buf.get(qgemm::dec_bytes(t_, nchunks_)));
