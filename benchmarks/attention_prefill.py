@@ -8,10 +8,10 @@ checkout's kernels (today's, e.g. /work/main).
 
 Cells: milliseconds per layer (best of a few runs; --clock cpu = process CPU time, every thread's summed, so a
 shared machine's other work is left out), and the prompt's total over all layers in the last columns of the
-summary. Levels without a kernel of their own for a cache dtype run the level below (f32 caches: avx512 from
-avx512 up). bf16 caches at avx512_bf16 and amx run the bf16 dot-product kernels from --bf16-min-group query heads
-per KV head on (default 1 here, so both shapes show them; the library's default is 4, attention.cpp). The baseline
-runs in a subprocess that imports pdserve from that checkout.
+summary. Every row is a prompt row (prompt_lens = seq_lens), as in a prefill. Levels without a kernel of their own
+for a cache dtype run the level below (f32 caches: avx512 from avx512 up). bf16 caches at avx512_bf16 and amx run
+the level's bf16 dot-product kernel (vdpbf16ps, AMX tiles) for prompt rows from --bf16-min-group query heads per KV
+head on (default 1: every shape). The baseline runs in a subprocess that imports pdserve from that checkout.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ class Prompt:
         for c0 in range(0, self.n, chunk):
             c1 = min(self.n, c0 + chunk)
             qsl = torch.tensor([0, c1 - c0], dtype=torch.int32)
-            mod.paged_attention(self.out[c0:c1], self.q[c0:c1], self.cache, self.bt, qsl,
-                                torch.tensor([c1], dtype=torch.int32), D ** -0.5)
+            seq_lens = torch.tensor([c1], dtype=torch.int32)  # every row a prompt row, as in a prefill
+            mod.paged_attention(self.out[c0:c1], self.q[c0:c1], self.cache, self.bt, qsl, seq_lens, D ** -0.5, 0,
+                                0.0, seq_lens)
 
 
 def best(fn: Callable[[], Any], clock: Callable[[], float], runs: int = 3) -> float:

@@ -233,10 +233,11 @@ std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int3
                                int64_t nthreads) {
   const int64_t g = a.hq / a.hkv;
   // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does).
-  // Prompt groups: ~128 rows (64 for d 128) in whole 16-token steps: a key tile's K/V preparation is shared by
-  // more rows (the AMX kernel's row blocks of 16), and a prefill has rows enough for every thread.
+  // Prompt groups: ~256 rows (64 for d 128) in whole 16-token steps: a key tile's K/V preparation is shared by
+  // more rows (the AMX kernel's row blocks of 16), and a prefill has rows enough for every thread (at 512 tokens,
+  // 256 rows took 0.76-0.88x the time of 128 and 384 rows 1.05-1.1x, BENCHMARKS.md).
   const int64_t tile = window > 0 ? 1 : std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);
-  const int64_t prompt_tile = window > 0 ? 1 : std::max<int64_t>(16, (a.d <= 64 ? 128 : 64) / g / 16 * 16);
+  const int64_t prompt_tile = window > 0 ? 1 : std::max<int64_t>(16, (a.d <= 64 ? 256 : 64) / g / 16 * 16);
   for (int64_t s = 0; s < nseq; ++s) check_sequence(a, s, qsl, sl, t, width);
   const int64_t span_cap = head_spans ? max_head_span(a, qsl, sl, prompt_lens, nseq, tile, nthreads) : 1;
   std::vector<Group> groups;

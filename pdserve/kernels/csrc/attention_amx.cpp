@@ -2,15 +2,17 @@
 // attention_bf16_min_group query heads per KV head (attention.cpp). Flash attention in key blocks of kBlock:
 // per block the K rows are transposed once into K^T tiles and the V rows interleaved into V tiles (attention_bf16.h's
 // layouts), then every row block of 16 that sees the block
-//   S = q . K^T        2 C tiles per 32 keys, q as two bf16 parts (hi + lo: ~16 significant bits), into s.s [16][kBlock]
-//   softmax            per row over the whole block (fp32): m, alpha = exp(m_old - m_new), l (16 lane-wise sums),
-//                      bf16(p) into s.p [16][kBlock] (zero past the row's last visible key)
-//   acc = acc * alpha + P . V   the acc rows loaded into C tiles and accumulated over the block's 32-key steps
+//   S = q . K^T        4 C tiles per 64 keys, q as two bf16 parts (hi + lo: ~16 significant bits), into s.s [16][kBlock]
+//   softmax            per row over the whole block (fp32): m, alpha = exp(m_old - m_new) (the 16 rows' as vectors),
+//                      l (16 lane-wise sums), bf16(p) into s.p [16][kBlock] (zero past the row's last visible key)
+//   acc = acc * alpha + P . V   the acc rows in C tiles (zeroed on the row block's first keys) accumulated over the
+//                      block's 32-key steps
 // so the tile stores and the vector rescale happen once per block and row block, not per 32 keys (a tile product
-// followed at once by its store and a vector read of it stalls the core on the tile unit's latency). Every step is
-// per row and the blocks sit at fixed offsets from the item's first key (a partition start), so neither the rows
+// followed at once by its store and a vector read of it stalls the core on the tile unit's latency), and the next row
+// block's S is issued before this one's P . V, whose tile loads wait for the vector stores of P and acc. Every step
+// is per row and the blocks sit at fixed offsets from the item's first key (a partition start), so neither the rows
 // beside a row nor the item's split change its bits.
-// Tiles: scores: tmm0, 1 C; tmm2 q; tmm3, 4 K^T. P . V: tmm4..7 C (4 dim panels of 16); tmm2 P; tmm0, 1, 3 V.
+// Tiles: scores: tmm0..3 C; tmm4, 5 q (hi, lo); tmm6, 7 K^T. P . V: tmm4..7 C (4 dim panels of 16); tmm2 P; tmm0, 1, 3 V.
 #include "attention_kernels.h"
 
 #if defined(__x86_64__)
@@ -78,86 +80,145 @@ void prepare_block(const AttnArgs& a, const AttnItem& it, int64_t kb, int n, Scr
   }
 }
 
-// Scores of row block b against the block's nq 32-key steps into s.s [16][kBlock].
+// Scores of row block b against the block's nq 32-key steps into s.s [16][kBlock], 64 keys (four C tiles, tmm0..3)
+// at a time: per 32-dim step st, q's hi and lo tiles (tmm4, 5) and the K^T tiles of two 16-key groups at a time
+// (tmm6, 7). Each C tile sums, per st, q_hi . K^T then q_lo . K^T; four independent sums keep the tile unit busy
+// where two wait on each other's latency.
 template <int D>
 void scores(Scratch& s, int64_t b, int nq) {
-  for (int q = 0; q < nq; ++q) {
+  const auto kt = [&](int j, int st) { return s.kt.data() + (j * (D / 32) + st) * 256; };
+  for (int q = 0; q < nq; q += 2) {
+    const bool two = q + 1 < nq;
     _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     for (int st = 0; st < D / 32; ++st) {
       const int64_t at = (b * (D / 32) + st) * 512;
-      _tile_loadd(2, s.q.data() + at, 64);
-      _tile_loadd(3, s.kt.data() + ((2 * q) * (D / 32) + st) * 256, 64);
-      _tile_loadd(4, s.kt.data() + ((2 * q + 1) * (D / 32) + st) * 256, 64);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_dpbf16ps(1, 2, 4);
-      _tile_loadd(2, s.qlo.data() + at, 64);
-      _tile_dpbf16ps(0, 2, 3);
-      _tile_dpbf16ps(1, 2, 4);
+      _tile_loadd(4, s.q.data() + at, 64);
+      _tile_loadd(5, s.qlo.data() + at, 64);
+      _tile_loadd(6, kt(2 * q, st), 64);
+      _tile_loadd(7, kt(2 * q + 1, st), 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(0, 5, 6);
+      _tile_dpbf16ps(1, 5, 7);
+      if (two) {
+        _tile_loadd(6, kt(2 * q + 2, st), 64);
+        _tile_loadd(7, kt(2 * q + 3, st), 64);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(3, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
     }
     _tile_stored(0, s.s.data() + 32 * q, kBlock * 4);
     _tile_stored(1, s.s.data() + 32 * q + 16, kBlock * 4);
+    if (two) {
+      _tile_stored(2, s.s.data() + 32 * q + 32, kBlock * 4);
+      _tile_stored(3, s.s.data() + 32 * q + 48, kBlock * 4);
+    }
   }
+}
+
+// exp(x) for the probabilities: 2^n * 2^f with n = round(x * log2(e)), f in [-1/2, 1/2], 2^f by a degree-5 fit
+// (relative error ~1e-7, below fp32's rounding of x * log2(e) at |x| ~ 20) and vscalefps for 2^n: 10 vector
+// operations against vec::exp16's 17. x below -87 (-inf included) gives 0.
+inline __m512 exp_scalef(__m512 x) {
+  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3400432165362496e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.676037097870464e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503272142096285e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107355830463e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472067106197e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000754953486f));
+  return _mm512_scalef_ps(p, n);
 }
 
 // The online-softmax step of row block b on the block at kb (n keys, nq steps of 32): m and l16 updated, bf16(p)
 // written to s.p (zero past each row's last visible key), the rows' acc scaled by alpha = exp(m_old - m_new).
-// Returns false when no row of the block sees a key of it.
+// The 16 rows' maxima and alphas are taken as vectors (row i in lane i). Returns false when no row of the block
+// sees a key of it.
 template <int D>
 bool softmax(Scratch& s, int64_t b, int64_t kb, int n, int nq) {
-  bool any = false;
+  alignas(64) float m_new[16], alpha[16];
+  __m512 part[16];  // row i's lane-wise maxima over its visible scores
+  int nv[16];
+  __mmask16 seen = 0;
   for (int i = 0; i < 16; ++i) {
-    const int64_t r = 16 * b + i;
-    const int nv = attn_bf16::visible(s, r, kb, n);
-    uint16_t* prow = s.p.data() + i * kBlock;
-    if (nv == 0) {  // p = 0 and alpha = 1: the row's state stays as it is
-      for (int q = 0; q < nq; ++q) _mm512_storeu_si512(prow + 32 * q, _mm512_setzero_si512());
-      continue;
-    }
-    any = true;
+    nv[i] = attn_bf16::visible(s, 16 * b + i, kb, n);
     const float* srow = s.s.data() + i * kBlock;
     __m512 mx = _mm512_set1_ps(kNegInf);
-    for (int v = 0; 16 * v < nv; ++v) {
-      const int left = nv - 16 * v;
+    for (int v = 0; 16 * v < nv[i]; ++v) {
+      const int left = nv[i] - 16 * v;
       mx = _mm512_mask_max_ps(mx, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), mx,
                               _mm512_loadu_ps(srow + 16 * v));
     }
-    const float m_old = s.m[r], m_new = std::max(m_old, _mm512_reduce_max_ps(mx));
-    // exactly 1 when the max stays, 0 on the row's first keys (m_old = -inf)
-    const float alpha = m_old == m_new ? 1.f : m_old == kNegInf ? 0.f : std::exp(m_old - m_new);
-    s.m[r] = m_new;
-    const __m512 mn = _mm512_set1_ps(m_new);
+    part[i] = mx;
+    if (nv[i] > 0) seen |= __mmask16(1u << i);
+  }
+  if (seen == 0) return false;
+  float* m = s.m.data() + 16 * b;
+  const __m512 mo = _mm512_loadu_ps(m);
+  const __m512 mn = _mm512_max_ps(mo, vec::reduce16_with(part, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
+  // exactly 1 where the max stays (a row without keys here included), 0 on a row's first keys (m_old = -inf)
+  __m512 al = _mm512_mask_mov_ps(exp_scalef(_mm512_sub_ps(mo, mn)), _mm512_cmp_ps_mask(mo, mn, _CMP_EQ_OQ),
+                                 _mm512_set1_ps(1.f));
+  const __mmask16 first = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
+  al = _mm512_mask_mov_ps(al, first, _mm512_setzero_ps());
+  _mm512_store_ps(alpha, al);
+  _mm512_store_ps(m_new, mn);
+  _mm512_storeu_ps(m, mn);
+  for (int i = 0; i < 16; ++i) {
+    const int64_t r = 16 * b + i;
+    uint16_t* prow = s.p.data() + i * kBlock;
+    if (nv[i] == 0) {  // p = 0 and alpha = 1: the row's state stays as it is
+      for (int q = 0; q < nq; ++q) _mm512_storeu_si512(prow + 32 * q, _mm512_setzero_si512());
+      continue;
+    }
+    const float* srow = s.s.data() + i * kBlock;
+    const __m512 mi = _mm512_set1_ps(m_new[i]);
     __m512 sum = _mm512_setzero_ps();
     for (int q = 0; q < nq; ++q) {
       __m512 p[2];
       for (int h = 0; h < 2; ++h) {
-        const int left = nv - (32 * q + 16 * h);
+        const int left = nv[i] - (32 * q + 16 * h);
         const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0);
-        p[h] = _mm512_maskz_mov_ps(k, vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(srow + 32 * q + 16 * h), mn)));
+        p[h] = _mm512_maskz_mov_ps(k, exp_scalef(_mm512_sub_ps(_mm512_loadu_ps(srow + 32 * q + 16 * h), mi)));
         sum = _mm512_add_ps(sum, p[h]);
       }
       _mm512_storeu_si512(prow + 32 * q, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
     }
     float* l16 = s.l16.data() + 16 * r;
-    const __m512 al = _mm512_set1_ps(alpha);
-    _mm512_storeu_ps(l16, _mm512_fmadd_ps(_mm512_loadu_ps(l16), al, sum));
-    if (alpha != 1.f && m_old != kNegInf) {  // (acc is still zero before the row's first keys)
+    const __m512 ai = _mm512_set1_ps(alpha[i]);
+    _mm512_storeu_ps(l16, _mm512_fmadd_ps(_mm512_loadu_ps(l16), ai, sum));
+    if (alpha[i] != 1.f && !(first >> i & 1)) {  // (a row's first keys: its block's acc may not be written yet)
       float* acc = s.acc.data() + r * D;
-      for (int j = 0; j < D; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), al));
+      for (int j = 0; j < D; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), ai));
     }
   }
-  return any;
+  return true;
 }
 
-// acc rows of block b += P . V over the block's nq steps, 4 dim panels (64 dims) at a time in C tiles tmm4..7.
+// acc rows of block b += P . V over the block's nq steps, 4 dim panels (64 dims) at a time in C tiles tmm4..7;
+// `fresh`: the block's first P . V, whose acc starts as zeroed tiles (not yet written in s.acc).
 template <int D>
-void pv(Scratch& s, int64_t b, int nq) {
+void pv(Scratch& s, int64_t b, int nq, bool fresh) {
   for (int c0 = 0; c0 < D / 16; c0 += 4) {
     float* acc = s.acc.data() + 16 * b * D + 16 * c0;
-    _tile_loadd(4, acc, D * 4);
-    _tile_loadd(5, acc + 16, D * 4);
-    _tile_loadd(6, acc + 32, D * 4);
-    _tile_loadd(7, acc + 48, D * 4);
+    if (fresh) {
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+    } else {
+      _tile_loadd(4, acc, D * 4);
+      _tile_loadd(5, acc + 16, D * 4);
+      _tile_loadd(6, acc + 32, D * 4);
+      _tile_loadd(7, acc + 48, D * 4);
+    }
     for (int q = 0; q < nq; ++q) {
       const uint32_t* v = s.vt.data() + (q * (D / 16) + c0) * 256;
       _tile_loadd(2, s.p.data() + 32 * q, kBlock * 2);
@@ -180,9 +241,11 @@ void pv(Scratch& s, int64_t b, int nq) {
 template <int D>
 void run(const AttnArgs& a, const AttnItem& it) {
   thread_local Scratch s;
-  attn_bf16::prepare<D, true>(a, it, s);
+  attn_bf16::prepare<D, true, false>(a, it, s);
   const int64_t g = a.hq / a.hkv, rows = attn_bf16::item_rows(a, it), blocks = (rows + 15) / 16;
-  s.acc.assign(blocks * 16 * D, 0.f);  // whole row blocks: the C tiles load and store 16 rows
+  // acc (whole row blocks: the C tiles load and store 16 rows) is written by a row block's first P . V
+  std::vector<char>& started = s.started;
+  started.assign(blocks, 0);
   s.s.resize(16 * kBlock);
   s.p.resize(16 * kBlock);
   s.kt.resize(kBlock / 16 * (D / 32) * 256);
@@ -195,15 +258,30 @@ void run(const AttnArgs& a, const AttnItem& it) {
     const int64_t r0 = std::max<int64_t>(0, kb - it.pos0) * g;  // earlier rows do not see key kb
     if (r0 >= rows) break;
     prepare_block<D>(a, it, kb, n, s);
-    for (int64_t b = r0 / 16; b < blocks; ++b) {
-      // the block's rows see keys up to its last row's position: the 32-key steps past it are all masked
-      const int64_t last = s.last[std::min(rows - 1, 16 * b + 15)];
-      const int nb = static_cast<int>(std::clamp<int64_t>(last - kb + 1, 0, n)), nqb = (nb + 31) / 32;
-      scores<D>(s, b, nqb);
-      if (softmax<D>(s, b, kb, nb, nqb)) pv<D>(s, b, nqb);
+    // the block's rows see keys up to its last row's position: the 32-key steps past it are all masked
+    const auto visible_keys = [&](int64_t b) {
+      return static_cast<int>(std::clamp<int64_t>(s.last[std::min(rows - 1, 16 * b + 15)] - kb + 1, 0, n));
+    };
+    // Row block b + 1's scores are issued between b's softmax and b's P . V: the tile loads of P and acc wait for
+    // the vector stores that wrote them to leave the store buffer, and the tile products cover that wait.
+    int64_t b = r0 / 16;
+    int nb = visible_keys(b);
+    scores<D>(s, b, (nb + 31) / 32);
+    bool any = softmax<D>(s, b, kb, nb, (nb + 31) / 32);
+    for (; b < blocks; ++b) {
+      const int nqb = (nb + 31) / 32, nb1 = b + 1 < blocks ? visible_keys(b + 1) : 0;
+      if (b + 1 < blocks) scores<D>(s, b + 1, (nb1 + 31) / 32);  // s.s is free: b's softmax has read it
+      if (any) {
+        pv<D>(s, b, nqb, !started[b]);
+        started[b] = 1;
+      }
+      if (b + 1 < blocks) any = softmax<D>(s, b + 1, kb, nb1, (nb1 + 31) / 32);
+      nb = nb1;
     }
   }
   _tile_release();
+  for (int64_t b = 0; b < blocks; ++b)  // rows that saw no key of the item: acc = 0 (l = 0)
+    if (!started[b]) std::fill_n(s.acc.data() + 16 * b * D, 16 * D, 0.f);
   attn_bf16::finish<D>(a, it, s);
 }
 

@@ -12,7 +12,7 @@
 // Every step is per row: which rows share a block, how many rows the item has and which thread runs it never
 // change a row's bits (AMX and vdpbf16ps compute each output row from its own A row). Probabilities are rounded
 // to bf16 (about 3 significant digits), as bf16 flash attention does on GPUs; queries too in the vdpbf16ps kernel,
-// while the AMX kernel multiplies q as two bf16 parts (prepare<D, true>: ~16 significant bits).
+// while the AMX kernel multiplies q as two bf16 parts (prepare<D, true, false>: ~16 significant bits).
 // The AMX kernel (attention_amx.cpp) walks whole partitions as one key block instead of tiles of 32 (its own walk
 // over the same buffers and operand layouts: prepare, transpose16, kv_row, visible and finish are shared).
 // Cache element types: kv_row() is the one place that reads a K/V row; an int8/fp8 cache (issue 32) would convert
@@ -52,18 +52,30 @@ struct Scratch {
   std::vector<int64_t> last;        // per row: its position (it sees keys <= last)
   std::vector<uint16_t> p;   // bf16(p) of a row block: an A tile [16 rows][32 keys] (AMX: [16][block])
   std::vector<float> s;      // scores of a row block [16][32] (AMX: [16][block])
+  std::vector<char> started;  // AMX: per row block, whether its acc holds a P . V yet
 };
 
 // Rows of the item: row r is token t0 + r / g, head kvh * g + r % g; it sees keys <= pos0 + r / g.
 inline int64_t item_rows(const AttnArgs& a, const AttnItem& it) { return (it.t1 - it.t0) * (a.hq / a.hkv); }
 
-// Fill s.q (rows padded to a multiple of 16 with zeros; SplitQ: and s.qlo) and reset acc, m, l16.
-template <int D, bool SplitQ = false>
+// Fill s.q (rows padded to a multiple of 16 with zeros; SplitQ: and s.qlo) and reset m, l16 and, with ZeroAcc, acc
+// (the AMX kernel starts each row block's acc in zeroed tiles instead).
+template <int D, bool SplitQ = false, bool ZeroAcc = true>
 void prepare(const AttnArgs& a, const AttnItem& it, Scratch& s) {
   const int64_t g = a.hq / a.hkv, rows = item_rows(a, it), blocks = (rows + 15) / 16;
-  s.q.assign(blocks * 16 * D, 0);
-  if constexpr (SplitQ) s.qlo.assign(blocks * 16 * D, 0);
-  s.acc.assign(rows * D, 0.f);
+  s.q.resize(blocks * 16 * D);  // every row's values are written below; the padding rows' zeroed here
+  if constexpr (SplitQ) s.qlo.resize(blocks * 16 * D);
+  for (int64_t r = rows; r < blocks * 16; ++r)
+    for (int st = 0; st < D / 32; ++st) {
+      const int64_t at = ((r / 16 * (D / 32) + st) * 16 + r % 16) * 32;
+      std::fill_n(s.q.data() + at, 32, uint16_t{0});
+      if constexpr (SplitQ) std::fill_n(s.qlo.data() + at, 32, uint16_t{0});
+    }
+  if constexpr (ZeroAcc) {
+    s.acc.assign(rows * D, 0.f);
+  } else {
+    s.acc.resize(blocks * 16 * D);
+  }
   s.m.assign(blocks * 16, kNegInf);
   s.last.resize(blocks * 16);
   for (int64_t r = 0; r < blocks * 16; ++r) s.last[r] = r < rows ? it.pos0 + r / g : -1;  // padding sees nothing
