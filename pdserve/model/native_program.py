@@ -14,9 +14,9 @@ tests/test_native_program.py checks per architecture that the program computes b
 definition computes on the native ops.
 
 One rewrite happens at the end: each `linear -> silu/gelu_and_mul -> linear` (a gated MLP) whose intermediates
-nothing else reads becomes one `gated_mlp` op that runs in row chunks of 64-256 (as many as a 4 MiB scratch holds,
+nothing else reads becomes one `gated_mlp` op that runs in row chunks of 64-512 (as many as a 6 MiB scratch holds,
 or, if more, the room in a buffer that no live value uses there), so a 512-token prefill of a 1.7B model holds at
-most a [64, 2I] intermediate of its own (4 MiB; the activation is written over its gate half) instead of a [512, 2I]
+most a [96, 2I] intermediate of its own (6 MiB; the activation is written over its gate half) instead of a [512, 2I]
 one and a [512, I] one (48 MiB); each row's bits are those of the three ops.
 """
 

@@ -252,15 +252,16 @@ class NativeProgram {
     const std::optional<at::Tensor>& prompt_rows;  // uint8 [T]: the linears' row kinds (packed_weight.h), or none
   };
 
-  // Rows of one chunk of a gated MLP: as many as a 4 MiB [rows, 2I] scratch holds, within 64-256 (256 up to
-  // I = 2048, 64 from I = 8192, a 1.7B model's), or as many as the spare room of another slot's buffer holds (the
+  // Rows of one chunk of a gated MLP: as many as a 6 MiB [rows, 2I] scratch holds, within 64-512 (512 up to
+  // I = 1536: a 135M model's 512-token prompt in one chunk; 96 at I = 8192, a 1.7B model's; 64 from I = 12288), or
+  // as many as the spare room of another slot's buffer holds (the
   // recorder names the slot: a dead value's, or the input's own when the input is narrower than its slot; a 1.7B
   // model's input [T, 2048] in its qkv output's [T, 6144] buffer leaves 128 rows of 2I at T = 512), whichever is
   // more: more rows at no memory. A large MLP's int8 / fp32 GEMM tiles run at 64 rows as fast as at 512 (1.7B
   // shape), but prompt rows on AMX decode the panels once per call (1.7B Q4_K_M, 512-token prefill on Sapphire
   // Rapids: gated MLP 1.18-1.26 s at 64-row chunks, 0.91-0.99 at 128, 0.77 at 256), and on a small MLP (135M:
-  // I = 1536) 64-row chunks cost ~10 % of the prefill.
-  static constexpr int64_t kMlpMaxChunkRows = 256;
+  // I = 1536) 64-row chunks cost ~10 % of the prefill, two chunks of 256 rows 1.07-1.11x the time of one of 512.
+  static constexpr int64_t kMlpMaxChunkRows = 512;
 
   // The gated MLP in row chunks of equal size (more than half of the cap each), its [rows, 2I] scratch in its own
   // slot or in the spare room (past the input when the input lives in that buffer, contiguous at its start, as a
@@ -354,7 +355,7 @@ class NativeProgram {
   int64_t num_values_ = 2, output_ = -1;
   std::atomic<bool> profiling_{false};
   mutable std::mutex cache_mu_;
-  int64_t mlp_scratch_bytes_ = int64_t{4} << 20;  // the gated MLPs' own scratch (tests lower it)
+  int64_t mlp_scratch_bytes_ = int64_t{6} << 20;  // the gated MLPs' own scratch (tests lower it)
   mutable std::atomic<int64_t> mlp_spare_calls_{0};  // gated MLP calls whose scratch was another buffer's room
   mutable std::vector<at::Tensor> slot_cache_;  // per slot, [rows >= the step's T, width]
   mutable std::array<std::atomic<int64_t>, static_cast<size_t>(Op::kNumOps)> op_ns_{}, op_calls_{};
