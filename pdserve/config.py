@@ -428,7 +428,8 @@ class EngineConfig:
         "inside the step that first writes it)")
     # scheduler
     max_num_seqs: int = option(64, "most sequences in one step")
-    max_num_batched_tokens: int = option(512, "token budget of one step: decodes + prefill chunks")
+    max_num_batched_tokens: int = option(2048, "token budget of one step: decodes + prefill chunks (steps that "
+                                         "carry decodes are also bounded in time: `max_step_ms`)")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps (off: `--no-chunked-prefill`)")
     scheduling_policy: str = option(
         "fcfs", "`fcfs`: arrival order (a request's `priority` must be 0); `priority`: the request field `priority` "

@@ -95,13 +95,27 @@ def test_cap_absolute_and_off_and_without_decodes() -> None:
     assert StepBudget(cost_model(), None).prefill_cap(decodes, 512) is None  # not fitted yet
 
 
+def test_a_burst_is_not_capped_unless_the_bound_is_absolute() -> None:
+    """At least half as many requests waiting for their prompt as decoding: the step takes the prompts whole;
+    fewer: the default bound; an absolute --max-step-ms bound holds for bursts too."""
+    budget = fitted_budget()
+    decodes = [(200, 1)] * 8
+    capped = budget.prefill_cap(decodes, 512, formed=16, backlog=4096, pending=3)
+    assert capped is not None and capped < 512
+    assert budget.prefill_cap(decodes, 512, formed=16, backlog=4096, pending=4) is None
+    assert budget.prefill_cap([(200, 1)], 512, formed=32, backlog=4096, pending=31) is None
+    assert fitted_budget(max_step_ms=20).prefill_cap(decodes, 512, formed=16, backlog=4096, pending=8) is not None
+
+
 class FixedCap:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.seen: list[int] = []
+        self.pending: list[int] = []
 
-    def prefill_cap(self, decodes: Any, max_tokens: int, formed: int = 0, backlog: int = 0) -> int:
+    def prefill_cap(self, decodes: Any, max_tokens: int, formed: int = 0, backlog: int = 0, pending: int = 0) -> int:
         self.seen.append(len(decodes))
+        self.pending.append(pending)
         return self.cap
 
 
@@ -118,6 +132,7 @@ def test_scheduler_applies_the_cap_to_new_and_running_prefills(make_llm: Any) ->
         chunks.append(b.num_computed_tokens - sched_tokens)
     assert chunks == [24, 24, 24, 24, 4] and a.num_output_tokens == 6  # a decoded in every step
     assert eng.scheduler.step_budget.seen[0] == 1
+    assert eng.scheduler.step_budget.pending == [1] * 5  # b, waiting, then part-way through its prompt
     eng.abort_request([a.request_id, b.request_id])
     while eng.has_unfinished_requests():
         eng.step()

@@ -357,12 +357,14 @@ class Scheduler:
             return None
         decodes: list[tuple[int, int]] = []
         backlog = 0  # prompt tokens still to compute
+        pending = len(self.waiting)  # requests whose prompt is not yet computed
         for r in self.running:
             n = r.num_tokens - r.num_computed_tokens
             if is_decode(r, n):
                 decodes.append((r.num_computed_tokens, 1))
             else:
                 backlog += n
+                pending += 1
         if not decodes or (not self.waiting and not backlog):
             return None  # no decodes to protect, or a decode-only step: nothing to cap
         for r in self.waiting:  # counted only as far as matters: the queue may be long
@@ -370,7 +372,7 @@ class Scheduler:
                 break
             backlog += r.num_tokens - r.num_computed_tokens
         formed = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-        return self.step_budget.prefill_cap(decodes, budget - len(decodes), formed, backlog)
+        return self.step_budget.prefill_cap(decodes, budget - len(decodes), formed, backlog, pending)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         c = req.num_computed_tokens

@@ -9,8 +9,9 @@ fitted online to the steps it actually ran:
 
 and caps a mixed step's prefill tokens so the prediction stays within `max_step_ms` — or, by default, within a bound
 between `tail_ratio` times the decode step of the batch being formed and `ratio` times the same decodes alone, set by
-the prompt backlog (`StepBudget.limit`). A step with no decodes has no cap (TTFT does not pay), and a capped step
-still takes at least `min_chunk` prefill tokens so a prompt always advances.
+the prompt backlog (`StepBudget.limit`). A step with no decodes has no cap (TTFT does not pay), nor by default a
+step of a burst (`prefill_cap`'s `pending`), and a capped step still takes at least `min_chunk` prefill tokens so a
+prompt always advances.
 """
 
 from __future__ import annotations
@@ -65,13 +66,14 @@ class StepTimeModel:
 
 class StepBudget:
     def __init__(self, cost: StepCostModel, max_step_ms: float | None, ratio: float = 3.0,
-                 min_chunk: int = 16, tail_ratio: float = 1.3, horizon: float = 16) -> None:
+                 min_chunk: int = 16, tail_ratio: float = 1.3, horizon: float = 16, burst_share: float = 0.5) -> None:
         """`max_step_ms`: absolute bound of a mixed step (None: the default rule of `limit`; 0: no cap)."""
         self.cost = cost
         self.max_step_s = None if max_step_ms is None else max_step_ms / 1000
         self.ratio = ratio
         self.tail_ratio = tail_ratio
         self.horizon = horizon
+        self.burst_share = burst_share
         self.min_chunk = min_chunk
         self.model = StepTimeModel()
 
@@ -117,12 +119,17 @@ class StepBudget:
         return min(limit, max(tail, alone + drain / self.horizon))
 
     def prefill_cap(self, decodes: Sequence[tuple[int, int]], max_tokens: int, formed: int = 0,
-                    backlog: int = 0) -> int | None:
+                    backlog: int = 0, pending: int = 0) -> int | None:
         """Most prefill tokens a step with these decodes ((context, 1) each) should take; None: no cap.
 
         `formed`: decodes of the batch being formed (running + waiting, at most max_num_seqs); `backlog`: prompt
-        tokens not yet computed (see `limit`)."""
+        tokens not yet computed (see `limit`); `pending`: requests whose prompt is not yet computed. By default a
+        burst (at least `burst_share` as many pending requests as decodes) is not capped: the decodes lose one gap
+        each, and the pending requests join the batch in one step instead of one at a time behind it, which leaves
+        the batch decoding out of step, its last requests alone at the end."""
         if not decodes or not self.enabled or max_tokens <= self.min_chunk:
+            return None
+        if self.max_step_s is None and pending >= self.burst_share * len(decodes):
             return None
         alone = self.predict(decodes, len(decodes))
         if alone is None:
