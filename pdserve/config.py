@@ -428,8 +428,9 @@ class EngineConfig:
         "inside the step that first writes it)")
     # scheduler
     max_num_seqs: int = option(64, "most sequences in one step")
-    max_num_batched_tokens: int = option(2048, "token budget of one step: decodes + prefill chunks (steps that "
-                                         "carry decodes are also bounded in time: `max_step_ms`)")
+    max_num_batched_tokens: int | None = option(None, "token budget of one step: decodes + prefill chunks (steps that "
+        "carry decodes are also bounded in time: `max_step_ms`); the default, 2048, is halved down to 512 while a step "
+        "that size would hold over 64 MiB of activations", "2048; 1024, 512 for wide models (1.7B, 7B)")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps (off: `--no-chunked-prefill`)")
     scheduling_policy: str = option(
         "fcfs", "`fcfs`: arrival order (a request's `priority` must be 0); `priority`: the request field `priority` "
@@ -549,7 +550,7 @@ class EngineConfig:
             raise ValueError("priority_aging_s must be a finite number >= 0 (0: strict priority)")
         if self.max_step_ms is not None and self.max_step_ms < 0:
             raise ValueError("max_step_ms must be >= 0 (0: no cap)")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+        if self.max_num_seqs < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")

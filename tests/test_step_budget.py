@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pdserve import SamplingParams
-from pdserve.engine.step_budget import MIN_OBSERVATIONS, StepBudget, StepTimeModel
+from pdserve.engine.step_budget import MIN_OBSERVATIONS, StepBudget, StepTimeModel, token_budget
 from pdserve.roofline import StepCostModel
 
 
@@ -105,6 +105,20 @@ def test_a_burst_is_not_capped_unless_the_bound_is_absolute() -> None:
     assert budget.prefill_cap(decodes, 512, formed=16, backlog=4096, pending=4) is None
     assert budget.prefill_cap([(200, 1)], 512, formed=32, backlog=4096, pending=31) is None
     assert fitted_budget(max_step_ms=20).prefill_cap(decodes, 512, formed=16, backlog=4096, pending=8) is not None
+
+
+def test_the_default_token_budget_follows_the_model_width(make_llm: Any) -> None:
+    """2048 tokens a step unless that holds over 64 MiB of activations: SmolLM2-135M 2048, a 1.7B Llama shape 1024,
+    7B 512 (never below); the engine resolves the default from its model and keeps an explicit budget."""
+    assert token_budget(576, 960) == 2048
+    assert token_budget(2048, 6144) == 1024
+    assert token_budget(4096, 12288) == 512
+    assert token_budget(8192, 10240) == 512
+    eng = make_llm().engine
+    a = eng.arch
+    expected = token_budget(a.hidden_size, (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim)
+    assert eng.scheduler.max_num_batched_tokens == eng.config.max_num_batched_tokens == expected
+    assert make_llm(max_num_batched_tokens=96).engine.scheduler.max_num_batched_tokens == 96
 
 
 class FixedCap:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from pdserve.engine.output_processor import OutputProcessor
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecDecoder
-from pdserve.engine.step_budget import StepBudget
+from pdserve.engine.step_budget import StepBudget, token_budget
 from pdserve.engine.structured import StructuredOutputManager
 from pdserve.kernels import attention_path, kernels_description, kernels_isa, resolve_kernels
 from pdserve.kv_transfer.base import KVTransfer
@@ -77,6 +78,12 @@ class LLMEngine:
                                                             keep_quantized=self.kernels == "native",
                                                             progress=load_progress)
         self.arch = loaded.arch
+        if config.max_num_batched_tokens is None:  # the default budget follows the model's width
+            a = self.arch
+            config = self.config = dataclasses.replace(config, max_num_batched_tokens=token_budget(
+                a.hidden_size, (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim))
+        assert config.max_num_batched_tokens is not None
+        self.max_num_batched_tokens: int = config.max_num_batched_tokens
         self.tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer()
         self.model_name = config.model or "smollm2-135m"
         self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
@@ -191,7 +198,7 @@ class LLMEngine:
 
     def _size_kv_cache_from_device(self, config: EngineConfig, free: int, total: int) -> None:
         """vLLM's gpu_memory_utilization: profile the largest step, then give the KV cache what the budget leaves."""
-        activations = self.runner.profile_activation_bytes(config.max_num_batched_tokens, config.max_num_seqs)
+        activations = self.runner.profile_activation_bytes(self.max_num_batched_tokens, config.max_num_seqs)
         plan = kv_cache_budget(total, free, self.runner.weight_bytes, activations, config.gpu_memory_utilization)
         per_block = self._block_bytes(config)
         self.runner.allocate_kv_cache(max(1, plan.num_blocks(per_block) - 1))  # one block is the scratch block
@@ -288,7 +295,7 @@ class LLMEngine:
             return False
         cache = self.runner.kv_cache
         max_blocks = max(1, max_bytes // (cache.numel() * cache.element_size() // cache.shape[2]))
-        ahead = 4 * -(-self.config.max_num_batched_tokens // self.block_size)
+        ahead = 4 * -(-self.max_num_batched_tokens // self.block_size)
         high = self.block_manager.high_water
         target = min(self.num_blocks, high + ahead)
         self._prefaulted = max(self._prefaulted, high)
