@@ -430,7 +430,7 @@ class EngineConfig:
     max_num_seqs: int = option(64, "most sequences in one step")
     max_num_batched_tokens: int | None = option(None, "token budget of one step: decodes + prefill chunks (steps that "
         "carry decodes are also bounded in time: `max_step_ms`); the default, 2048, is halved down to 512 while a step "
-        "that size would hold over 64 MiB of activations", "2048; 1024, 512 for wide models (1.7B, 7B)")
+        "that size would hold over 32 MiB of activations", "2048; 1024 or 512 for wider models (1.7B: 512)")
     enable_chunked_prefill: bool = option(True, "split long prompts over several steps (off: `--no-chunked-prefill`)")
     scheduling_policy: str = option(
         "fcfs", "`fcfs`: arrival order (a request's `priority` must be 0); `priority`: the request field `priority` "

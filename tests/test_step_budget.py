@@ -108,10 +108,13 @@ def test_a_burst_is_not_capped_unless_the_bound_is_absolute() -> None:
 
 
 def test_the_default_token_budget_follows_the_model_width(make_llm: Any) -> None:
-    """2048 tokens a step unless that holds over 64 MiB of activations: SmolLM2-135M 2048, a 1.7B Llama shape 1024,
-    7B 512 (never below); the engine resolves the default from its model and keeps an explicit budget."""
+    """2048 tokens a step unless that holds over 32 MiB of activations: SmolLM2-135M and Gemma 3 270M 2048,
+    Qwen2.5-0.5B 1024, the 1.7B and 7B Llama shapes 512 (never below); the engine resolves the default from its model
+    and keeps an explicit budget."""
     assert token_budget(576, 960) == 2048
-    assert token_budget(2048, 6144) == 1024
+    assert token_budget(640, 1536) == 2048
+    assert token_budget(896, 1152) == 1024
+    assert token_budget(2048, 6144) == 512
     assert token_budget(4096, 12288) == 512
     assert token_budget(8192, 10240) == 512
     eng = make_llm().engine

