@@ -61,8 +61,8 @@ struct Task {
 // avx512_bf16 and amx) from this many query heads per KV head on; below it the fp32 kernel (avx512), which reads bf16
 // rows in place and walks several KV heads per item (AttnItem::nkvh). 0: the level's own threshold. AMX multiplies
 // blocks of 16 rows, so a decode item (G rows) pays for 16: below G = 4 the fp32 kernel is faster there
-// (Sapphire Rapids), except at G = 1, where the avx512_bf16 rows kernel is (with the level's own threshold; one bf16
-// layer of 32 KV heads: 0.80-0.82x the fp32 kernel's time at G = 1, 0.97-1.00x at G = 2, 1.1-1.3x at G = 3). At
+// (Sapphire Rapids), except at G = 1, where the avx512_bf16 rows kernel is (with the level's own threshold; it
+// measured faster than the fp32 kernel at G = 1 only, BENCHMARKS.md). At
 // avx512_bf16 generated rows take vdpbf16ps at every G: below kDotTileMinGroup in the fp32 kernel's walk
 // (attention_avx512bf16_rows.cpp: rows as stored, several KV heads per item), from it in transposed key tiles shared
 // by the G rows (attention_avx512bf16.cpp); on Zen 4 the transposing kernel lost to the fp32 one at
@@ -234,8 +234,8 @@ std::vector<Group> make_groups(const AttnArgs& a, const int32_t* qsl, const int3
   const int64_t g = a.hq / a.hkv;
   // query tokens per group: ~48 rows; one token with a sliding window (its keys start where its window does).
   // Prompt groups: ~256 rows (64 for d 128) in whole 16-token steps: a key tile's K/V preparation is shared by
-  // more rows (the AMX kernel's row blocks of 16), and a prefill has rows enough for every thread (at 512 tokens,
-  // 256 rows took 0.76-0.88x the time of 128 and 384 rows 1.05-1.1x, BENCHMARKS.md).
+  // more rows (the AMX kernel's row blocks of 16), and a prefill has rows enough for every thread (256 measured
+  // faster than 128 and 384 at 512 tokens, BENCHMARKS.md).
   const int64_t tile = window > 0 ? 1 : std::max<int64_t>(1, (a.d <= 64 ? 48 : 24) / g);
   const int64_t prompt_tile = window > 0 ? 1 : std::max<int64_t>(16, (a.d <= 64 ? 256 : 64) / g / 16 * 16);
   for (int64_t s = 0; s < nseq; ++s) check_sequence(a, s, qsl, sl, t, width);

@@ -2,7 +2,8 @@
 // attention_bf16_min_group query heads per KV head (attention.cpp). Flash attention in key blocks of kBlock:
 // per block the K rows are transposed once into K^T tiles and the V rows interleaved into V tiles (attention_bf16.h's
 // layouts), then every row block of 16 that sees the block
-//   S = q . K^T        4 C tiles per 64 keys, q as two bf16 parts (hi + lo: ~16 significant bits), into s.s [16][kBlock]
+//   S = q . K^T        4 C tiles per 64 keys, q as two bf16 parts (hi + lo: ~16 significant bits), into
+//                      s.s [16][kBlock]
 //   softmax            per row over the whole block (fp32): m, alpha = exp(m_old - m_new) (the 16 rows' as vectors),
 //                      l (16 lane-wise sums), bf16(p) into s.p [16][kBlock] (zero past the row's last visible key)
 //   acc = acc * alpha + P . V   the acc rows in C tiles (zeroed on the row block's first keys) accumulated over the
@@ -12,7 +13,8 @@
 // block's S is issued before this one's P . V, whose tile loads wait for the vector stores of P and acc. Every step
 // is per row and the blocks sit at fixed offsets from the item's first key (a partition start), so neither the rows
 // beside a row nor the item's split change its bits.
-// Tiles: scores: tmm0..3 C; tmm4, 5 q (hi, lo); tmm6, 7 K^T. P . V: tmm4..7 C (4 dim panels of 16); tmm2 P; tmm0, 1, 3 V.
+// Tiles: scores: tmm0..3 C; tmm4, 5 q (hi, lo); tmm6, 7 K^T. P . V: tmm4..7 C (4 dim panels of 16); tmm2 P;
+// tmm0, 1, 3 V.
 #include "attention_kernels.h"
 
 #if defined(__x86_64__)
@@ -121,28 +123,17 @@ void scores(Scratch& s, int64_t b, int nq) {
   }
 }
 
-// exp(x) for the probabilities: 2^n * 2^f with n = round(x * log2(e)), f in [-1/2, 1/2], 2^f by a degree-5 fit
-// (relative error ~1e-7, below fp32's rounding of x * log2(e) at |x| ~ 20) and vscalefps for 2^n: 10 vector
-// operations against vec::exp16's 17. x below -87 (-inf included) gives 0.
-inline __m512 exp_scalef(__m512 x) {
-  const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-127.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3400432165362496e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.676037097870464e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503272142096285e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022107355830463e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472067106197e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000000754953486f));
-  return _mm512_scalef_ps(p, n);
-}
+// What a softmax step leaves for P . V: whether a row of the block sees a key of it, and whether none had seen one
+// before (the block's acc is then not written yet: P . V starts it in zeroed tiles).
+struct Seen {
+  bool any, fresh;
+};
 
 // The online-softmax step of row block b on the block at kb (n keys, nq steps of 32): m and l16 updated, bf16(p)
 // written to s.p (zero past each row's last visible key), the rows' acc scaled by alpha = exp(m_old - m_new).
-// The 16 rows' maxima and alphas are taken as vectors (row i in lane i). Returns false when no row of the block
-// sees a key of it.
+// The 16 rows' maxima and alphas are taken as vectors (row i in lane i).
 template <int D>
-bool softmax(Scratch& s, int64_t b, int64_t kb, int n, int nq) {
+Seen softmax(Scratch& s, int64_t b, int64_t kb, int n, int nq) {
   alignas(64) float m_new[16], alpha[16];
   __m512 part[16];  // row i's lane-wise maxima over its visible scores
   int nv[16];
@@ -159,13 +150,13 @@ bool softmax(Scratch& s, int64_t b, int64_t kb, int n, int nq) {
     part[i] = mx;
     if (nv[i] > 0) seen |= __mmask16(1u << i);
   }
-  if (seen == 0) return false;
+  if (seen == 0) return {false, false};
   float* m = s.m.data() + 16 * b;
   const __m512 mo = _mm512_loadu_ps(m);
   const __m512 mn = _mm512_max_ps(mo, vec::reduce16_with(part, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
   // exactly 1 where the max stays (a row without keys here included), 0 on a row's first keys (m_old = -inf)
-  __m512 al = _mm512_mask_mov_ps(exp_scalef(_mm512_sub_ps(mo, mn)), _mm512_cmp_ps_mask(mo, mn, _CMP_EQ_OQ),
-                                 _mm512_set1_ps(1.f));
+  __m512 al = _mm512_mask_mov_ps(vec::exp16_scalef(_mm512_sub_ps(mo, mn)),
+                                 _mm512_cmp_ps_mask(mo, mn, _CMP_EQ_OQ), _mm512_set1_ps(1.f));
   const __mmask16 first = _mm512_cmp_ps_mask(mo, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
   al = _mm512_mask_mov_ps(al, first, _mm512_setzero_ps());
   _mm512_store_ps(alpha, al);
@@ -186,7 +177,8 @@ bool softmax(Scratch& s, int64_t b, int64_t kb, int n, int nq) {
       for (int h = 0; h < 2; ++h) {
         const int left = nv[i] - (32 * q + 16 * h);
         const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0);
-        p[h] = _mm512_maskz_mov_ps(k, exp_scalef(_mm512_sub_ps(_mm512_loadu_ps(srow + 32 * q + 16 * h), mi)));
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(srow + 32 * q + 16 * h), mi);
+        p[h] = _mm512_maskz_mov_ps(k, vec::exp16_scalef(x));
         sum = _mm512_add_ps(sum, p[h]);
       }
       _mm512_storeu_si512(prow + 32 * q, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
@@ -199,7 +191,7 @@ bool softmax(Scratch& s, int64_t b, int64_t kb, int n, int nq) {
       for (int j = 0; j < D; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), ai));
     }
   }
-  return true;
+  return {true, first == 0xFFFF};
 }
 
 // acc rows of block b += P . V over the block's nq steps, 4 dim panels (64 dims) at a time in C tiles tmm4..7;
@@ -244,8 +236,6 @@ void run(const AttnArgs& a, const AttnItem& it) {
   attn_bf16::prepare<D, true, false>(a, it, s);
   const int64_t g = a.hq / a.hkv, rows = attn_bf16::item_rows(a, it), blocks = (rows + 15) / 16;
   // acc (whole row blocks: the C tiles load and store 16 rows) is written by a row block's first P . V
-  std::vector<char>& started = s.started;
-  started.assign(blocks, 0);
   s.s.resize(16 * kBlock);
   s.p.resize(16 * kBlock);
   s.kt.resize(kBlock / 16 * (D / 32) * 256);
@@ -267,21 +257,19 @@ void run(const AttnArgs& a, const AttnItem& it) {
     int64_t b = r0 / 16;
     int nb = visible_keys(b);
     scores<D>(s, b, (nb + 31) / 32);
-    bool any = softmax<D>(s, b, kb, nb, (nb + 31) / 32);
+    Seen seen = softmax<D>(s, b, kb, nb, (nb + 31) / 32);
     for (; b < blocks; ++b) {
       const int nqb = (nb + 31) / 32, nb1 = b + 1 < blocks ? visible_keys(b + 1) : 0;
       if (b + 1 < blocks) scores<D>(s, b + 1, (nb1 + 31) / 32);  // s.s is free: b's softmax has read it
-      if (any) {
-        pv<D>(s, b, nqb, !started[b]);
-        started[b] = 1;
-      }
-      if (b + 1 < blocks) any = softmax<D>(s, b + 1, kb, nb1, (nb1 + 31) / 32);
+      if (seen.any) pv<D>(s, b, nqb, seen.fresh);
+      if (b + 1 < blocks) seen = softmax<D>(s, b + 1, kb, nb1, (nb1 + 31) / 32);
       nb = nb1;
     }
   }
   _tile_release();
-  for (int64_t b = 0; b < blocks; ++b)  // rows that saw no key of the item: acc = 0 (l = 0)
-    if (!started[b]) std::fill_n(s.acc.data() + 16 * b * D, 16 * D, 0.f);
+  for (int64_t b = 0; b < blocks; ++b)  // row blocks none of whose rows saw a key of the item: acc = 0 (l = 0)
+    if (std::all_of(s.m.begin() + 16 * b, s.m.begin() + 16 * b + 16, [](float m) { return m == kNegInf; }))
+      std::fill_n(s.acc.data() + 16 * b * D, 16 * D, 0.f);
   attn_bf16::finish<D>(a, it, s);
 }
 

@@ -52,7 +52,6 @@ struct Scratch {
   std::vector<int64_t> last;        // per row: its position (it sees keys <= last)
   std::vector<uint16_t> p;   // bf16(p) of a row block: an A tile [16 rows][32 keys] (AMX: [16][block])
   std::vector<float> s;      // scores of a row block [16][32] (AMX: [16][block])
-  std::vector<char> started;  // AMX: per row block, whether its acc holds a P . V yet
 };
 
 // Rows of the item: row r is token t0 + r / g, head kvh * g + r % g; it sees keys <= pos0 + r / g.

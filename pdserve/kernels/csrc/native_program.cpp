@@ -258,9 +258,8 @@ class NativeProgram {
   // recorder names the slot: a dead value's, or the input's own when the input is narrower than its slot; a 1.7B
   // model's input [T, 2048] in its qkv output's [T, 6144] buffer leaves 128 rows of 2I at T = 512), whichever is
   // more: more rows at no memory. A large MLP's int8 / fp32 GEMM tiles run at 64 rows as fast as at 512 (1.7B
-  // shape), but prompt rows on AMX decode the panels once per call (1.7B Q4_K_M, 512-token prefill on Sapphire
-  // Rapids: gated MLP 1.18-1.26 s at 64-row chunks, 0.91-0.99 at 128, 0.77 at 256), and on a small MLP (135M:
-  // I = 1536) 64-row chunks cost ~10 % of the prefill, two chunks of 256 rows 1.07-1.11x the time of one of 512.
+  // shape), but prompt rows on AMX decode the panels once per call, so each chunk more decodes them again: fewer,
+  // larger chunks measured faster on both model sizes (BENCHMARKS.md).
   static constexpr int64_t kMlpMaxChunkRows = 512;
 
   // The gated MLP in row chunks of equal size (more than half of the cap each), its [rows, 2I] scratch in its own
@@ -383,7 +382,7 @@ void register_native_program(pybind11::module_& m) {
       .def("ops", &NativeProgram::ops, "the op name of each instruction, in order")
       .def_property_readonly("num_slots", &NativeProgram::num_slots)
       .def("set_mlp_scratch_bytes", &NativeProgram::set_mlp_scratch_bytes, py::arg("bytes"),
-           "the gated MLPs' own scratch budget (4 MiB; tests lower it to exercise the chunking)")
+           "the gated MLPs' own scratch budget (6 MiB; tests lower it to exercise the chunking)")
       .def_property_readonly("mlp_spare_calls", &NativeProgram::mlp_spare_calls,
                              "gated MLP calls whose scratch was spare room in another slot's buffer");
 }
