@@ -409,8 +409,8 @@ def test_slow_headers_are_cut_off(server: ServerProc) -> None:
             if i not in replies:
                 try:
                     s.sendall(bytes([b]))
-                except OSError:
-                    replies[i] = (b"", time.monotonic() - t0)
+                except OSError:  # reset: what was sent before it can still be read
+                    replies[i] = (_reply(s), time.monotonic() - t0)
         for s in select.select([s for i, s in enumerate(socks) if i not in replies], [], [], 0.2)[0]:
             replies[socks.index(s)] = (_reply(s), time.monotonic() - t0)
         if len(replies) == len(socks) or time.monotonic() - t0 > 15:
@@ -421,6 +421,18 @@ def test_slow_headers_are_cut_off(server: ServerProc) -> None:
     assert all(r.startswith(b"HTTP/1.1 408") and b"request_timeout" in r for r, _ in replies.values()), replies
     assert all(HEADER_S - 0.5 <= t < HEADER_S + 5 for _, t in replies.values()), sorted(t for _, t in replies.values())
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_a_client_still_sending_after_the_408_reads_it(server: ServerProc) -> None:
+    """The server answers, half-closes and drops what still arrives: a client that sends more of its head after the
+    deadline, before reading, still reads the 408 (a full close would reset the connection and discard it)."""
+    with _connect(server) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        time.sleep(HEADER_S + 0.5)  # the 408 is sent
+        for _ in range(2):  # were the server's socket closed, the first would draw a reset and the second fail
+            s.sendall(b"X-Late: " + b"a" * 1000 + b"\r\n")
+            time.sleep(0.3)
+        assert _reply(s).startswith(b"HTTP/1.1 408")
 
 
 @pytest.mark.parametrize("name,head", [

@@ -25,6 +25,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 _HEAD_END = re.compile(rb"\r?\n\r?\n")  # h11 accepts bare LF line endings too
 
 
+LINGER_S = 2.0  # how long a connection closed with a 408/431 still reads (and drops) what its client sends
+
+
 @dataclass(frozen=True)
 class HeadLimits:
     read_timeout: float = 10.0  # seconds to receive a request's line and headers (--header-read-timeout)
@@ -46,7 +49,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_timer: asyncio.TimerHandle | None = None  # the head's deadline, or the end of a lingering close
+        self._lingering = False
         self._start_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -59,6 +63,8 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         if self._head is not None and self.conn.their_state is h11.IDLE and not self._scan_head(data):
             return
         super().data_received(data)
@@ -100,11 +106,18 @@ class GuardedH11Protocol(H11Protocol):
         self._close_with(reply)
 
     def _close_with(self, reply: bytes) -> None:
+        """Send `reply` and close. With a reply, close as nginx's lingering close does: half-close after it and
+        drop what still arrives for LINGER_S; closing a socket with bytes arriving makes the kernel answer them
+        with a reset, which can discard the reply before the client reads it."""
         self._stop_head_timer()
         self._head = None
-        if reply:
-            self.transport.write(reply)
-        self.transport.close()
+        self.transport.write(reply)  # b"": nothing
+        if not reply or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = True  # data_received drops; the client's EOF (eof_received) or the timer closes
+        self._head_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def guarded_protocol(limits: HeadLimits) -> type[GuardedH11Protocol]:
