@@ -82,6 +82,60 @@ def test_prompt_rows_in_cache_blocks(mod: Any) -> None:
             assert torch.equal(w.forward(x, bias, torch.ones(100, dtype=torch.bool)), ref.forward(x, bias))
 
 
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_gated_projection_of_prompt_rows_is_fused_with_the_same_bits(mod: Any, level: str, name: str) -> None:
+    """forward_gated (a gate/up projection straight to act = silu or gelu_tanh of the gate half times the up half):
+    on the amx level, every row a prompt row, the bits of forward then silu_and_mul / gelu_tanh_and_mul, for row
+    counts off the 16-row tiles and 32-row blocks and into a strided act; otherwise (other levels, a generated row
+    among them, no kinds, a half that is not whole 16-column panels) it declines and writes nothing."""
+    k = 512 if BLOCKS[name][1] == 256 else 96
+    fused = level == "amx"
+    for lv in lowered(mod, level):
+        w = packed(lv, name, 2 * 48, k, 9)
+        for m in (1, 17, 100):
+            x = torch.randn(m, k) * torch.rand(m, 1) * 4
+            ones = torch.ones(m, dtype=torch.bool)
+            for gelu in (False, True):
+                ref = torch.empty(m, 48)
+                (lv.gelu_tanh_and_mul if gelu else lv.silu_and_mul)(ref, w.forward(x, None, ones))
+                act = torch.full((m, 80), float("nan"))[:, 16:64]  # rows 80 apart, as in the MLP's scratch
+                assert w.forward_gated(x, act, gelu, ones) is fused
+                assert torch.equal(act, ref) if fused else bool(act.isnan().all())
+        x = torch.randn(20, k)
+        act = torch.full((20, 48), float("nan"))
+        mixed = torch.ones(20, dtype=torch.bool)
+        mixed[7] = False
+        assert not w.forward_gated(x, act, False, mixed) and not w.forward_gated(x, act)
+        assert not packed(lv, name, 2 * 40, k, 9).forward_gated(x, torch.empty(20, 40), False, torch.ones(20) > 0)
+        assert bool(act.isnan().all())
+
+
+def test_a_gated_projection_in_cache_blocks(mod: Any) -> None:
+    """At K = 8192 the fused gate/up projection runs in row chunks of 32 over groups of decoded gate/up panels: the
+    same bits as the projection then silu_and_mul."""
+    for lv in lowered(mod, "amx"):
+        w = packed(lv, "Q4_0", 2 * 80, 8192, 5)
+        x = torch.randn(100, 8192)
+        ones = torch.ones(100, dtype=torch.bool)
+        ref, act = torch.empty(100, 80), torch.empty(100, 80)
+        lv.silu_and_mul(ref, w.forward(x, None, ones))
+        assert w.forward_gated(x, act, False, ones) and torch.equal(act, ref)
+
+
+def test_a_gated_projection_checks_its_arguments(mod: Any) -> None:
+    w = packed(mod, "Q4_0", 64, 64, 1)
+    ones = torch.ones(4, dtype=torch.bool)
+    for x, act in ((torch.randn(4, 64), torch.empty(4, 64)), (torch.randn(4, 32), torch.empty(4, 32)),
+                   (torch.randn(4, 64), torch.empty(3, 32)), (torch.randn(4, 64), torch.empty(4, 32).double())):
+        with pytest.raises(RuntimeError, match="act|x has K"):
+            w.forward_gated(x, act, False, ones)
+    with pytest.raises(RuntimeError, match="even N"):
+        packed(mod, "Q4_0", 7, 64, 1).forward_gated(torch.randn(4, 64), torch.empty(4, 3), False, ones)
+    with pytest.raises(RuntimeError, match="prompt_rows"):
+        w.forward_gated(torch.randn(4, 64), torch.empty(4, 32), False, torch.ones(3, dtype=torch.bool))
+
+
 def test_stacked_parts_pass_the_kinds_on(mod: Any) -> None:
     a, b = packed(mod, "Q4_0", 20, 64, 1), packed(mod, "Q8_0", 12, 64, 2)
     s = mod.stack_packed([a, b])

@@ -38,7 +38,7 @@ void configure() {
   _tile_loadconfig(&cfg);
 }
 
-// MB row blocks of 16 from row r0 x NB panels from w, over all of K; the C tiles go to c (16 * MB rows of ldc floats:
+// MB row blocks of 16 from row r0 x NB panels (w, and w + ps), over all of K; the C tiles go to c (16 * MB rows of ldc floats:
 // the scratch's rows of 32 or, for whole row blocks of whole panels without bias, the rows of y themselves). Tile
 // loads cannot start before the tile products reading the same tile register finish, so a load that misses L1
 // stalls the products: the activation tiles two K steps ahead are prefetched (measured +25 % at
@@ -46,8 +46,8 @@ void configure() {
 // from memory (batch 1: 10.3 -> 12 GB/s, the single-core read bandwidth). Splitting K into chunks that stay in L1
 // (C reloaded between them) measured no faster.
 template <int MB, int NB>
-void block(const Problem& pr, const char* w, int64_t r0, float* c, int64_t ldc_floats) {
-  const int64_t ps = pr.kpad * kPanel * 2, nkb = pr.kpad / kKBlock, ldc = ldc_floats * 4;
+void block(const Problem& pr, const char* w, int64_t ps, int64_t r0, float* c, int64_t ldc_floats) {
+  const int64_t nkb = pr.kpad / kKBlock, ldc = ldc_floats * 4;  // ps: bytes from w to the second panel
   const uint16_t* a = pr.xb + r0 / 16 * nkb * 512;  // row block r0 / 16: its K blocks' tiles, 512 bf16 each
   _tile_zero(0);
   if constexpr (NB > 1) _tile_zero(1);
@@ -94,6 +94,19 @@ void store_pair(const Problem& pr, const float* c, int64_t p0, int np, int64_t r
   }
 }
 
+// Gate panels [p0, p1) of a gated problem, each beside its up panel into the scratch c [rows][32] (gate | up), then
+// pr.gated over those rows into y's 16 columns of the panel.
+void gated_panels(const Problem& pr, int64_t p0, int64_t p1, float* c) {
+  const int64_t mb = (pr.m + 15) / 16, ps = pr.kpad * kPanel * 2;
+  for (int64_t p = p0; p < p1; ++p) {
+    const char* w = static_cast<const char*>(pr.w) + p * ps;
+    int64_t b = 0;
+    for (; b + 2 <= mb; b += 2) block<2, 2>(pr, w, pr.up * ps, 16 * b, c + 16 * b * 2 * kPanel, 2 * kPanel);
+    if (b < mb) block<1, 2>(pr, w, pr.up * ps, 16 * b, c + 16 * b * 2 * kPanel, 2 * kPanel);
+    pr.gated(pr.y + p * kPanel, pr.ldy, c, 2 * kPanel, kPanel, 0, pr.m);
+  }
+}
+
 void bf16_amx(const Problem& pr, int64_t p0, int64_t p1) {
   if (!pr.xb_tiles) {  // fewer than amx_min_rows() rows
     bf16_block_avx512(pr, p0, p1);
@@ -104,6 +117,11 @@ void bf16_amx(const Problem& pr, int64_t p0, int64_t p1) {
   thread_local std::vector<float> scratch;
   scratch.resize(mb * 16 * 2 * kPanel);
   float* c = scratch.data();
+  if (pr.gated) {
+    gated_panels(pr, p0, p1, c);
+    _tile_release();
+    return;
+  }
   for (int64_t p = p0; p < p1; p += 2) {
     const bool two = p + 1 < p1;
     const char* w = static_cast<const char*>(pr.w) + p * ps;
@@ -120,11 +138,11 @@ void bf16_amx(const Problem& pr, int64_t p0, int64_t p1) {
     int64_t ld;
     for (; b + 2 <= mb; b += 2) {
       dst(2, to, ld);
-      two ? block<2, 2>(pr, w, 16 * b, to, ld) : block<2, 1>(pr, w, 16 * b, to, ld);
+      two ? block<2, 2>(pr, w, ps, 16 * b, to, ld) : block<2, 1>(pr, w, ps, 16 * b, to, ld);
     }
     if (b < mb) {
       dst(1, to, ld);
-      two ? block<1, 2>(pr, w, 16 * b, to, ld) : block<1, 1>(pr, w, 16 * b, to, ld);
+      two ? block<1, 2>(pr, w, ps, 16 * b, to, ld) : block<1, 1>(pr, w, ps, 16 * b, to, ld);
     }
     store_pair(pr, c, p, two ? 2 : 1, done);
   }

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "fused_kernels.h"
 
 namespace pdserve::fgemm {
 
@@ -46,6 +47,12 @@ struct Problem {
   float* y;
   int64_t ldy;
   const float* bias;   // may be null
+  // A gated MLP's gate/up projection (amx level, prompt rows): panel p (a gate panel) is multiplied beside panel
+  // p + up (its up panel), and y's 16 columns of panel p receive gated(gate, up) (bias null): the gated rows' kernel
+  // over the same fp32 sums the two panels' y columns would hold, so the same bits as y then gated. AMX tiles
+  // only (xb_tiles).
+  GatedMulFn gated = nullptr;
+  int64_t up = 0;
 };
 
 using PanelFn = void (*)(const Problem& pr, int64_t p0, int64_t p1);

@@ -9,6 +9,10 @@
 
 namespace pdserve {
 
+// out[r, :i] = act(x[r, :i]) * x[r, i:2i] for rows [r0, r1): FusedKernels' silu_mul and gelu_tanh_mul.
+using GatedMulFn = void (*)(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t i, int64_t r0,
+                            int64_t r1);
+
 struct FusedKernels {
   // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w
   void (*rms_norm)(float* out, int64_t out_stride, const float* x, int64_t x_stride, const float* w, int64_t h,
@@ -20,11 +24,9 @@ struct FusedKernels {
   void (*rotary)(const int64_t* pos, float* q, int64_t q_stride, int64_t nq, float* k, int64_t k_stride,
                  int64_t nk, const float* cos, const float* sin, int64_t d, int64_t r0, int64_t r1);
   // out[r, :i] = silu(x[r, :i]) * x[r, i:2i]
-  void (*silu_mul)(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t i, int64_t r0,
-                   int64_t r1);
+  GatedMulFn silu_mul;
   // out[r, :i] = gelu_tanh(x[r, :i]) * x[r, i:2i], as x / (1 + exp(-2u)), u = sqrt(2/pi) (x + 0.044715 x^3)
-  void (*gelu_tanh_mul)(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t i, int64_t r0,
-                        int64_t r1);
+  GatedMulFn gelu_tanh_mul;
 };
 
 // gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): the -2u of each kernel's exp.

@@ -124,7 +124,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 
 namespace {
 
-void gated_and_mul(at::Tensor& out, const at::Tensor& x, decltype(FusedKernels::silu_mul) fn) {
+void gated_and_mul(at::Tensor& out, const at::Tensor& x, GatedMulFn fn) {
   const int64_t t = x.size(0), i = out.dim() == 2 ? out.size(1) : 0;
   check_rows(out, "out", t, i);
   check_rows(x, "x", t, 2 * i);
@@ -139,6 +139,8 @@ void gated_and_mul(at::Tensor& out, const at::Tensor& x, decltype(FusedKernels::
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) { gated_and_mul(out, x, kernels().silu_mul); }
 
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) { gated_and_mul(out, x, kernels().gelu_tanh_mul); }
+
+GatedMulFn gated_mul_kernel(bool gelu) { return gelu ? kernels().gelu_tanh_mul : kernels().silu_mul; }
 
 namespace {
 

@@ -265,8 +265,9 @@ class NativeProgram {
   // The gated MLP in row chunks of equal size (more than half of the cap each), its [rows, 2I] scratch in its own
   // slot or in the spare room (past the input when the input lives in that buffer, contiguous at its start, as a
   // slot's value does). act(g) * u is written over g (each element reads only its own g and u), and the
-  // down projection reads those first I columns with the scratch's row stride: no second buffer. A row's bits do
-  // not depend on the chunking.
+  // down projection reads those first I columns with the scratch's row stride: no second buffer. A chunk of prompt
+  // rows only, where the weight's format fuses it (GGUF blocks on AMX), gets act from the projection directly
+  // (packed_gated_into: same bits, no [rows, 2I] written and read back). A row's bits do not depend on the chunking.
   void gated_mlp(const Instr& I, const at::Tensor& x, at::Tensor& out, const Step& st,
                  std::vector<at::Tensor>& slots) const {
     const auto& n = I.ints;
@@ -294,11 +295,14 @@ class NativeProgram {
           st.prompt_rows ? std::optional<at::Tensor>(st.prompt_rows->narrow(0, r0, m)) : std::nullopt;
       at::Tensor gu = gu_buf.narrow(0, 0, m), y = out.narrow(0, r0, m);
       at::Tensor act = gu.narrow(1, 0, inter);
-      packed_linear_into(w(n[0]), x.narrow(0, r0, m), bias(n[1]), gu, kinds);
-      if (n[4] == 0)
-        silu_and_mul(act, gu);
-      else
-        gelu_tanh_and_mul(act, gu);
+      const at::Tensor xc = x.narrow(0, r0, m);
+      if (n[1] >= 0 || !packed_gated_into(w(n[0]), xc, act, n[4] != 0, kinds)) {  // fused: no [m, 2I] pass
+        packed_linear_into(w(n[0]), xc, bias(n[1]), gu, kinds);
+        if (n[4] == 0)
+          silu_and_mul(act, gu);
+        else
+          gelu_tanh_and_mul(act, gu);
+      }
       packed_linear_into(w(n[2]), act, bias(n[3]), y, kinds);
     }
   }

@@ -5,6 +5,8 @@
 
 #include <optional>
 
+#include "fused_kernels.h"
+
 namespace pdserve {
 
 // attention.cpp
@@ -25,5 +27,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                       const at::Tensor& sin, int64_t head_dim);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x);
+// The row kernel those two run on this CPU (gelu: gelu_tanh_and_mul's), for callers that fuse it into a GEMM.
+GatedMulFn gated_mul_kernel(bool gelu);
 
 }  // namespace pdserve

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
 #include "registry.h"
 
 namespace pdserve {
@@ -17,14 +18,33 @@ void PackedWeight::rows(const int64_t* ids, int64_t t, float* out) const {
   for (int64_t i = 0; i < t; ++i) std::memcpy(out + i * k_, wp + ids[i] * k_, sizeof(float) * k_);
 }
 
-void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                        at::Tensor& y, const std::optional<at::Tensor>& prompt_rows) {
+namespace {
+
+void check_x(const PackedWeight& w, const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [M, K], got ", x.dim(), "-D");
   TORCH_CHECK(x.device().is_cpu(), "x must be on the CPU");
   TORCH_CHECK(x.size(1) == w.k(), "x has K=", x.size(1), " but the weight holds K=", w.k());
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) == 1, "x's last dimension must be contiguous");
   TORCH_CHECK(x.size(0) <= 1 || x.stride(0) >= w.k(), "x rows must not overlap");
+}
+
+// The rows' kinds as forward_rows takes them (null: every row a generated one).
+const uint8_t* row_kinds(const std::optional<at::Tensor>& prompt_rows, int64_t m) {
+  if (!prompt_rows) return nullptr;
+  const at::Tensor& pr = *prompt_rows;
+  TORCH_CHECK((pr.scalar_type() == at::kByte || pr.scalar_type() == at::kBool) && pr.dim() == 1 &&
+                  pr.size(0) == m && pr.is_contiguous() && pr.device().is_cpu(),
+              "prompt_rows must be a contiguous uint8 or bool CPU tensor [M=", m, "], got ", pr.scalar_type(), " ",
+              pr.sizes());
+  return static_cast<const uint8_t*>(pr.data_ptr());
+}
+
+}  // namespace
+
+void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                        at::Tensor& y, const std::optional<at::Tensor>& prompt_rows) {
+  check_x(w, x);
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == w.n() &&
                   (y.stride(1) == 1 || w.n() == 1) && (y.size(0) <= 1 || y.stride(0) >= w.n()),
               "out must be float32 [", x.size(0), ", ", w.n(), "] with contiguous rows");
@@ -35,17 +55,22 @@ void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::o
     TORCH_CHECK(bias->is_contiguous(), "bias must be contiguous");
     b = bias->data_ptr<float>();
   }
-  const uint8_t* kinds = nullptr;
-  if (prompt_rows) {
-    const at::Tensor& pr = *prompt_rows;
-    TORCH_CHECK((pr.scalar_type() == at::kByte || pr.scalar_type() == at::kBool) && pr.dim() == 1 &&
-                    pr.size(0) == x.size(0) && pr.is_contiguous() && pr.device().is_cpu(),
-                "prompt_rows must be a contiguous uint8 or bool CPU tensor [M=", x.size(0), "], got ",
-                pr.scalar_type(), " ", pr.sizes());
-    kinds = static_cast<const uint8_t*>(pr.data_ptr());
-  }
+  const uint8_t* kinds = row_kinds(prompt_rows, x.size(0));
   if (x.size(0) > 0)
     w.forward_rows(x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), y.stride(0), b, kinds);
+}
+
+bool packed_gated_into(const PackedWeight& w, const at::Tensor& x, at::Tensor& act, bool gelu,
+                       const std::optional<at::Tensor>& prompt_rows) {
+  check_x(w, x);
+  const int64_t inter = w.n() / 2;
+  TORCH_CHECK(w.n() % 2 == 0, "a gate/up weight has an even N, got ", w.n());
+  TORCH_CHECK(act.scalar_type() == at::kFloat && act.dim() == 2 && act.size(0) == x.size(0) &&
+                  act.size(1) == inter && act.stride(1) == 1 && (act.size(0) <= 1 || act.stride(0) >= inter),
+              "act must be float32 [", x.size(0), ", ", inter, "] with contiguous rows");
+  const uint8_t* kinds = row_kinds(prompt_rows, x.size(0));
+  return x.size(0) > 0 && w.forward_gated(x.data_ptr<float>(), x.stride(0), x.size(0), act.data_ptr<float>(),
+                                          act.stride(0), gated_mul_kernel(gelu), kinds);
 }
 
 at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
@@ -141,6 +166,10 @@ void register_packed_weight(pybind11::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "y[M, N] = x[M, K] @ W.T (+ bias); x float32; prompt_rows (uint8/bool [M]): which rows are prompt rows "
            "(a format may multiply those by another fixed arithmetic; packed_weight.h)")
+      .def("forward_gated", &packed_gated_into, py::arg("x"), py::arg("act"), py::arg("gelu") = false,
+           py::arg("prompt_rows") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           "act[M, N/2] = silu (gelu: gelu_tanh) of x @ gate.T times x @ up.T, W = [gate; up], where the format "
+           "fuses it for these rows (packed_weight.h: forward_gated); returns whether it did (nothing written if not)")
       .def("rows", &packed_rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>(),
            "W[ids] as float32 [*ids.shape, K] (an embedding lookup); ids out of range raise")
       .def("dequantize", &PackedWeight::dequantize, "W as float32 [N, K]: the values the kernels multiply by")

@@ -15,6 +15,8 @@
 #include <memory>
 #include <string>
 
+#include "fused_kernels.h"
+
 namespace pdserve {
 
 class PackedWeight {
@@ -42,6 +44,14 @@ class PackedWeight {
     (void)prompt_rows;
     forward(x, ldx, m, y, ldy, bias);
   }
+  // A gated MLP's gate/up projection (W = [gate; up], n = 2I): act[r * ld_act + j] = gated(y[r, :I], y[r, I:])[j]
+  // for j < I, without writing y, when the format has a fused path for these rows (GGUF blocks on AMX, every row a
+  // prompt row, I a multiple of 16); false (nothing written) otherwise. The same bits as forward_rows then gated.
+  virtual bool forward_gated(const float* x, int64_t ldx, int64_t m, float* act, int64_t ld_act, GatedMulFn gated,
+                             const uint8_t* prompt_rows) const {
+    (void)x, (void)ldx, (void)m, (void)act, (void)ld_act, (void)gated, (void)prompt_rows;
+    return false;
+  }
   // W as float32 [n, k]: the values the kernels multiply by (tests, reference paths).
   virtual at::Tensor dequantize() const = 0;
   // out[i * k + c] = W[ids[i], c] for i < t (W read as an embedding table). Ids are checked by the caller.
@@ -61,5 +71,9 @@ at::Tensor packed_linear(const PackedWeight& w, const at::Tensor& x, const std::
 void packed_linear_into(const PackedWeight& w, const at::Tensor& x, const std::optional<at::Tensor>& bias,
                         at::Tensor& y, const std::optional<at::Tensor>& prompt_rows = std::nullopt);
 at::Tensor packed_rows(const PackedWeight& w, const at::Tensor& ids);
+// act [M, N/2] (rows act.stride(0) apart) = silu (gelu: gelu_tanh) of the gate half times the up half of x @ W.T
+// where the format fuses it (forward_gated); false, nothing written, otherwise.
+bool packed_gated_into(const PackedWeight& w, const at::Tensor& x, at::Tensor& act, bool gelu,
+                       const std::optional<at::Tensor>& prompt_rows);
 
 }  // namespace pdserve

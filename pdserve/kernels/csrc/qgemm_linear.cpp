@@ -80,6 +80,8 @@ class QgemmWeight final : public PackedWeight {
   void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override;
   void forward_rows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
                     const uint8_t* prompt_rows) const override;
+  bool forward_gated(const float* x, int64_t ldx, int64_t m, float* act, int64_t ld_act, GatedMulFn gated,
+                     const uint8_t* prompt_rows) const override;
   at::Tensor dequantize() const override;
   void rows(const int64_t* ids, int64_t t, float* out) const override;
 
@@ -227,6 +229,45 @@ void QgemmWeight::forward_bf16(const qgemm::Ops& o, const float* x, int64_t ldx,
 #else
   (void)o, (void)x, (void)ldx, (void)m, (void)y, (void)ldy, (void)bias;
   TORCH_CHECK(false, "no bf16 prompt-row path on this architecture");
+#endif
+}
+
+// Prompt rows of a gate/up projection (gate panels, then as many up panels) straight to act = gated(gate, up): each
+// thread decodes a group of gate panels and their up panels, and fgemm's AMX kernel multiplies each gate panel
+// beside its up panel and applies `gated` to the pair's C tiles. No [m, 2I] output is written and read back.
+bool QgemmWeight::forward_gated(const float* x, int64_t ldx, int64_t m, float* act, int64_t ld_act,
+                                GatedMulFn gated, const uint8_t* prompt_rows) const {
+  const qgemm::Ops& o = ops();
+  if (prompt_rows == nullptr || o.decode_bf16 == nullptr || n() % (2 * kPanel) != 0) return false;
+  if (!std::all_of(prompt_rows, prompt_rows + m, [](uint8_t k) { return k != 0; })) return false;
+#if defined(__x86_64__)
+  const fgemm::Kernels& kn = fgemm::kAmx;
+  const int64_t kp = k(), half = npanels_ / 2, threads = num_threads();
+  thread_local Scratch xb_buf;
+  uint16_t* xb = reinterpret_cast<uint16_t*>(xb_buf.get(sizeof(uint16_t) * ((m + 15) / 16 * 16) * kp));
+  fgemm::bf16_activations(kn, x, ldx, m, kp, kp, true, xb);
+  const int64_t group = fgemm::panel_group(kp) / 2;  // gate panels a group: with their up panels, an L2 group
+  parallel_for(0, half, (half + threads - 1) / threads, [&](int64_t g0, int64_t g1) {
+    thread_local Scratch dec_buf, w_buf;
+    const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, dec_buf.get(qgemm::dec_bytes(t_, nchunks_)));
+    const int64_t ps = kp * kPanel;
+    uint16_t* w = reinterpret_cast<uint16_t*>(w_buf.get(sizeof(uint16_t) * 2 * group * ps));
+    for (int64_t p = g0; p < g1; p += group) {
+      const int64_t np = std::min(group, g1 - p);
+      for (int64_t j = 0; j < np; ++j) {
+        o.decode_bf16(t_, panel(p + j), nchunks_, d, w + j * ps);
+        o.decode_bf16(t_, panel(half + p + j), nchunks_, d, w + (np + j) * ps);
+      }
+      fgemm::Problem pr{w, kp, np * kPanel, nullptr, xb, kp, true, m, act + p * kPanel, ld_act, nullptr};
+      pr.gated = gated;
+      pr.up = np;
+      fgemm::run_row_chunks(kn.bf16, pr, 0, np);
+    }
+  });
+  return true;
+#else
+  (void)x, (void)ldx, (void)act, (void)ld_act, (void)gated;
+  return false;
 #endif
 }
 
