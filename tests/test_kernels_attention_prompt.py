@@ -11,6 +11,8 @@ import torch
 from kernel_levels import ALL_LEVELS, lowered, module
 from test_kernels_attention import Case, make_case, reference
 
+from pdserve.model.kv_cache_dtype import dequantize_kv, quantize_kv
+
 # a prefill chunk of prompt rows only, a chunk crossing the prompt's end (prompt 220, rows at 200..239), a decode
 # row and a speculative verification of 5 rows past their prompts
 CTX, QLEN, PROMPT = [0, 200, 300, 90], [70, 40, 1, 5], [70, 220, 10, 50]
@@ -60,6 +62,31 @@ def test_prompt_rows_take_bf16_dot_products_others_keep_their_kernel(level: str,
             assert torch.equal(run(mod, c, torch.tensor(PROMPT, dtype=torch.int32)), run(mod, c, None))
         finally:
             mod.set_attention_bf16_min_group(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(("group", "d"), [(3, 64), (1, 128)])
+@pytest.mark.parametrize("level", ALL_LEVELS)
+def test_prompt_rows_of_a_quantized_cache_read_its_rows_as_bf16(level: str, dtype: torch.dtype, group: int,
+                                                                d: int) -> None:
+    """int8/fp8 caches: on CPUs with AVX512-BF16 (AMX ones too) prompt rows run the vdpbf16ps kernel over each key
+    tile converted to bf16(scale * code): the bits that kernel gives on a bf16 cache holding those values. Other
+    rows, and every row below avx512_bf16, keep the fp32 kernel over the codes."""
+    for mod in lowered(module(), level):
+        c = make_case(CTX, QLEN, 16, 2, group, d, torch.float32, 31 + d)
+        codes = quantize_kv(c.kv, dtype)
+        stored = Case(c.q, codes.view(dtype), c.block_table, c.qsl, c.seq_lens, c.scale)
+        mask, prompts = prompt_mask(c), torch.tensor(PROMPT, dtype=torch.int32)
+        plain, mixed = run(mod, stored, None), run(mod, stored, prompts)
+        assert torch.equal(mixed[~mask], plain[~mask])
+        if level not in ("amx", "avx512_bf16"):
+            assert torch.equal(mixed, plain)
+            continue
+        as_bf16 = Case(c.q, dequantize_kv(codes, dtype, torch.bfloat16), c.block_table, c.qsl, c.seq_lens, c.scale)
+        for bf16_level in lowered(mod, "avx512_bf16"):  # on amx, a bf16 cache's prompt rows take AMX tiles
+            assert torch.equal(mixed[mask], run(bf16_level, as_bf16, prompts)[mask])
+        assert not torch.equal(mixed[mask], plain[mask])
+        assert not bool(mixed.isnan().any())
 
 
 def test_prompt_lens_is_checked() -> None:

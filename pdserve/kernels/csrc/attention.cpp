@@ -108,17 +108,18 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
 
 // The kernel of prompt rows (a row whose position is below its sequence's prompt length, paged_attention's
 // prompt_lens): the bf16 dot-product kernel of the level (AMX tiles, vdpbf16ps) wherever the CPU has one and the
-// cache is bf16 (prefill rows come in blocks of 16 and more: ~2-3x the fp32 kernels at every G, BENCHMARKS.md),
-// else the same kernel as every other row. Generated rows (decode, speculative verification, and generated tokens
+// cache is bf16 (prefill rows come in blocks of 16 and more: ~2-3x the fp32 kernels at every G, BENCHMARKS.md);
+// vdpbf16ps on AMX CPUs too for int8/fp8 caches, whose key tiles it converts to bf16 once; else the same kernel as
+// every other row. Generated rows (decode, speculative verification, and generated tokens
 // recomputed after a preemption, whose positions are past the prompt) keep pick_kernel's: a row's kernel follows
 // from its position, never from the batch around it. A threshold set with set_attention_bf16_min_group above G
 // sends prompt rows to the fp32 kernels as well.
 AttnFn pick_prompt_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
 #if defined(__x86_64__)
   const Isa level = active_isa();
-  if ((level == Isa::kAmx || level == Isa::kAvx512Bf16) && fmt == KVFormat::kBF16 && !softcap &&
-      (d == 64 || d == 128) && group >= g_bf16_min_group.load(std::memory_order_relaxed))
-    return level == Isa::kAmx ? attn_item_amx : attn_item_avx512bf16;
+  if ((level == Isa::kAmx || level == Isa::kAvx512Bf16) && (fmt == KVFormat::kBF16 || kv_quantized(fmt)) &&
+      !softcap && (d == 64 || d == 128) && group >= g_bf16_min_group.load(std::memory_order_relaxed))
+    return level == Isa::kAmx && fmt == KVFormat::kBF16 ? attn_item_amx : attn_item_avx512bf16;
 #endif
   return pick_kernel(d, fmt, group, softcap);
 }

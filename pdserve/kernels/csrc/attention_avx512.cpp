@@ -18,6 +18,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 
+#include "attention_stored.h"
 #include "vec_avx512.h"
 
 namespace pdserve {
@@ -122,30 +123,6 @@ inline void pv_rows(float* acc, const float* alpha, const float* p, const Rows& 
         const __m512 x = SETS == 2 ? _mm512_add_ps(a[0][r][j], a[SETS - 1][r][j]) : a[0][r][j];
         _mm512_storeu_ps(acc + r * D + 16 * (j0 + j), x);
       }
-    }
-  }
-}
-
-// Elements j .. j + 15 of a stored bf16 or quantized row (kv_quant.h) as floats, unscaled: exact (bf16 shifted into
-// an f32; int8 sign-extended; fp8 through its half bits, vcvtph2ps), so reading in place or widening into a buffer
-// first gives the same arithmetic.
-template <KVFormat F>
-inline __m512 stored16(const uint8_t* row, int j) {
-  if constexpr (F == KVFormat::kBF16) {
-    return vec::bf16_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * j)));
-  } else {
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
-    if constexpr (F == KVFormat::kInt8) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
-    } else {
-      __m256i h = _mm256_cvtepu8_epi16(c);
-      if constexpr (F == KVFormat::kFp8E5M2) {
-        h = _mm256_slli_epi16(h, 8);
-      } else {
-        h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                            _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-      }
-      return _mm512_cvtph_ps(h);
     }
   }
 }

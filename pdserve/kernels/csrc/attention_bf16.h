@@ -15,8 +15,9 @@
 // while the AMX kernel multiplies q as two bf16 parts (prepare<D, true, false>: ~16 significant bits).
 // The AMX kernel (attention_amx.cpp) walks whole partitions as one key block instead of tiles of 32 (its own walk
 // over the same buffers and operand layouts: prepare, transpose16, kv_row, visible and finish are shared).
-// Cache element types: kv_row() is the one place that reads a K/V row; an int8/fp8 cache (issue 32) would convert
-// its row to bf16 there (into a scratch row) and keep everything else.
+// Cache element types: kv_row() reads a bf16 K/V row. The vdpbf16ps kernel also takes int8/fp8 caches (kv_quant.h):
+// prepare_kv converts each row of a key tile to bf16(scale * code) once (exact in fp32, then rounded to nearest
+// even, as bf16 flash attention over that cache dequantized to bf16 would read it), and everything else is the same.
 #pragma once
 
 #include <immintrin.h>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "attention_kernels.h"
+#include "attention_stored.h"
 #include "vec_avx512.h"
 
 namespace pdserve::attn_bf16 {
@@ -52,6 +54,7 @@ struct Scratch {
   std::vector<int64_t> last;        // per row: its position (it sees keys <= last)
   std::vector<uint16_t> p;   // bf16(p) of a row block: an A tile [16 rows][32 keys] (AMX: [16][block])
   std::vector<float> s;      // scores of a row block [16][32] (AMX: [16][block])
+  std::vector<uint16_t> conv;  // a quantized cache's key tile as bf16 rows: K [32][d], then V [32][d]
 };
 
 // Rows of the item: row r is token t0 + r / g, head kvh * g + r % g; it sees keys <= pos0 + r / g.
@@ -143,12 +146,53 @@ inline __m512bh bcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(v));
 }
 
+// A quantized row (codes, then its bf16 scale) as bf16(scale * code): the product is exact in fp32.
+template <int D, KVFormat F>
+void row_to_bf16(const uint8_t* row, uint16_t* out) {
+  const __m512 sc = _mm512_set1_ps(kv_row_scale(row, D) * kv_code_factor(F));
+  for (int j = 0; j < D; j += 32) {
+    const __m512 lo = _mm512_mul_ps(stored16<F>(row, j), sc), hi = _mm512_mul_ps(stored16<F>(row, j + 16), sc);
+    _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+template <int D, KVFormat F>
+void tile_to_bf16(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, uint16_t* out) {
+  const int64_t rb = kv_row_bytes(F, D), plane = a.num_blocks * a.block_size * a.hkv * rb;
+  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
+  const uint8_t* base = static_cast<const uint8_t*>(a.kv);
+  for (int i = 0; i < n; ++i) {
+    const int64_t key = kt + i;
+    const uint8_t* k = base + ((bt[key / a.block_size] * a.block_size + key % a.block_size) * a.hkv + it.kvh) * rb;
+    row_to_bf16<D, F>(k, out + i * D);
+    row_to_bf16<D, F>(k + plane, out + (kTile + i) * D);
+  }
+}
+
+// Rows of keys kt .. kt + n - 1 as bf16 (nullptr past n): in place for a bf16 cache, else converted into s.conv.
+template <int D>
+void tile_rows(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, Scratch& s, const uint16_t** k,
+               const uint16_t** v) {
+  const bool conv = a.kv_format != KVFormat::kBF16;
+  if (conv) {
+    s.conv.resize(2 * kTile * D);
+    if (a.kv_format == KVFormat::kInt8) tile_to_bf16<D, KVFormat::kInt8>(a, it, kt, n, s.conv.data());
+    else if (a.kv_format == KVFormat::kFp8E4M3) tile_to_bf16<D, KVFormat::kFp8E4M3>(a, it, kt, n, s.conv.data());
+    else tile_to_bf16<D, KVFormat::kFp8E5M2>(a, it, kt, n, s.conv.data());
+  }
+  for (int i = 0; i < kTile; ++i) {
+    k[i] = i >= n ? nullptr : conv ? s.conv.data() + i * D : kv_row(a, it, 0, kt + i);
+    v[i] = i >= n ? nullptr : conv ? s.conv.data() + (kTile + i) * D : kv_row(a, it, 1, kt + i);
+  }
+}
+
 // K^T and V tiles of keys kt .. kt + n - 1 (n <= 32; missing keys are zero).
 template <int D>
 void prepare_kv(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, Scratch& s) {
+  const uint16_t *krows[kTile], *vrows[kTile];
+  tile_rows<D>(a, it, kt, n, s, krows, vrows);
   for (int h = 0; h < 2; ++h) {
-    const uint16_t* rows[16];
-    for (int j = 0; j < 16; ++j) rows[j] = 16 * h + j < n ? kv_row(a, it, 0, kt + 16 * h + j) : nullptr;
+    const uint16_t* const* rows = krows + 16 * h;
     for (int st = 0; st < D / 32; ++st) {
       __m512i r[16];
       for (int j = 0; j < 16; ++j) r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 32 * st) : _mm512_setzero_si512();
@@ -161,8 +205,7 @@ void prepare_kv(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, Scratc
   __m512i lo, hi;
   pair_indices(lo, hi);
   for (int i = 0; i < kTile / 2; ++i) {
-    const uint16_t* v0 = 2 * i < n ? kv_row(a, it, 1, kt + 2 * i) : nullptr;
-    const uint16_t* v1 = 2 * i + 1 < n ? kv_row(a, it, 1, kt + 2 * i + 1) : nullptr;
+    const uint16_t *v0 = vrows[2 * i], *v1 = vrows[2 * i + 1];
     for (int seg = 0; seg < D / 32; ++seg) {
       const __m512i x = v0 ? _mm512_loadu_si512(v0 + 32 * seg) : _mm512_setzero_si512();
       const __m512i y = v1 ? _mm512_loadu_si512(v1 + 32 * seg) : _mm512_setzero_si512();
@@ -233,7 +276,7 @@ void walk(const AttnArgs& a, const AttnItem& it, Scratch& s, Scores scores, Pv p
     const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
     if (r0 >= rows) break;
     for (int64_t k = kt + kTile; k < kt + 2 * kTile; k += 16)  // the next tile's rows into L2
-      KvRowsAhead(a, it, k, 2 * D).prefetch(it.kvh, 3);
+      KvRowsAhead(a, it, k, kv_row_bytes(a.kv_format, D)).prefetch(it.kvh, 3);
     prepare_kv<D>(a, it, kt, n, s);
     for (int64_t b = r0 / 16; b * 16 < rows; ++b) {
       scores(b);
