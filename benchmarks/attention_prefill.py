@@ -1,6 +1,6 @@
 """TTFT-relevant attention time: one layer's paged attention over a whole prompt (512 or 2048 tokens, as one chunk
 and as chunks of 512 tokens with their context), at the SmolLM2-135M (9 query / 3 KV heads) and SmolLM2-1.7B
-(32 / 32) head shapes, head_dim 64, f32 and bf16 caches, per ISA level this CPU has, optionally against another
+(32 / 32) head shapes, head_dim 64, f32, bf16 and int8 caches, per ISA level this CPU has, optionally against another
 checkout's kernels (today's, e.g. /work/main).
 
     OMP_WAIT_POLICY=passive PYTHONPATH=. .venv/bin/python benchmarks/attention_prefill.py [--threads 1] \
@@ -11,7 +11,8 @@ shared machine's other work is left out), and the prompt's total over all layers
 summary. Every row is a prompt row (prompt_lens = seq_lens), as in a prefill. Levels without a kernel of their own
 for a cache dtype run the level below (f32 caches: avx512 from avx512 up). bf16 caches at avx512_bf16 and amx run
 the level's bf16 dot-product kernel (vdpbf16ps, AMX tiles) for prompt rows from --bf16-min-group query heads per KV
-head on (default 1: every shape). The baseline runs in a subprocess that imports pdserve from that checkout.
+head on (default 1: every shape); int8 caches the vdpbf16ps kernel at both (key tiles converted to bf16), the fp32
+kernel below. The baseline runs in a subprocess that imports pdserve from that checkout.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 import pdserve.kernels as K
+from pdserve.model.kv_cache_dtype import quantize_kv
 
 SHAPES = {"135m": (9, 3, 30), "1.7b": (32, 32, 24)}  # (query heads, KV heads, layers)
 D, BS = 64, 16
@@ -40,7 +42,7 @@ def cases(quick: bool) -> list[tuple[str, str, int, int]]:
     """(shape, cache dtype, prompt tokens, chunk tokens)."""
     out = []
     for shape in SHAPES:
-        for dtype in ("f32", "bf16"):
+        for dtype in ("f32", "bf16", "int8"):
             for n, chunk in ((512, 512), (2048, 2048), (2048, 512)):
                 if not (quick and n == 2048):
                     out.append((shape, dtype, n, chunk))
@@ -53,7 +55,8 @@ class Prompt:
     def __init__(self, hq: int, hkv: int, n: int, dtype: torch.dtype) -> None:
         g = torch.Generator().manual_seed(n + hq)
         nb = math.ceil(n / BS)
-        self.cache = torch.randn(2, nb, BS, hkv, D, generator=g).to(dtype)
+        values = torch.randn(2, nb, BS, hkv, D, generator=g)
+        self.cache = quantize_kv(values, dtype).view(dtype) if dtype == torch.int8 else values.to(dtype)
         self.bt = torch.randperm(nb, generator=g).to(torch.int32)[None, :]
         self.q = torch.randn(n, hq, D, generator=g)
         self.out = torch.empty_like(self.q)
@@ -85,7 +88,7 @@ def measure(levels: list[str], quick: bool, clock: Callable[[], float]) -> dict[
     res = {}
     for shape, dt, n, chunk in cases(quick):
         hq, hkv, _ = SHAPES[shape]
-        p = Prompt(hq, hkv, n, torch.float32 if dt == "f32" else torch.bfloat16)
+        p = Prompt(hq, hkv, n, {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[dt])
         for lv in levels:
             mod.set_active_isa(lv)
             res[f"{shape} {dt} {n} {chunk} {lv}"] = best(functools.partial(p.run, mod, chunk), clock)
