@@ -83,17 +83,19 @@ void pv_rows(Scratch& s, int64_t b, int i, const float* alpha) {
 template <int D>
 void pv(Scratch& s, int64_t b, __mmask16 seen, const float* alpha) {
   for (int i = 0; i < 16;) {
-    int run = 0;  // seen rows from i on, up to 4
+    if (!(seen >> i & 1)) {
+      ++i;
+      continue;
+    }
+    int run = 1;  // seen rows from i on, up to 4: taken 4, 2 or 1 at a time
     while (run < 4 && i + run < 16 && (seen >> (i + run) & 1)) ++run;
     if (run == 4) {
       pv_rows<D, 4>(s, b, i, alpha);
     } else if (run >= 2) {
       pv_rows<D, 2>(s, b, i, alpha);
       run = 2;
-    } else if (run == 1) {
-      pv_rows<D, 1>(s, b, i, alpha);
     } else {
-      run = 1;
+      pv_rows<D, 1>(s, b, i, alpha);
     }
     i += run;
   }

@@ -37,11 +37,16 @@ namespace pdserve::attn_bf16 {
 constexpr int kTile = 32;  // keys per tile: one AMX K step of 32 bf16 in the P . V product
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The bf16 row of key `key` (plane 0: K, 1: V) of the item's KV head.
-inline const uint16_t* kv_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key) {
+// The stored row of key `key` (plane 0: K, 1: V) of the item's KV head, in the cache's format (kv_quant.h).
+inline const uint8_t* stored_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key) {
   const int64_t blk = a.block_table[it.seq * a.bt_stride + key / a.block_size];
-  const int64_t off = ((plane * a.num_blocks + blk) * a.block_size + key % a.block_size) * a.hkv * a.d + it.kvh * a.d;
-  return static_cast<const uint16_t*>(a.kv) + off;
+  const int64_t row = ((plane * a.num_blocks + blk) * a.block_size + key % a.block_size) * a.hkv + it.kvh;
+  return static_cast<const uint8_t*>(a.kv) + row * kv_row_bytes(a.kv_format, a.d);
+}
+
+// The same row of a bf16 cache.
+inline const uint16_t* kv_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key) {
+  return reinterpret_cast<const uint16_t*>(stored_row(a, it, plane, key));
 }
 
 // Per-thread buffers of one item.
@@ -158,14 +163,9 @@ void row_to_bf16(const uint8_t* row, uint16_t* out) {
 
 template <int D, KVFormat F>
 void tile_to_bf16(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, uint16_t* out) {
-  const int64_t rb = kv_row_bytes(F, D), plane = a.num_blocks * a.block_size * a.hkv * rb;
-  const int32_t* bt = a.block_table + it.seq * a.bt_stride;
-  const uint8_t* base = static_cast<const uint8_t*>(a.kv);
   for (int i = 0; i < n; ++i) {
-    const int64_t key = kt + i;
-    const uint8_t* k = base + ((bt[key / a.block_size] * a.block_size + key % a.block_size) * a.hkv + it.kvh) * rb;
-    row_to_bf16<D, F>(k, out + i * D);
-    row_to_bf16<D, F>(k + plane, out + (kTile + i) * D);
+    row_to_bf16<D, F>(stored_row(a, it, 0, kt + i), out + i * D);
+    row_to_bf16<D, F>(stored_row(a, it, 1, kt + i), out + (kTile + i) * D);
   }
 }
 
