@@ -82,11 +82,14 @@ inline void scores_rows(const float* q, const Rows& k, __m512* s) {
 }
 
 // acc_r = acc_r * alpha_r + sum_{i < n} p_r[i] * v(i) for R rows (acc D apart, p 16 apart), each V element read once
-// for all R rows, in column chunks of JB vectors so R x JB accumulators fit the registers. With few chains (R x JB
-// <= 8) even and odd keys accumulate apart so enough FMAs are in flight. A row's arithmetic does not depend on R.
-template <int D, int R, class Rows>
+// for all R rows, in column chunks of JB vectors so R x JB x SETS accumulators fit the registers. With SETS = 2 even
+// and odd keys accumulate apart (enough FMAs in flight for one row). A row's arithmetic depends on SETS, not on R:
+// SETS is fixed per cache format (kPvSets), as a row may be a decode row alone or among a prompt's rows.
+constexpr int pow2_floor(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
+
+template <int D, int R, int SETS, class Rows>
 inline void pv_rows(float* acc, const float* alpha, const float* p, const Rows& v, int n) {
-  constexpr int NV = D / 16, JB = NV < 8 ? NV : 8, SETS = R * JB <= 8 ? 2 : 1;
+  constexpr int NV = D / 16, JB = std::min(NV, pow2_floor(std::min(8, 24 / (R * SETS))));
   for (int j0 = 0; j0 < NV; j0 += JB) {
     __m512 a[SETS][R][JB];
     for (int r = 0; r < R; ++r) {
@@ -209,10 +212,18 @@ inline float softmax_step(__m512 s, int nvalid, float& m, float* l16, float* pb)
 template <KVFormat F>
 constexpr int64_t kInPlaceRows = F == KVFormat::kInt8 || F == KVFormat::kBF16 ? 4 : 0;
 
-// Query rows sharing a tile's keys at once, at most (R x 8 score accumulators in the registers). f32 rows, read
-// from memory, go one at a time: a single row's scores touch all 16 keys at once, so their misses overlap.
+// Query rows sharing a tile's keys at once, at most (R x 8 score accumulators in the registers). An f32 cache's
+// decode rows, read from memory, go one at a time: a single row's scores touch all 16 keys at once, so their
+// misses overlap. Prompt rows (an item of several tokens) reuse the tile from L1 and share its loads.
 template <KVFormat F>
-constexpr int kRowBlock = F == KVFormat::kF32 ? 1 : 3;
+constexpr int row_block(int64_t tokens) {
+  return F == KVFormat::kF32 && tokens == 1 ? 1 : 3;
+}
+
+// P . V's accumulator sets per row: 2 (even and odd keys apart) for f32 caches, whose decode rows go one at a time;
+// 1 for the others, whose decode rows go three at a time (enough chains either way).
+template <KVFormat F>
+constexpr int kPvSets = F == KVFormat::kF32 ? 2 : 1;
 
 // The rows of one key tile and one KV head: scores, softmax step, p . V. F is the cache's format: f32 rows are read
 // through kp/vp; bf16 and quantized rows in place (st) or widened (kp/vp), quantized ones scaled.
@@ -246,8 +257,8 @@ struct TileRows {
       alpha[r] = softmax_step(s[r], nvalid, m[r], l16 + 16 * r, pb + 16 * r);
       if constexpr (kQuant) _mm512_store_ps(pb + 16 * r, _mm512_mul_ps(_mm512_load_ps(pb + 16 * r), _mm512_load_ps(st.vs)));
     }
-    if (F != KVFormat::kF32 && in_place) return pv_rows<D, R>(acc, alpha, pb, StoredRows<F>{st.v}, nvalid);
-    pv_rows<D, R>(acc, alpha, pb, FloatRows{vp}, nvalid);
+    if (F != KVFormat::kF32 && in_place) return pv_rows<D, R, kPvSets<F>>(acc, alpha, pb, StoredRows<F>{st.v}, nvalid);
+    pv_rows<D, R, kPvSets<F>>(acc, alpha, pb, FloatRows{vp}, nvalid);
   }
 };
 
@@ -270,6 +281,7 @@ void run(const AttnArgs& a, const AttnItem& it) {
   }
   TileRows<D, F> tile;
   tile.in_place = F != KVFormat::kF32 && per_head <= kInPlaceRows<F>;
+  const int64_t block = row_block<F>(nt);
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
     const KvRowsAhead ahead(a, it, kt + 16, kv_row_bytes(F, D));
@@ -283,14 +295,19 @@ void run(const AttnArgs& a, const AttnItem& it) {
         locate_stored<D, F>(a, head, kt, n, tile.st);
         if (!tile.in_place) widen_stored<D, F>(tile.st, n, kbuf, vbuf, tile.kp, tile.vp);
       }
-      for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
-        const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
-        for (int64_t r = hl * per_head + t * g, e = r + g; r < e; r += kRowBlock<F>) {  // the token's G rows
-          const int64_t rr = std::min<int64_t>(kRowBlock<F>, e - r);
+      // Tokens before t_first do not see key kt; t_first .. t_full - 1 see part of the tile (the diagonal), each
+      // token's G rows apart; from t_full on every token sees all n keys and their rows run as one stretch. Rows
+      // go in blocks of up to `block` (one call site per block size: the kernel stays inlined).
+      const int64_t t_first = std::max<int64_t>(0, kt - it.pos0);
+      const int64_t t_full = std::clamp<int64_t>(kt + n - 1 - it.pos0, t_first, nt);
+      const int64_t r0 = hl * per_head;
+      for (int64_t t = t_first; t <= t_full; ++t) {
+        const bool stretch = t == t_full;
+        const int nvalid = stretch ? n : static_cast<int>(it.pos0 + t - kt + 1);
+        for (int64_t r = r0 + t * g, e = stretch ? r0 + per_head : r + g; r < e; r += block) {
+          const int64_t rr = std::min<int64_t>(block, e - r);
           float *mr = m + r, *lr = l16 + 16 * r, *ar = acc + r * D;
-          if constexpr (kRowBlock<F> == 1) {
-            tile.template run<1>(a, qs + r * D, nvalid, mr, lr, ar);
-          } else if (rr == 3) {
+          if (rr >= 3) {
             tile.template run<3>(a, qs + r * D, nvalid, mr, lr, ar);
           } else if (rr == 2) {
             tile.template run<2>(a, qs + r * D, nvalid, mr, lr, ar);
