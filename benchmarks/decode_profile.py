@@ -3,7 +3,7 @@
 Python run outside the program).
 
     .venv/bin/python benchmarks/decode_profile.py [--model smollm2-135m] [--batch 32] [--prompt-len 128]
-        [--warmup 20] [--steps 100] [--prefill] [--kv-cache-dtype auto]
+        [--warmup 20] [--steps 100] [--prefill] [--kv-cache-dtype auto] [--dtype auto]
 
 `--batch` requests of `--prompt-len` random token ids (seeded) are admitted together; after `--warmup` steps (their
 prompts are in and every step is a decode of all of them) the next `--steps` steps are timed. Prints the step's p50
@@ -32,8 +32,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prefill", action="store_true", help="time one prompt's prefill a step instead of decodes")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    llm = LLM(args.model, max_num_seqs=max(args.batch, 4), kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(args.model, max_num_seqs=max(args.batch, 4), kv_cache_dtype=args.kv_cache_dtype,
+              dtype=args.dtype)
     eng = llm.engine
     program = eng.runner.model.program
     if program is None:
