@@ -21,6 +21,8 @@ import pytest
 
 from pdserve.launch import ServerProc, start_server
 
+from conftest import make_tiny_hf_model
+
 pytestmark = pytest.mark.slow
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -333,10 +335,15 @@ def test_logit_bias(server: ServerProc) -> None:
     baseline(server)
 
 
-def test_shutdown_drains(tmp_path: Path, tiny_dir: Path) -> None:
+def test_shutdown_drains(tmp_path: Path, tokenizer: Any) -> None:
     """SIGTERM: /health answers 503 draining (not connection refused), requests arriving during the grace are still
     served, and when the grace runs out an open stream ends with an error event and [DONE]."""
-    srv = start_server(tmp_path, "--model", str(tiny_dir), *TINY, "--shutdown-grace", "2")
+    # A context long enough that no CPU finishes the stream within the grace (2,000 tokens took under 2.5 s on Zen 5)
+    model_dir = tmp_path / "long-tiny"
+    make_tiny_hf_model(max_position_embeddings=32768).save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(model_dir)
+    srv = start_server(tmp_path, "--model", str(model_dir), *TINY, "--max-model-len", "32768", "--num-kv-blocks",
+                       "2100", "--shutdown-grace", "2")
 
     async def run() -> tuple[list[str], list[int], int]:
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
@@ -347,7 +354,7 @@ def test_shutdown_drains(tmp_path: Path, tiny_dir: Path) -> None:
                     if line.startswith("data: "):
                         lines.append(line)
 
-            async with http.stream("POST", CMPL, json={"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True,
+            async with http.stream("POST", CMPL, json={"prompt": "Hi", "max_tokens": 30000, "ignore_eos": True,
                                                        "stream": True}) as resp:
                 reader = asyncio.create_task(read(resp))
                 while not lines:
