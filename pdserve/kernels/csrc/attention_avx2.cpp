@@ -55,18 +55,55 @@ inline __m256 scores8(const float* q, const float* const* kp) {
   return reduce8(s);
 }
 
-// acc = acc * alpha + sum_{i < n} p[i] * vp[i], 64 columns (8 FMA chains) at a time.
-template <int D>
-inline void pv(float* acc, float alpha, const float* p, const float* const* vp, int n) {
-  const __m256 al = _mm256_set1_ps(alpha);
-  for (int c = 0; c < D; c += 64) {
-    __m256 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + c + 8 * j), al);
-    for (int i = 0; i < n; ++i) {
-      const __m256 pi = _mm256_set1_ps(p[i]);
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vp[i] + c + 8 * j), a[j]);
+// Scores of R rows (q D apart, R = 2 or 3) against the 8 keys kp[0..7] into out[0..R): each K element is read once
+// for all R rows, the keys in two groups of 4 so R x 4 accumulators fit the 16 registers. reduce8's tree adds keys
+// 0-3 and 4-7 apart until its last step, so each group's partial tree is reduce8's: a row's bits equal scores8's.
+template <int D, int R>
+inline void scores8_rows(const float* q, const float* const* kp, __m256* out) {
+  __m256 u[R][2];
+  for (int h = 0; h < 2; ++h) {
+    __m256 s[R][4];
+    for (int j = 0; j < D; j += 8) {
+      __m256 qj[R];
+      for (int r = 0; r < R; ++r) qj[r] = _mm256_loadu_ps(q + r * D + j);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 kv = _mm256_loadu_ps(kp[4 * h + i] + j);
+        for (int r = 0; r < R; ++r) s[r][i] = j == 0 ? _mm256_mul_ps(qj[r], kv) : _mm256_fmadd_ps(qj[r], kv, s[r][i]);
+      }
     }
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + c + 8 * j, a[j]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(s[r][0], s[r][1]), _mm256_unpackhi_ps(s[r][0], s[r][1]));
+      const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(s[r][2], s[r][3]), _mm256_unpackhi_ps(s[r][2], s[r][3]));
+      u[r][h] = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm256_add_ps(_mm256_permute2f128_ps(u[r][0], u[r][1], 0x20), _mm256_permute2f128_ps(u[r][0], u[r][1], 0x31));
+}
+
+// acc_r = acc_r * alpha_r + sum_{i < n} p_r[i] * vp[i] for R rows (acc D apart, p 16 apart), each V element read
+// once for all R rows, in column chunks of JB vectors (R x JB FMA chains). Each element's multiply-adds run in key
+// order whatever R and JB: a row's bits do not depend on the rows beside it.
+template <int D, int R>
+inline void pv_rows(float* acc, const float* alpha, const float* p, const float* const* vp, int n) {
+  constexpr int JB = R == 1 ? 8 : 4;
+  for (int c = 0; c < D; c += 8 * JB) {
+    __m256 a[R][JB];
+    for (int r = 0; r < R; ++r) {
+      const __m256 al = _mm256_set1_ps(alpha[r]);
+      for (int j = 0; j < JB; ++j) a[r][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + c + 8 * j), al);
+    }
+    for (int i = 0; i < n; ++i) {
+      __m256 pi[R];
+      for (int r = 0; r < R; ++r) pi[r] = _mm256_set1_ps(p[16 * r + i]);
+      for (int j = 0; j < JB; ++j) {
+        const __m256 v = _mm256_loadu_ps(vp[i] + c + 8 * j);
+        for (int r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(pi[r], v, a[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < JB; ++j) _mm256_storeu_ps(acc + r * D + c + 8 * j, a[r][j]);
   }
 }
 
@@ -121,9 +158,22 @@ void locate_tile(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, const
   for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
 }
 
-// One row's online-softmax step on a 16-key tile (scores lo = keys 0..7, hi = 8..15; lanes >= nvalid masked).
+// An f32 tile's rows copied into kbuf/vbuf for rows that share it: in the cache a KV head's rows lie a whole token's
+// K (Hkv x D floats) apart, so a tile's 16 rows can share too few L1 sets to stay there while its rows run.
 template <int D>
-inline void row_step(__m256 lo, __m256 hi, int nvalid, float& m, float* l16, float* acc, const float* const* vp) {
+void copy_tile(int n, const float** kp, const float** vp, float* kbuf, float* vbuf) {
+  for (int i = 0; i < n; ++i) {
+    std::copy(kp[i], kp[i] + D, kbuf + i * D);
+    std::copy(vp[i], vp[i] + D, vbuf + i * D);
+    kp[i] = kbuf + i * D;
+    vp[i] = vbuf + i * D;
+  }
+  for (int i = n; i < 16; ++i) kp[i] = kp[0], vp[i] = vp[0];
+}
+
+// One row's online-softmax step on a 16-key tile (scores lo = keys 0..7, hi = 8..15; lanes >= nvalid masked):
+// updates m and l16, writes the tile's p to pb and returns alpha, the factor on the row's accumulator.
+inline float softmax_row(__m256 lo, __m256 hi, int nvalid, float& m, float* l16, float* pb) {
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 mlo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid), iota));
   const __m256 mhi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nvalid - 8), iota));
@@ -138,10 +188,42 @@ inline void row_step(__m256 lo, __m256 hi, int nvalid, float& m, float* l16, flo
   const __m256 phi = _mm256_and_ps(mhi, exp8(_mm256_sub_ps(hi, mv)));
   _mm256_storeu_ps(l16, _mm256_fmadd_ps(_mm256_loadu_ps(l16), al, plo));
   _mm256_storeu_ps(l16 + 8, _mm256_fmadd_ps(_mm256_loadu_ps(l16 + 8), al, phi));
-  alignas(32) float pb[16];
   _mm256_store_ps(pb, plo);
   _mm256_store_ps(pb + 8, phi);
-  pv<D>(acc, alpha, pb, vp, nvalid);
+  return alpha;
+}
+
+// R consecutive rows (q, acc D apart; m; l16 16 apart) on one tile, all seeing nvalid keys: scores, softmax, P . V.
+// One row reads all 8 keys of a half in one pass (their misses overlap: decode rows); more rows share the loads.
+template <int D, int R>
+inline void rows_step(const AttnArgs& a, const float* q, int nvalid, float* m, float* l16, float* acc,
+                      const float* const* kp, const float* const* vp) {
+  __m256 lo[R], hi[R];
+  if constexpr (R == 1) {
+    lo[0] = scores8<D>(q, kp);
+    hi[0] = nvalid > 8 ? scores8<D>(q, kp + 8) : _mm256_setzero_ps();
+  } else {
+    scores8_rows<D, R>(q, kp, lo);
+    if (nvalid > 8) {
+      scores8_rows<D, R>(q, kp + 8, hi);
+    } else {
+      for (int r = 0; r < R; ++r) hi[r] = _mm256_setzero_ps();
+    }
+  }
+  alignas(32) float pb[16 * R];
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    if (a.softcap > 0.f) {
+      alignas(32) float sb[16];
+      _mm256_store_ps(sb, lo[r]);
+      _mm256_store_ps(sb + 8, hi[r]);
+      softcap_scores(sb, 16, a.softcap);
+      lo[r] = _mm256_load_ps(sb);
+      hi[r] = _mm256_load_ps(sb + 8);
+    }
+    alpha[r] = softmax_row(lo[r], hi[r], nvalid, m[r], l16 + 16 * r, pb + 16 * r);
+  }
+  pv_rows<D, R>(acc, alpha, pb, vp, nvalid);
 }
 
 template <int D>
@@ -163,6 +245,8 @@ void run(const AttnArgs& a, const AttnItem& it) {
   }
   const float* kp[16];
   const float* vp[16];
+  // Rows sharing a tile's loads: decode rows (one token) one at a time, prompt rows three (the tile is in L1).
+  const int64_t block = nt == 1 ? 1 : 3;
   for (int64_t kt = it.k0; kt < it.k1; kt += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, it.k1 - kt));
     const KvRowsAhead ahead(a, it, kt + 16, kv_row_bytes(a.kv_format, D));
@@ -171,20 +255,26 @@ void run(const AttnArgs& a, const AttnItem& it) {
       head.kvh = it.kvh + static_cast<int32_t>(hl);
       ahead.prefetch(head.kvh, 3);
       locate_tile<D>(a, head, kt, n, kp, vp, kbuf, vbuf);
-      for (int64_t t = std::max<int64_t>(0, kt - it.pos0); t < nt; ++t) {  // earlier tokens do not see key kt
-        const int nvalid = static_cast<int>(std::min<int64_t>(n, it.pos0 + t - kt + 1));
-        for (int64_t r = hl * per_head + t * g; r < hl * per_head + (t + 1) * g; ++r) {
-          __m256 lo = scores8<D>(qs + r * D, kp);
-          __m256 hi = nvalid > 8 ? scores8<D>(qs + r * D, kp + 8) : _mm256_setzero_ps();
-          if (a.softcap > 0.f) {
-            alignas(32) float sb[16];
-            _mm256_store_ps(sb, lo);
-            _mm256_store_ps(sb + 8, hi);
-            softcap_scores(sb, 16, a.softcap);
-            lo = _mm256_load_ps(sb);
-            hi = _mm256_load_ps(sb + 8);
+      if (block > 1 && a.kv_format == KVFormat::kF32) copy_tile<D>(n, kp, vp, kbuf, vbuf);
+      // Tokens before t_first do not see key kt; t_first .. t_full - 1 see part of the tile (the diagonal), each
+      // token's G rows apart; from t_full on every token sees all n keys and their rows run as one stretch. Rows
+      // go in blocks of up to `block` (one call site per block size: the kernel stays inlined).
+      const int64_t t_first = std::max<int64_t>(0, kt - it.pos0);
+      const int64_t t_full = std::clamp<int64_t>(kt + n - 1 - it.pos0, t_first, nt);
+      const int64_t r0 = hl * per_head;
+      for (int64_t t = t_first; t <= t_full; ++t) {
+        const bool stretch = t == t_full;
+        const int nvalid = stretch ? n : static_cast<int>(it.pos0 + t - kt + 1);
+        for (int64_t r = r0 + t * g, e = stretch ? r0 + per_head : r + g; r < e; r += block) {
+          const int64_t rr = std::min<int64_t>(block, e - r);
+          float *mr = m + r, *lr = l16 + 16 * r, *ar = acc + r * D;
+          if (rr >= 3) {
+            rows_step<D, 3>(a, qs + r * D, nvalid, mr, lr, ar, kp, vp);
+          } else if (rr == 2) {
+            rows_step<D, 2>(a, qs + r * D, nvalid, mr, lr, ar, kp, vp);
+          } else {
+            rows_step<D, 1>(a, qs + r * D, nvalid, mr, lr, ar, kp, vp);
           }
-          row_step<D>(lo, hi, nvalid, m[r], l16 + 16 * r, acc + r * D, vp);
         }
       }
     }
