@@ -9,7 +9,8 @@ Python run outside the program).
 prompts are in and every step is a decode of all of them) the next `--steps` steps are timed. Prints the step's p50
 and mean (wall time), the program's share, and per op kind its mean ms a step. With `--prefill` each timed step is
 instead the prefill of one new `--prompt-len`-token prompt (one request at a time, `--warmup` of them untimed first;
-the step budget must hold the prompt), so the table is where TTFT's compute goes.
+the step budget must hold the prompt; between prefills the engine commits KV pages ahead of use, as a server does
+while idle), so the table is where TTFT's compute goes.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="time one prompt's prefill a step instead of decodes")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-threads", type=int, default=None)
     args = ap.parse_args()
     llm = LLM(args.model, max_num_seqs=max(args.batch, 4), kv_cache_dtype=args.kv_cache_dtype,
-              dtype=args.dtype)
+              dtype=args.dtype, **({"num_threads": args.num_threads} if args.num_threads else {}))
     eng = llm.engine
     program = eng.runner.model.program
     if program is None:
@@ -55,6 +57,8 @@ def main() -> None:
         eng.abort_request(f"f{i}")
         while eng.has_unfinished_requests():
             eng.step()
+        while eng.prefault_kv():  # idle work, as the serving loop does between requests: pages ahead of use
+            pass
         return t
 
     if args.prefill:
