@@ -156,6 +156,11 @@ struct Ops {
   // (fp32 subnormals to a signed zero), in the bf16 panel layout of fgemm_kernels.h ([n * QB / 2][16][2]).
   // Null below amx.
   void (*decode_bf16)(const QType& t, const uint8_t* packed, int64_t n, const Dec& d, uint16_t* out);
+  // As tile over two decoded panels at once (acc0, acc1: their accumulators), each activation broadcast feeding
+  // both; mr <= max_rows2. Each output's operations are tile's: the same bits. Null where the level has none.
+  void (*tile2)(const QType& t, const Dec& d0, const Dec& d1, int64_t nsubs, const Act& a, int64_t s0, int64_t r0,
+                int64_t mr, float* acc0, float* acc1);
+  int max_rows2;
 };
 
 extern const Ops kGenericOps;

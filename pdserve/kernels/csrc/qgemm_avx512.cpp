@@ -124,6 +124,76 @@ void tile_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, f
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kPanel, c[r]);
 }
 
+// Two panels' 16 columns each for MR rows: each activation broadcast feeds a vpdpbusd of both panels, so a sub-block
+// takes MR x G broadcasts for 2 x MR x G products (one panel's tile: as many broadcasts for half the products, which
+// on a core issuing two vpdpbusd a cycle made the loads the bound). MR x 2 chains per row block; a row's int32 sums
+// are exact whatever the chains and its fp32 steps are sub_step's, in the same order: tile_t's bits.
+template <int S, bool MIN, int MR>
+void tile2_t(const Dec& d0, const Dec& d1, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc0,
+             float* acc1) {
+  constexpr int G = S / 4;
+  __m512 c0[MR], c1[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) c0[r] = _mm512_loadu_ps(acc0 + r * kPanel), c1[r] = _mm512_loadu_ps(acc1 + r * kPanel);
+  for (int64_t i = 0; i < nsubs; ++i) {
+    const int64_t s = s0 + i;
+    const uint8_t* w0 = d0.wq + i * G * kVec;
+    const uint8_t* w1 = d1.wq + i * G * kVec;
+    const int8_t* xi = a.q + a.qi(r0, s);
+    const int32_t* init = a.init + a.si(r0, s);
+    const float* xs = a.xs + a.si(r0, s);
+    const float* dx = a.dx + a.di(r0, s * S / QK);
+    __m512i i0[MR], i1[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) i0[r] = i1[r] = _mm512_set1_epi32(init[r]);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512i wa = _mm512_loadu_si512(w0 + g * kVec), wb = _mm512_loadu_si512(w1 + g * kVec);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, xi + r * S + 4 * g, 4);
+        const __m512i x = _mm512_set1_epi32(xv);
+        i0[r] = _mm512_dpbusd_epi32(i0[r], wa, x);
+        i1[r] = _mm512_dpbusd_epi32(i1[r], wb, x);
+      }
+    }
+    const __m512 dw0 = _mm512_loadu_ps(d0.dw + i * kPanel), dw1 = _mm512_loadu_ps(d1.dw + i * kPanel);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 dxr = _mm512_set1_ps(dx[r]);
+      c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(dw0, dxr), c0[r]);
+      c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(dw1, dxr), c1[r]);
+      if (MIN) {
+        const __m512 xsr = _mm512_set1_ps(xs[r]);
+        c0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(d0.mw + i * kPanel), xsr, c0[r]);
+        c1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(d1.mw + i * kPanel), xsr, c1[r]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc0 + r * kPanel, c0[r]), _mm512_storeu_ps(acc1 + r * kPanel, c1[r]);
+}
+
+constexpr int kMaxRows2 = 6;  // 2 x 6 int32 chains, 2 x 6 fp32 accumulators, two weight vectors and a broadcast
+
+using Tile2Fn = void (*)(const Dec&, const Dec&, int64_t, const Act&, int64_t, int64_t, float*, float*);
+
+template <int S, bool MIN, int... R>
+constexpr std::array<Tile2Fn, sizeof...(R)> tiles2(std::integer_sequence<int, R...>) {
+  return {tile2_t<S, MIN, R + 1>...};
+}
+
+void tile2_rows(const QType& t, const Dec& d0, const Dec& d1, int64_t nsubs, const Act& a, int64_t s0, int64_t r0,
+                int64_t mr, float* acc0, float* acc1) {
+  static constexpr auto k32 = tiles2<32, false>(std::make_integer_sequence<int, kMaxRows2>());
+  static constexpr auto k32m = tiles2<32, true>(std::make_integer_sequence<int, kMaxRows2>());
+  static constexpr auto k16 = tiles2<16, false>(std::make_integer_sequence<int, kMaxRows2>());
+  static constexpr auto k16m = tiles2<16, true>(std::make_integer_sequence<int, kMaxRows2>());
+  const auto& table = t.s == 32 ? (t.min ? k32m : k32) : (t.min ? k16m : k16);
+  table[mr - 1](d0, d1, nsubs, a, s0, r0, acc0, acc1);
+}
+
 using TileFn = void (*)(const Dec&, int64_t, const Act&, int64_t, int64_t, float*);
 
 template <int S, bool MIN, int... R>
@@ -349,7 +419,7 @@ int64_t few_rows(const QType& t) { return t.nib && t.p1 < 0 && t.p2 < 0 ? 64 : 1
 }  // namespace avx512
 
 const Ops kAvx512Ops = {avx512::quantize_act, avx512::decode, avx512::tile, kMaxRows, avx512::gemv, avx512::few_rows,
-                         nullptr, nullptr, nullptr, nullptr};
+                         nullptr, nullptr, nullptr, nullptr, tile2_rows, kMaxRows2};
 
 }  // namespace pdserve::qgemm
 

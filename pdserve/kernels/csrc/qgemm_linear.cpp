@@ -159,9 +159,9 @@ void QgemmWeight::run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, i
 void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
                            int64_t ldy, const float* bias) const {
   thread_local Scratch dec_buf, acc_buf;
-  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 16));
-  const bool amx = use_amx(o, m);
-  const int64_t ns = t_.nsub(), step = amx ? 16 : o.max_rows;
+  float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 32));
+  const bool amx = use_amx(o, m), pairs = !amx && o.tile2 != nullptr;
+  const int64_t ns = t_.nsub(), step = amx ? 16 : pairs ? o.max_rows2 : o.max_rows;
   const size_t per = qgemm::dec_bytes(t_, nchunks_);
   const int64_t pb = std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / per), 1, 16);
   uint8_t* buf = dec_buf.get(per * pb);
@@ -169,11 +169,18 @@ void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, 
     const int64_t nb = std::min(pb, p1 - b0);
     for (int64_t j = 0; j < nb; ++j)
       (amx ? o.decode16 : o.decode)(t_, panel(b0 + j), nchunks_, qgemm::dec_view(t_, nchunks_, buf + j * per));
-    for (int64_t r0 = 0; r0 < m; r0 += step) {
-      const int64_t mr = std::min(step, m - r0);
+    for (int64_t r0 = 0, mr; r0 < m; r0 += mr) {
+      mr = std::min({step, m - r0, 16 - r0 % 16});  // a row tile stays within one of Act's 16-row tiles
       for (int64_t j = 0; j < nb; ++j) {
         const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf + j * per);
-        std::fill(acc, acc + step * kPanel, 0.0f);
+        std::fill(acc, acc + 2 * step * kPanel, 0.0f);
+        if (pairs && j + 1 < nb) {  // two panels a pass: each activation broadcast feeds both
+          float* acc1 = acc + step * kPanel;
+          o.tile2(t_, d, qgemm::dec_view(t_, nchunks_, buf + (j + 1) * per), nchunks_ * ns, a, 0, r0, mr, acc, acc1);
+          store(acc, b0 + j, r0, mr, y, ldy, bias);
+          store(acc1, b0 + ++j, r0, mr, y, ldy, bias);
+          continue;
+        }
         if (amx) o.tile16(t_, d, nchunks_ * ns, a, 0, r0, acc);
         else o.tile(t_, d, nchunks_ * ns, a, 0, r0, mr, acc);
         store(acc, b0 + j, r0, mr, y, ldy, bias);
