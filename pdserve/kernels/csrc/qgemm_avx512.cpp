@@ -125,8 +125,8 @@ void tile_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, f
 }
 
 // Two panels' 16 columns each for MR rows: each activation broadcast feeds a vpdpbusd of both panels, so a sub-block
-// takes MR x G broadcasts for 2 x MR x G products (one panel's tile: as many broadcasts for half the products, which
-// on a core issuing two vpdpbusd a cycle made the loads the bound). MR x 2 chains per row block; a row's int32 sums
+// takes MR x G broadcasts for 2 x MR x G products (one panel's tile: as many broadcasts for half the products; it
+// pays on cores that issue two vpdpbusd a cycle, BENCHMARKS.md). MR x 2 chains per row block; a row's int32 sums
 // are exact whatever the chains and its fp32 steps are sub_step's, in the same order: tile_t's bits.
 template <int S, bool MIN, int MR>
 void tile2_t(const Dec& d0, const Dec& d1, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, float* acc0,
