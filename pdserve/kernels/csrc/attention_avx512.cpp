@@ -295,27 +295,9 @@ void run(const AttnArgs& a, const AttnItem& it) {
         locate_stored<D, F>(a, head, kt, n, tile.st);
         if (!tile.in_place) widen_stored<D, F>(tile.st, n, kbuf, vbuf, tile.kp, tile.vp);
       }
-      // Tokens before t_first do not see key kt; t_first .. t_full - 1 see part of the tile (the diagonal), each
-      // token's G rows apart; from t_full on every token sees all n keys and their rows run as one stretch. Rows
-      // go in blocks of up to `block` (one call site per block size: the kernel stays inlined).
-      const int64_t t_first = std::max<int64_t>(0, kt - it.pos0);
-      const int64_t t_full = std::clamp<int64_t>(kt + n - 1 - it.pos0, t_first, nt);
-      const int64_t r0 = hl * per_head;
-      for (int64_t t = t_first; t <= t_full; ++t) {
-        const bool stretch = t == t_full;
-        const int nvalid = stretch ? n : static_cast<int>(it.pos0 + t - kt + 1);
-        for (int64_t r = r0 + t * g, e = stretch ? r0 + per_head : r + g; r < e; r += block) {
-          const int64_t rr = std::min<int64_t>(block, e - r);
-          float *mr = m + r, *lr = l16 + 16 * r, *ar = acc + r * D;
-          if (rr >= 3) {
-            tile.template run<3>(a, qs + r * D, nvalid, mr, lr, ar);
-          } else if (rr == 2) {
-            tile.template run<2>(a, qs + r * D, nvalid, mr, lr, ar);
-          } else {
-            tile.template run<1>(a, qs + r * D, nvalid, mr, lr, ar);
-          }
-        }
-      }
+      for_tile_rows(it, kt, n, g, hl * per_head, block, [&](auto rows, int64_t r, int nvalid) {
+        tile.template run<decltype(rows)::value>(a, qs + r * D, nvalid, m + r, l16 + 16 * r, acc + r * D);
+      });
     }
   }
   for (int64_t r = 0; r < rows; ++r)

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 #include "common.h"
 #include "kv_quant.h"
@@ -141,6 +142,32 @@ inline int64_t prompt_split(int64_t q0, int64_t q1, int64_t seq_len, int64_t pro
 
 // Keys per tile of the vector kernels. Every kernel walks an item's keys in tiles at fixed offsets from k0.
 constexpr int kKeyTile = 16;
+
+// The rows of one KV head of an item (r0 .. r0 + nt * g, a token's g rows adjacent) that see key tile kt .. kt + n - 1,
+// as blocks f(R, r, nvalid) of R = 1..3 rows (std::integral_constant, R <= block) from row r, all seeing nvalid keys:
+// tokens before t_first see none; t_first .. t_full - 1 see part of the tile (the diagonal), each token's rows apart;
+// from t_full on every token sees all n keys and their rows run as one stretch. One call site per R keeps each
+// kernel template inlined.
+template <class F>
+inline void for_tile_rows(const AttnItem& it, int64_t kt, int n, int64_t g, int64_t r0, int64_t block, F&& f) {
+  const int64_t nt = it.t1 - it.t0, t_first = std::max<int64_t>(0, kt - it.pos0);
+  const int64_t t_full = std::clamp<int64_t>(kt + n - 1 - it.pos0, t_first, nt);
+  for (int64_t t = t_first; t <= t_full; ++t) {
+    const bool stretch = t == t_full;
+    const int nvalid = stretch ? n : static_cast<int>(it.pos0 + t - kt + 1);
+    for (int64_t r = r0 + t * g, e = stretch ? r0 + nt * g : r + g, rr; r < e; r += rr) {
+      rr = std::min<int64_t>(block, e - r);
+      if (rr >= 3) {
+        f(std::integral_constant<int, 3>(), r, nvalid);
+        rr = 3;
+      } else if (rr == 2) {
+        f(std::integral_constant<int, 2>(), r, nvalid);
+      } else {
+        f(std::integral_constant<int, 1>(), r, nvalid);
+      }
+    }
+  }
+}
 // Keys per partition (attention.cpp): partitions start at multiples of this in every sequence, so a row's
 // arithmetic is the same whatever the batch (a multiple of every kernel's key tile).
 constexpr int64_t kPartition = 256;
