@@ -221,7 +221,8 @@ constexpr int row_block(int64_t tokens) {
 }
 
 // P . V's accumulator sets per row: 2 (even and odd keys apart) for f32 caches, whose decode rows go one at a time;
-// 1 for the others, whose decode rows go three at a time (enough chains either way).
+// 1 for the others, whose decode rows go a token's query heads (up to 3) at a time: the bits their rows had before
+// prompt rows were blocked across tokens.
 template <KVFormat F>
 constexpr int kPvSets = F == KVFormat::kF32 ? 2 : 1;
 

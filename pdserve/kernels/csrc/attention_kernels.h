@@ -168,6 +168,7 @@ inline void for_tile_rows(const AttnItem& it, int64_t kt, int n, int64_t g, int6
     }
   }
 }
+
 // Keys per partition (attention.cpp): partitions start at multiples of this in every sequence, so a row's
 // arithmetic is the same whatever the batch (a multiple of every kernel's key tile).
 constexpr int64_t kPartition = 256;
