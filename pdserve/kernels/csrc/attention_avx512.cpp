@@ -85,11 +85,9 @@ inline void scores_rows(const float* q, const Rows& k, __m512* s) {
 // for all R rows, in column chunks of JB vectors so R x JB x SETS accumulators fit the registers. With SETS = 2 even
 // and odd keys accumulate apart (enough FMAs in flight for one row). A row's arithmetic depends on SETS, not on R:
 // SETS is fixed per cache format (kPvSets), as a row may be a decode row alone or among a prompt's rows.
-constexpr int pow2_floor(int x) { return x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1; }
-
 template <int D, int R, int SETS, class Rows>
 inline void pv_rows(float* acc, const float* alpha, const float* p, const Rows& v, int n) {
-  constexpr int NV = D / 16, JB = std::min(NV, pow2_floor(std::min(8, 24 / (R * SETS))));
+  constexpr int NV = D / 16, JB = std::min(NV, R * SETS <= 3 ? 8 : 4);  // at most 24 accumulators
   for (int j0 = 0; j0 < NV; j0 += JB) {
     __m512 a[SETS][R][JB];
     for (int r = 0; r < R; ++r) {
