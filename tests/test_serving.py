@@ -28,6 +28,9 @@ from pdserve.server.serving_messages import ServingMessages
 from conftest import loaded_from_hf
 
 MODEL = "tiny"
+# The disconnect poll of the tests whose client goes away: the tiny model makes 400 tokens in ~0.25 s on a fast CPU,
+# the server's own poll interval, so the check must come well before the request can finish.
+POLL_S = 0.005
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +238,7 @@ def test_rejected_and_failed_requests_carry_codes(aengine: EngineClient) -> None
 
 def test_client_gone_while_collecting_aborts(aengine: EngineClient) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
+    serving._DISCONNECT_POLL_S = POLL_S
 
     async def gone() -> bool:
         return True
@@ -273,6 +277,7 @@ def test_admission_is_all_or_none_before_the_response(aengine: EngineClient) -> 
 def test_aborts_write_a_log_line_and_unread_streams_abort(aengine: EngineClient,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     serving = OpenAIServingCompletion(aengine, MODEL)
+    serving._DISCONNECT_POLL_S = POLL_S
 
     async def gone() -> bool:
         return True

@@ -245,28 +245,33 @@ template <Fmt f>
 void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
   constexpr int ns = f.qb / f.s, G = f.s / 4, Z = f.qb / 4, Z2 = Z / 2, H = ns / 2;
   constexpr int offp2 = Z2 * kVec, offp1 = offp2 + (f.p2 >= 0 ? Z / 4 * kVec : 0);
-  const int64_t cb = t.chunk_bytes(), xstride = a.qi(r0, 1) - a.qi(r0, 0);  // bytes between a row's sub-blocks
+  // The row's activation data at compile-time strides (Act's 16-row tiles): sub-blocks 16 x S bytes apart in q,
+  // 16 apart in init/xs, 32-blocks 16 apart in dx; so every address of a chunk is a base plus an immediate.
+  constexpr int64_t XQ = 16 * f.s, XI = 16, XD = 16 * (f.qb / QK);
+  const int64_t cb = t.chunk_bytes();
+  const int8_t* xq = a.q + a.qi(r0, 0);
+  const int32_t* xinit = a.init + a.si(r0, 0);
+  const float* xsum = f.min ? a.xs + a.si(r0, 0) : nullptr;
+  const float* xdx = a.dx + a.di(r0, 0);
   alignas(64) float dw[16 * kPanel], mw[16 * kPanel];
   __m512 c = _mm512_loadu_ps(acc);
-  auto step = [&](int64_t s, int j, __m512i isum) {  // sub-block j of the chunk (global s): the fp32 steps
-    const float dx = a.dx[a.di(r0, s * f.s / QK)];
+  auto step = [&](int j, __m512i isum) {  // sub-block j of the chunk: the fp32 steps
+    const float dx = xdx[j * f.s / QK * XI];
     c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_load_ps(dw + j * kPanel), _mm512_set1_ps(dx)),
                         c);
-    if (f.min) c = _mm512_fmadd_ps(_mm512_load_ps(mw + j * kPanel), _mm512_set1_ps(a.xs[a.si(r0, s)]), c);
+    if constexpr (f.min) c = _mm512_fmadd_ps(_mm512_load_ps(mw + j * kPanel), _mm512_set1_ps(xsum[j * XI]), c);
   };
   const int64_t part = (cb / H + 63) / 64 * 64;  // the chunk's prefetch in H pieces, one per sub-block pair
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const uint8_t* p = packed + ch * cb;
     decode_scales<P512>(t, p, dw, mw);
     const uint8_t* v = p + t.scale_bytes();
-    const int64_t s0 = ch * ns;
-    const int8_t* xq = a.q + a.qi(r0, s0);
     __m512i hi_sum[H];  // the second half's sub-blocks wait for the first half's fp32 steps (K order)
 #pragma GCC unroll 8
     for (int b = 0; b < H; ++b) {  // sub-block b from low nibbles, H + b from the high nibbles of the same units
       prefetch_ahead(p + b * part, std::min<int64_t>(part, cb - b * part));
-      __m512i lo_sum = _mm512_set1_epi32(a.init[a.si(r0, s0 + b)]);
-      hi_sum[b] = _mm512_set1_epi32(a.init[a.si(r0, s0 + H + b)]);
+      __m512i lo_sum = _mm512_set1_epi32(xinit[b * XI]);
+      hi_sum[b] = _mm512_set1_epi32(xinit[(H + b) * XI]);
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
         const int u = b * G + g;
@@ -285,15 +290,19 @@ void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& 
           hi = P512::lut(hi);
         }
         int32_t xl, xh;
-        std::memcpy(&xl, xq + b * xstride + 4 * g, 4);
-        std::memcpy(&xh, xq + (H + b) * xstride + 4 * g, 4);
+        std::memcpy(&xl, xq + b * XQ + 4 * g, 4);
+        std::memcpy(&xh, xq + (H + b) * XQ + 4 * g, 4);
         lo_sum = _mm512_dpbusd_epi32(lo_sum, lo, _mm512_set1_epi32(xl));
         hi_sum[b] = _mm512_dpbusd_epi32(hi_sum[b], hi, _mm512_set1_epi32(xh));
       }
-      step(s0 + b, b, lo_sum);
+      step(b, lo_sum);
     }
 #pragma GCC unroll 8
-    for (int b = 0; b < H; ++b) step(s0 + H + b, H + b, hi_sum[b]);
+    for (int b = 0; b < H; ++b) step(H + b, hi_sum[b]);
+    xq += ns * XQ;
+    xinit += ns * XI;
+    if constexpr (f.min) xsum += ns * XI;
+    xdx += XD;
   }
   _mm512_storeu_ps(acc, c);
 }
