@@ -83,26 +83,31 @@ const QType* all_types();
 // The IQ4_NL/IQ4_XS table, + 128 (unsigned bytes).
 constexpr uint8_t kIq4Table[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
-// Quantized activation rows (the caller's buffer), in tiles of 16 rows so a kernel addresses a tile's rows at
-// constant offsets and an AMX A tile (16 rows x S bytes) is contiguous: q int8 [m/16][k/s][16][s]; dx (per 32
-// values) [m/16][k/32][16]; per sub-block init = -off * sum(q) and (min types) xs = dx * float(sum(q)),
-// [m/16][k/s][16] each. m is a multiple of 16 (rows past the caller's are padding).
+// Quantized activation rows (the caller's buffer), in tiles of T = 16 rows so a kernel addresses a tile's rows at
+// constant offsets and an AMX A tile (16 rows x S bytes) is contiguous: q int8 [m/T][k/s][T][s]; dx (per 32
+// values) [m/T][k/32][T]; per sub-block init = -off * sum(q) and (min types) xs = dx * float(sum(q)),
+// [m/T][k/s][T] each. m is a multiple of T (rows past the caller's are padding). One row (a batch-1 decode) takes
+// T = 1: its values then lie together (k + 3 x k/32 x 4 bytes for a sub-block of 32) instead of one cache line
+// per sub-block and array, so a GEMV's activations stay in L1 beside the weights it streams.
 struct Act {
   int8_t* q;
   float* dx;
   int32_t* init;
   float* xs;
   int64_t k, nb32, nsub, s;
-  int64_t qi(int64_t r, int64_t sub) const { return (((r >> 4) * nsub + sub) * 16 + (r & 15)) * s; }
-  int64_t di(int64_t r, int64_t b) const { return ((r >> 4) * nb32 + b) * 16 + (r & 15); }
-  int64_t si(int64_t r, int64_t sub) const { return ((r >> 4) * nsub + sub) * 16 + (r & 15); }
+  int lt = 4;  // log2 T
+  int64_t tile_rows() const { return int64_t{1} << lt; }
+  int64_t qi(int64_t r, int64_t sub) const { return ((((r >> lt) * nsub + sub) << lt) + (r & (tile_rows() - 1))) * s; }
+  int64_t di(int64_t r, int64_t b) const { return (((r >> lt) * nb32 + b) << lt) + (r & (tile_rows() - 1)); }
+  int64_t si(int64_t r, int64_t sub) const { return (((r >> lt) * nsub + sub) << lt) + (r & (tile_rows() - 1)); }
 };
 
-// Bytes of an Act buffer of m rows (rounded up to 16; each array 64-byte aligned) and its views into `buf`.
+// Bytes of an Act buffer of m rows (rounded up to its tile rows; each array 64-byte aligned) and its views into
+// `buf`.
 size_t act_bytes(const QType& t, int64_t m, int64_t k);
 Act act_view(const QType& t, int64_t m, int64_t k, uint8_t* buf);
-// Zero rows r0..r1 (up to the end of their 16-row tile) of every array of a: padding rows of an AMX tile are
-// finite, never denormal.
+// Zero rows r0..r1 (up to the end of their tile) of every array of a: padding rows of an AMX tile are finite,
+// never denormal.
 void zero_rows(const Act& a, int64_t r0, int64_t r1);
 // Store one quantized 32-block b of row r: q[32], its scale d and the sums of its sub-blocks (1 or 2).
 inline void put_block(const QType& t, const Act& a, int64_t r, int64_t b, const int8_t* q, float d,

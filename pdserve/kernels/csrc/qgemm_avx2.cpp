@@ -151,7 +151,7 @@ void tile_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, f
     for (int h = 0; h < 2; ++h) c[r][h] = _mm256_loadu_ps(acc + r * kPanel + 8 * h);
   for (int64_t i = 0; i < nsubs; ++i) {
     const int64_t s = s0 + i;
-    const int8_t* x = a.q + a.qi(r0, s);  // row r at x + r * S (rows r0..r0+MR share a 16-row tile)
+    const int8_t* x = a.q + a.qi(r0, s);  // row r at x + r * S (rows r0..r0+MR share one of Act's tiles)
     const float* dx = a.dx + a.di(r0, s * S / QK);
     const int32_t* init = a.init + a.si(r0, s);
     const float* xs = a.xs + a.si(r0, s);
@@ -219,7 +219,7 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
     decode_scales<P256>(t, p, dw, mw);
     const uint8_t* v = p + t.scale_bytes();
     for (int j = 0; j < ns; ++j) {
-      // rows r0..r0+MR share a 16-row tile: row r at constant offsets from these
+      // rows r0..r0+MR share one of Act's tiles: row r at constant offsets from these
       const int64_t s = ch * ns + j;
       const int8_t* x = a.q + a.qi(r0, s);
       const float* dx = a.dx + a.di(r0, s * f.s / QK);

@@ -78,7 +78,7 @@ void quantize_rows(const QType& t, const float* x, int64_t ldx, int64_t r0, int6
 template <int S, bool MIN, int MR, class WV>
 inline void sub_step(WV wv, const float* dw, const float* mw, const Act& a, int64_t s, int64_t r0, __m512 (&c)[MR]) {
   constexpr int G = S / 4, CH = MR <= 2 ? 4 : MR <= 4 ? 3 : 2;  // >= 10 chains of 5-cycle vpdpbusd
-  // rows r0..r0+MR share a 16-row tile: row r at constant offsets from these
+  // rows r0..r0+MR share one of Act's tiles: row r at constant offsets from these
   const int8_t* xi = a.q + a.qi(r0, s);
   const int32_t* init = a.init + a.si(r0, s);
   const float* xs = a.xs + a.si(r0, s);
@@ -241,13 +241,13 @@ void gemv_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a
 // order, the contract's steps as sub_step's). Per row, ~1.2x gemv_t's rate on Zen 4 (one core, cold weights). The
 // chunk's L2 prefetch goes out in H pieces, one per pass of the b loop: all at the chunk's start, the burst held up
 // the loads behind it (Zen 4, from DRAM: 1.25-1.4x this way).
-template <Fmt f>
+template <Fmt f, int LT>
 void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, float* acc) {
   constexpr int ns = f.qb / f.s, G = f.s / 4, Z = f.qb / 4, Z2 = Z / 2, H = ns / 2;
   constexpr int offp2 = Z2 * kVec, offp1 = offp2 + (f.p2 >= 0 ? Z / 4 * kVec : 0);
-  // The row's activation data at compile-time strides (Act's 16-row tiles): sub-blocks 16 x S bytes apart in q,
-  // 16 apart in init/xs, 32-blocks 16 apart in dx; so every address of a chunk is a base plus an immediate.
-  constexpr int64_t XQ = 16 * f.s, XI = 16, XD = 16 * (f.qb / QK);
+  // The row's activation data at compile-time strides (Act's tiles of T = 2^LT rows): sub-blocks T x S bytes apart
+  // in q, T apart in init/xs, 32-blocks T apart in dx; so every address of a chunk is a base plus an immediate.
+  constexpr int64_t XI = int64_t{1} << LT, XQ = XI * f.s, XD = XI * (f.qb / QK);
   const int64_t cb = t.chunk_bytes();
   const int8_t* xq = a.q + a.qi(r0, 0);
   const int32_t* xinit = a.init + a.si(r0, 0);
@@ -387,24 +387,24 @@ constexpr std::array<GemvFn, sizeof...(R)> gemvs(std::integer_sequence<int, R...
 }
 
 template <Fmt f>
-GemvFn gemv_for(int64_t mr) {
+GemvFn gemv_for(int64_t mr, int lt) {
   static constexpr auto table = gemvs<f>(std::make_integer_sequence<int, kMaxRows>());
   if constexpr (f.nib && f.qb == 256 && f.p2 == 4 && f.s == 16 && !f.min)  // Q6_K
     if (mr == 1) return gemv1_q6k;
   if constexpr (f.nib && f.qb == 256 && (f.p2 >= 0 || f.p1 >= 0))
     if (mr == 1) return gemv_dec1_t<f>;
   if constexpr (f.nib && f.qb == 256 && f.p2 < 0 && f.p1 < 0)
-    if (mr == 1) return gemv1_t<f>;
+    if (mr == 1) return lt == 0 ? gemv1_t<f, 0> : gemv1_t<f, 4>;  // Act's tile rows: 1 or 16
   return table[mr - 1];
 }
 
-GemvFn pick_gemv(int id, int64_t mr) {
-  return with_fmt<GemvFn>(id, [mr](auto tag) { return gemv_for<decltype(tag)::value>(mr); });
+GemvFn pick_gemv(int id, int64_t mr, int lt) {
+  return with_fmt<GemvFn>(id, [mr, lt](auto tag) { return gemv_for<decltype(tag)::value>(mr, lt); });
 }
 
 void gemv_rows(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& a, int64_t r0, int64_t mr,
                float* acc) {
-  pick_gemv(t.id, mr)(t, packed, nchunks, a, r0, acc);
+  pick_gemv(t.id, mr, a.lt)(t, packed, nchunks, a, r0, acc);
 }
 
 }  // namespace

@@ -212,14 +212,20 @@ namespace {
 size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 }  // namespace
 
+namespace {
+int act_tile_log2(int64_t m) { return m == 1 ? 0 : 4; }  // one row: T = 1 (qgemm.h)
+}  // namespace
+
 size_t act_bytes(const QType& t, int64_t m, int64_t k) {
-  m = (m + 15) / 16 * 16;
+  const int64_t tr = int64_t{1} << act_tile_log2(m);
+  m = (m + tr - 1) / tr * tr;
   const size_t nsub = static_cast<size_t>(m * (k / t.s)), nb = static_cast<size_t>(m * (k / QK));
   return align64(static_cast<size_t>(m * k)) + align64(4 * nb) + 2 * align64(4 * nsub);
 }
 
 Act act_view(const QType& t, int64_t m, int64_t k, uint8_t* buf) {
-  m = (m + 15) / 16 * 16;
+  const int lt = act_tile_log2(m);
+  m = (m + (int64_t{1} << lt) - 1) >> lt << lt;
   const size_t nsub = static_cast<size_t>(m * (k / t.s)), nb = static_cast<size_t>(m * (k / QK));
   Act a;
   a.q = reinterpret_cast<int8_t*>(buf);
@@ -233,6 +239,7 @@ Act act_view(const QType& t, int64_t m, int64_t k, uint8_t* buf) {
   a.nb32 = k / QK;
   a.nsub = k / t.s;
   a.s = t.s;
+  a.lt = lt;
   return a;
 }
 
