@@ -86,9 +86,10 @@ constexpr uint8_t kIq4Table[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 15
 // Quantized activation rows (the caller's buffer), in tiles of T = 16 rows so a kernel addresses a tile's rows at
 // constant offsets and an AMX A tile (16 rows x S bytes) is contiguous: q int8 [m/T][k/s][T][s]; dx (per 32
 // values) [m/T][k/32][T]; per sub-block init = -off * sum(q) and (min types) xs = dx * float(sum(q)),
-// [m/T][k/s][T] each. m is a multiple of T (rows past the caller's are padding). One row (a batch-1 decode) takes
-// T = 1: its values then lie together (k + 3 x k/32 x 4 bytes for a sub-block of 32) instead of one cache line
-// per sub-block and array, so a GEMV's activations stay in L1 beside the weights it streams.
+// [m/T][k/s][T] each. m is a multiple of T (rows past the caller's are padding). Fewer than 16 rows take T = the
+// power of two from m: one row (a batch-1 decode) then lies together (k + 3 x k/32 x 4 bytes for sub-blocks of 32)
+// instead of one cache line per sub-block and array, so a GEMV's activations stay in L1 beside the weights it
+// streams.
 struct Act {
   int8_t* q;
   float* dx;

@@ -394,7 +394,7 @@ GemvFn gemv_for(int64_t mr, int lt) {
   if constexpr (f.nib && f.qb == 256 && (f.p2 >= 0 || f.p1 >= 0))
     if (mr == 1) return gemv_dec1_t<f>;
   if constexpr (f.nib && f.qb == 256 && f.p2 < 0 && f.p1 < 0)
-    if (mr == 1) return lt == 0 ? gemv1_t<f, 0> : gemv1_t<f, 4>;  // Act's tile rows: 1 or 16
+    if (mr == 1 && (lt == 0 || lt == 4)) return lt == 0 ? gemv1_t<f, 0> : gemv1_t<f, 4>;  // a lone row, or one of 9-15
   return table[mr - 1];
 }
 

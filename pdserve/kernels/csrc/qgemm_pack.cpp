@@ -213,7 +213,13 @@ size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 }  // namespace
 
 namespace {
-int act_tile_log2(int64_t m) { return m == 1 ? 0 : 4; }  // one row: T = 1 (qgemm.h)
+// Act's tile rows T (qgemm.h): the power of two from m up to 16, so fewer than 16 rows (decodes of small batches)
+// leave no padding rows between them.
+int act_tile_log2(int64_t m) {
+  int lt = 0;
+  while (lt < 4 && (int64_t{1} << lt) < m) ++lt;
+  return lt;
+}
 }  // namespace
 
 size_t act_bytes(const QType& t, int64_t m, int64_t k) {
