@@ -394,7 +394,8 @@ GemvFn gemv_for(int64_t mr, int lt) {
   if constexpr (f.nib && f.qb == 256 && (f.p2 >= 0 || f.p1 >= 0))
     if (mr == 1) return gemv_dec1_t<f>;
   if constexpr (f.nib && f.qb == 256 && f.p2 < 0 && f.p1 < 0)
-    if (mr == 1 && (lt == 0 || lt == 4)) return lt == 0 ? gemv1_t<f, 0> : gemv1_t<f, 4>;  // a lone row, or one of 9-15
+    if (mr == 1 && (lt == 0 || lt == 4))  // T = 1: a lone row; T = 16: the last row of a batch of 9 or more
+      return lt == 0 ? gemv1_t<f, 0> : gemv1_t<f, 4>;
   return table[mr - 1];
 }
 

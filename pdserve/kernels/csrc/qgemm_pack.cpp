@@ -210,28 +210,26 @@ const QType* all_types() { return kTypes; }
 
 namespace {
 size_t align64(size_t n) { return (n + 63) / 64 * 64; }
-}  // namespace
 
-namespace {
-// Act's tile rows T (qgemm.h): the power of two from m up to 16, so fewer than 16 rows (decodes of small batches)
-// leave no padding rows between them.
+// Act's tile rows T = 2^lt (qgemm.h): the power of two from m up to 16, so fewer than 16 rows (decodes of small
+// batches) leave no padding rows between them.
 int act_tile_log2(int64_t m) {
   int lt = 0;
   while (lt < 4 && (int64_t{1} << lt) < m) ++lt;
   return lt;
 }
+int64_t padded_rows(int64_t m, int lt) { return (m + (int64_t{1} << lt) - 1) >> lt << lt; }
 }  // namespace
 
 size_t act_bytes(const QType& t, int64_t m, int64_t k) {
-  const int64_t tr = int64_t{1} << act_tile_log2(m);
-  m = (m + tr - 1) / tr * tr;
+  m = padded_rows(m, act_tile_log2(m));
   const size_t nsub = static_cast<size_t>(m * (k / t.s)), nb = static_cast<size_t>(m * (k / QK));
   return align64(static_cast<size_t>(m * k)) + align64(4 * nb) + 2 * align64(4 * nsub);
 }
 
 Act act_view(const QType& t, int64_t m, int64_t k, uint8_t* buf) {
   const int lt = act_tile_log2(m);
-  m = (m + (int64_t{1} << lt) - 1) >> lt << lt;
+  m = padded_rows(m, lt);
   const size_t nsub = static_cast<size_t>(m * (k / t.s)), nb = static_cast<size_t>(m * (k / QK));
   Act a;
   a.q = reinterpret_cast<int8_t*>(buf);
