@@ -98,9 +98,11 @@ struct Act {
   int64_t k, nb32, nsub, s;
   int lt = 4;  // log2 T
   int64_t tile_rows() const { return int64_t{1} << lt; }
-  int64_t qi(int64_t r, int64_t sub) const { return ((((r >> lt) * nsub + sub) << lt) + (r & (tile_rows() - 1))) * s; }
-  int64_t di(int64_t r, int64_t b) const { return (((r >> lt) * nb32 + b) << lt) + (r & (tile_rows() - 1)); }
-  int64_t si(int64_t r, int64_t sub) const { return (((r >> lt) * nsub + sub) << lt) + (r & (tile_rows() - 1)); }
+  // Element (row r, entry i of n per row) of a [m/T][n][T] array.
+  int64_t at(int64_t r, int64_t n, int64_t i) const { return (((r >> lt) * n + i) << lt) + (r & (tile_rows() - 1)); }
+  int64_t qi(int64_t r, int64_t sub) const { return at(r, nsub, sub) * s; }
+  int64_t di(int64_t r, int64_t b) const { return at(r, nb32, b); }
+  int64_t si(int64_t r, int64_t sub) const { return at(r, nsub, sub); }
 };
 
 // Bytes of an Act buffer of m rows (rounded up to its tile rows; each array 64-byte aligned) and its views into

@@ -170,11 +170,13 @@ void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, 
     for (int64_t j = 0; j < nb; ++j)
       (amx ? o.decode16 : o.decode)(t_, panel(b0 + j), nchunks_, qgemm::dec_view(t_, nchunks_, buf + j * per));
     for (int64_t r0 = 0, mr; r0 < m; r0 += mr) {
-      mr = std::min({step, m - r0, 16 - r0 % 16});  // a row tile stays within one of Act's 16-row tiles
+      const int64_t tr = a.tile_rows();
+      mr = std::min({step, m - r0, tr - r0 % tr});  // a row tile stays within one of Act's tiles
       for (int64_t j = 0; j < nb; ++j) {
         const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf + j * per);
-        std::fill(acc, acc + 2 * step * kPanel, 0.0f);
-        if (pairs && j + 1 < nb) {  // two panels a pass: each activation broadcast feeds both
+        const bool paired = pairs && j + 1 < nb;
+        std::fill(acc, acc + (paired ? 2 : 1) * step * kPanel, 0.0f);
+        if (paired) {  // two panels a pass: each activation broadcast feeds both
           float* acc1 = acc + step * kPanel;
           o.tile2(t_, d, qgemm::dec_view(t_, nchunks_, buf + (j + 1) * per), nchunks_ * ns, a, 0, r0, mr, acc, acc1);
           store(acc, b0 + j, r0, mr, y, ldy, bias);
