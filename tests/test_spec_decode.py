@@ -256,7 +256,10 @@ def test_greedy_equal_in_mixed_batches(make_llm: Any, tokenizer: Any, kernels: s
     llm = make_llm(kernels=kernels, max_num_batched_tokens=96, speculative_config={**spec, "policy": policy})
     assert _run(llm, prompts, GREEDY) == want
     stats = llm.engine.spec.stats
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    if policy == "always":
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    else:  # auto drafts only where its wall-time guard measures drafting faster: it decided, one way or the other
+        assert stats.num_drafts > 0 or sum(stats.disabled_steps.values()) > 0
 
 
 def test_greedy_equal_with_stops_max_tokens_n_logprobs(make_llm: Any, tokenizer: Any, kernels: str,
