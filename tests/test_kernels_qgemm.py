@@ -183,6 +183,26 @@ def test_batch_invariance(mod: Any, name: str) -> None:
             np.testing.assert_array_equal(one.view(np.uint32), ref[:64].view(np.uint32), err_msg=f"{level} 1 thread")
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+def test_long_rows_in_blocks_of_panels(mod: Any, name: str) -> None:
+    """At K = 8192 and more rows than the register path takes, each thread decodes blocks of a few panels (a Q4_K
+    panel decodes to 163 KiB) and runs the row tiles over pairs of them; an odd panel count and a partial last panel
+    run alone. Every level gives the generic level's bits."""
+    rng = np.random.default_rng(7 + ggml_type(name))
+    m, n, k = 70, 5 * 16 + 3, 8192
+    x, w = random_acts(rng, m, k), random_blocks(rng, n, k, name)
+    pw = pack(mod, w, name, k)
+    ref = None
+    for level in LEVELS:
+        if not mod.cpu_supports(level):
+            continue
+        for _ in lowered(mod, level):
+            got = pw.forward(torch.from_numpy(x)).numpy()
+        if ref is None:
+            ref = got
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=level)
+
+
 @pytest.mark.usefixtures("isa_all")
 @pytest.mark.parametrize("name", TYPES)
 def test_zero_blocks_and_zero_rows(mod: Any, name: str) -> None:

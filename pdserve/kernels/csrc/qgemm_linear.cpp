@@ -163,7 +163,10 @@ void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, 
   const bool amx = use_amx(o, m), pairs = !amx && o.tile2 != nullptr;
   const int64_t ns = t_.nsub(), step = amx ? 16 : pairs ? o.max_rows2 : o.max_rows;
   const size_t per = qgemm::dec_bytes(t_, nchunks_);
-  const int64_t pb = std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / per), 1, 16);
+  int64_t pb = std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / per), 1, 16);
+  // blocks of whole pairs where the level pairs panels: an odd block's last panel ran alone, a broadcast per product
+  // instead of per two (K = 8192 Q4_K: 3 panels a block; 2 pairs measured faster, BENCHMARKS.md)
+  if (pairs) pb = std::max<int64_t>(2, pb / 2 * 2);
   uint8_t* buf = dec_buf.get(per * pb);
   for (int64_t b0 = p0; b0 < p1; b0 += pb) {
     const int64_t nb = std::min(pb, p1 - b0);
