@@ -204,6 +204,46 @@ def test_long_rows_in_blocks_of_panels(mod: Any, name: str) -> None:
 
 
 @pytest.mark.usefixtures("isa_all")
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "IQ4_XS"])
+def test_slabs_give_the_bits_of_forward(mod: Any, name: str) -> None:
+    """forward_slab over consecutive K ranges (the accumulators carried in y, bias in the last) and over column
+    ranges gives forward's bits, at every row count's path; on the amx level (prompt rows' own arithmetic) the
+    weight takes no slabs and writes nothing."""
+    rng = np.random.default_rng(ggml_type(name))
+    n, k = 83, 1024
+    w = pack(mod, random_blocks(rng, n, k, name), name, k)
+    stacked = mod.stack_packed([pack(mod, random_blocks(rng, 40, k, name), name, k), w])
+    takes = mod.active_isa() != "amx"
+    assert w.takes_slabs is takes and stacked.takes_slabs is takes
+    for m in (1, 5, 70, 300):
+        x = torch.from_numpy(random_acts(rng, m, k))
+        for pw, cols, (c0, c1) in ((w, n, (32, 83)), (stacked, 40 + n, (32, 88))):
+            bias = torch.randn(cols)
+            full = pw.forward(x, bias)
+            y = torch.full((m, cols), float("nan"))
+            cuts = [0, 256, 768, k]
+            for i in range(3):
+                xs, last = x[:, cuts[i]:cuts[i + 1]], i == 2
+                assert pw.forward_slab(xs, y, 0, cuts[i], i > 0, bias if last else None) is takes
+            part = torch.full((m, c1 - c0), float("nan"))  # to w's last column; across the stacked parts' boundary
+            assert pw.forward_slab(x, part, c0, 0, False, bias[c0:c1]) is takes
+            if takes:
+                assert torch.equal(y, full), (m, pw.type_name)
+                assert torch.equal(part, full[:, c0:c1]), (m, pw.type_name)
+            else:
+                assert bool(y.isnan().all())
+                continue
+            # x quantized once for several column slabs (kept, then reused); a kept quantization of another x (or
+            # shape) is not reused
+            a, b, c = (torch.full((m, 16), float("nan")) for _ in range(3))
+            x2 = x * 2
+            assert pw.forward_slab(x, a, 0, 0, False, None, 1) and pw.forward_slab(x, b, 16, 0, False, None, 2)
+            assert pw.forward_slab(x2, c, 16, 0, False, None, 2)
+            assert torch.equal(a, pw.forward(x)[:, :16]) and torch.equal(b, pw.forward(x)[:, 16:32])
+            assert torch.equal(c, pw.forward(x2)[:, 16:32])
+
+
+@pytest.mark.usefixtures("isa_all")
 @pytest.mark.parametrize("name", TYPES)
 def test_zero_blocks_and_zero_rows(mod: Any, name: str) -> None:
     """All-zero blocks (scale 0) and all-zero activation rows give exact zeros, never NaN."""

@@ -109,10 +109,17 @@ def test_long_prefill_runs_the_mlp_in_row_chunks_with_the_same_bits(weights: str
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_wide_mlp_runs_in_96_row_chunks_with_the_same_bits(dtype: torch.dtype, tmp_path: Path) -> None:
-    """I = 8192 (a 1.7B model's MLP): 96-row chunks keep the scratch at 6 MiB; still each row's bits."""
+@pytest.mark.parametrize("scratch_mib", [6, 1])
+def test_a_wide_mlp_runs_in_slabs_or_row_chunks_with_the_same_bits(dtype: torch.dtype, scratch_mib: int,
+                                                                  tmp_path: Path) -> None:
+    """I = 8192 (a 1.7B model's MLP) at 300 rows: slab by slab of I where the weights take slabs (every level but
+    amx: 2,560 columns a slab in 6 MiB, 256 in 1 MiB, or the spare room of another buffer), else in 96-row chunks;
+    either way each row's bits and a scratch within the budget."""
     runner = native_runner(loaded("llama", "gguf", tmp_path, intermediate_size=8192, num_hidden_layers=1), dtype)
+    program = runner.model.program
+    program.set_mlp_scratch_bytes(scratch_mib << 20)
     assert_program_equals_definition(runner, LONG_STEP)
+    assert (program.mlp_slab_calls > 0) is (kernels.require().active_isa() != "amx")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

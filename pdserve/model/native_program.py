@@ -17,7 +17,9 @@ One rewrite happens at the end: each `linear -> silu/gelu_and_mul -> linear` (a 
 nothing else reads becomes one `gated_mlp` op that runs in row chunks of 64-512 (as many as a 6 MiB scratch holds,
 or, if more, the room in a buffer that no live value uses there), so a 512-token prefill of a 1.7B model holds at
 most a [96, 2I] intermediate of its own (6 MiB; the activation is written over its gate half) instead of a [512, 2I]
-one and a [512, I] one (48 MiB); each row's bits are those of the three ops.
+one and a [512, I] one (48 MiB); where the weights take slabs (GGUF blocks below the amx level) a step too long for
+one chunk runs slab by slab of I instead, in the same room (every weight panel decoded once, not once a chunk);
+each row's bits are those of the three ops.
 """
 
 from __future__ import annotations

@@ -219,6 +219,7 @@ class NativeProgram {
     mlp_scratch_bytes_ = bytes;
   }
   int64_t mlp_spare_calls() const { return mlp_spare_calls_.load(std::memory_order_relaxed); }
+  int64_t mlp_slab_calls() const { return mlp_slab_calls_.load(std::memory_order_relaxed); }
 
   // Profiling (benchmarks, `pdserve profile`): wall time and calls per op kind while on; turning it on resets.
   void set_profiling(bool on) {
@@ -262,6 +263,56 @@ class NativeProgram {
   // larger chunks measured faster on both model sizes (BENCHMARKS.md).
   static constexpr int64_t kMlpMaxChunkRows = 512;
 
+  // The gated MLP slab by slab of I where row chunks would decode every weight panel again for each chunk (and the
+  // weights take slabs, PackedWeight::forward_slab): per slab of S intermediate columns (a multiple of 256, as many as
+  // a [T, 2S] scratch within the MLP's budget holds), the slab's gate and up columns for every row, act over its gate
+  // half, then the down projection over the slab's K range, its fp32 accumulators carried in out from slab to slab.
+  // Each panel is decoded once; every element's operations are the row chunks' (the same bits). False: not taken.
+  bool gated_mlp_slabs(const Instr& I, const at::Tensor& x, at::Tensor& out, std::vector<at::Tensor>& slots,
+                       const at::Tensor* spare, int64_t start) const {
+    const auto& n = I.ints;
+    const PackedWeight &gate_up = w(n[0]), &down = w(n[2]);
+    const int64_t t = x.size(0), inter = slot_widths_[n[5]] / 2, hidden = gate_up.k();
+    const int64_t room = spare ? (spare->numel() - start) * static_cast<int64_t>(sizeof(float)) : 0;
+    const bool borrow = room > mlp_scratch_bytes_;  // the spare room of another buffer, as the row chunks borrow it
+    const int64_t budget = borrow ? room : mlp_scratch_bytes_;
+    const int64_t width = std::min(inter, budget / (t * 2 * static_cast<int64_t>(sizeof(float))) / 256 * 256);
+    if (width < 256 || inter % 256 != 0 || !gate_up.takes_slabs() || !down.takes_slabs()) return false;
+    TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && out.size(1) == down.n(), "gated_mlp: strided columns");
+    at::Tensor gu_all;
+    if (borrow) {
+      gu_all = spare->as_strided({t, 2 * width}, {2 * width, 1}, spare->storage_offset() + start);
+      mlp_spare_calls_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      at::Tensor& own = slots[n[5]];  // [rows, 2I] as the row chunks keep it: as many rows as [t, 2 width] takes
+      const int64_t two_i = 2 * inter, own_rows = (t * 2 * width + two_i - 1) / two_i;
+      if (!own.defined() || own.size(0) < own_rows) own = at::empty({own_rows, two_i}, at::kFloat);
+      gu_all = own.view(-1).narrow(0, 0, t * 2 * width).view({t, 2 * width});
+    }
+    const float* gb = n[1] >= 0 ? c(n[1]).data_ptr<float>() : nullptr;
+    const float* db = n[3] >= 0 ? c(n[3]).data_ptr<float>() : nullptr;
+    const float* xp = x.data_ptr<float>();
+    float* g = gu_all.data_ptr<float>();
+    for (int64_t j0 = 0; j0 < inter; j0 += width) {
+      const int64_t s = std::min(width, inter - j0), ld = 2 * width;
+      // x is quantized once for every slab (kept by the first call, x unchanged until the op's end)
+      bool ok = gate_up.forward_slab(xp, x.stride(0), t, g, ld, gb ? gb + j0 : nullptr, j0, s, 0, hidden, false,
+                                     j0 == 0 ? PackedWeight::kXKeep : PackedWeight::kXKept) &&
+                gate_up.forward_slab(xp, x.stride(0), t, g + s, ld, gb ? gb + inter + j0 : nullptr, inter + j0, s, 0,
+                                     hidden, false, PackedWeight::kXKept);
+      at::Tensor gu = gu_all.narrow(1, 0, 2 * s), act = gu_all.narrow(1, 0, s);
+      if (n[4] == 0)
+        silu_and_mul(act, gu);
+      else
+        gelu_tanh_and_mul(act, gu);
+      ok = ok && down.forward_slab(g, ld, t, out.data_ptr<float>(), out.stride(0), j0 + s == inter ? db : nullptr, 0,
+                                   down.n(), j0, s, j0 > 0, PackedWeight::kXOnce);
+      TORCH_CHECK(ok, "gated_mlp: a weight refused a slab it takes");  // alignment holds by construction
+    }
+    mlp_slab_calls_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
   // The gated MLP in row chunks of equal size (more than half of the cap each), its [rows, 2I] scratch in its own
   // slot or in the spare room (past the input when the input lives in that buffer, contiguous at its start, as a
   // slot's value does). act(g) * u is written over g (each element reads only its own g and u), and the
@@ -279,11 +330,10 @@ class NativeProgram {
     if (spare && x.data_ptr() == spare->data_ptr()) start = x.is_contiguous() ? x.numel() : spare->numel();
     if (spare) spare_rows = std::min(kMlpMaxChunkRows, (spare->numel() - start) / two_i);
     const bool borrow = t > cap && spare_rows > cap;
-    if (borrow) {
-      cap = spare_rows;
-      mlp_spare_calls_.fetch_add(1, std::memory_order_relaxed);
-    }
+    if (borrow) cap = spare_rows;
     const int64_t chunks = (t + cap - 1) / cap, rows = chunks > 0 ? (t + chunks - 1) / chunks : 0;
+    if (chunks > 1 && gated_mlp_slabs(I, x, out, slots, spare, start)) return;
+    if (borrow) mlp_spare_calls_.fetch_add(1, std::memory_order_relaxed);
     at::Tensor& own = slots[n[5]];
     if (!borrow && (!own.defined() || own.size(0) < rows)) own = at::empty({rows, two_i}, at::kFloat);
     const at::Tensor gu_buf =
@@ -360,6 +410,7 @@ class NativeProgram {
   mutable std::mutex cache_mu_;
   int64_t mlp_scratch_bytes_ = int64_t{6} << 20;  // the gated MLPs' own scratch (tests lower it)
   mutable std::atomic<int64_t> mlp_spare_calls_{0};  // gated MLP calls whose scratch was another buffer's room
+  mutable std::atomic<int64_t> mlp_slab_calls_{0};   // gated MLP calls computed slab by slab of I
   mutable std::vector<at::Tensor> slot_cache_;  // per slot, [rows >= the step's T, width]
   mutable std::array<std::atomic<int64_t>, static_cast<size_t>(Op::kNumOps)> op_ns_{}, op_calls_{};
 };
@@ -388,7 +439,9 @@ void register_native_program(pybind11::module_& m) {
       .def("set_mlp_scratch_bytes", &NativeProgram::set_mlp_scratch_bytes, py::arg("bytes"),
            "the gated MLPs' own scratch budget (6 MiB; tests lower it to exercise the chunking)")
       .def_property_readonly("mlp_spare_calls", &NativeProgram::mlp_spare_calls,
-                             "gated MLP calls whose scratch was spare room in another slot's buffer");
+                             "gated MLP calls whose scratch was spare room in another slot's buffer")
+      .def_property_readonly("mlp_slab_calls", &NativeProgram::mlp_slab_calls,
+                             "gated MLP calls computed slab by slab of the intermediate size");
 }
 
 }  // namespace

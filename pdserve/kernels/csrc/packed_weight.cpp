@@ -2,6 +2,8 @@
 // kernels register their own factories (pack_* functions) that return a PackedWeight.
 #include "packed_weight.h"
 
+#include <algorithm>
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -125,6 +127,25 @@ class StackedWeight final : public PackedWeight {
       col += p->n();
     }
   }
+  bool takes_slabs() const override {
+    return std::all_of(parts_.begin(), parts_.end(), [](const PackedWeightPtr& p) { return p->takes_slabs(); });
+  }
+  // Each part takes the columns of [c0, c0 + nc) that are its own (from its first: parts hold whole 16-column
+  // panels where a slab's columns cross them).
+  bool forward_slab(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias, int64_t c0,
+                    int64_t nc, int64_t k0, int64_t kn, bool accumulate, XReuse x_reuse) const override {
+    if (!takes_slabs()) return false;
+    int64_t col = 0;
+    for (const auto& p : parts_) {
+      const int64_t lo = std::max(c0, col), hi = std::min(c0 + nc, col + p->n());
+      if (lo < hi && !p->forward_slab(x, ldx, m, y + (lo - c0), ldy, bias ? bias + (lo - c0) : nullptr, lo - col,
+                                      hi - lo, k0, kn, accumulate, x_reuse))
+        return false;
+      if (lo < hi && x_reuse == kXKeep) x_reuse = kXKept;  // the next part may reuse what this one kept
+      col += p->n();
+    }
+    return true;
+  }
   at::Tensor dequantize() const override {
     std::vector<at::Tensor> w;
     for (const auto& p : parts_) w.push_back(p->dequantize());
@@ -158,6 +179,22 @@ std::shared_ptr<PackedWeight> stack_packed(const std::vector<std::shared_ptr<Pac
   return std::make_shared<StackedWeight>(std::vector<PackedWeightPtr>(parts.begin(), parts.end()), n);
 }
 
+// y[:, :] (+)= x @ W[c0 : c0 + y.size(1), k0 : k0 + x.size(1)].T (+ bias): PackedWeight::forward_slab, checked.
+bool packed_slab_into(const PackedWeight& w, const at::Tensor& x, at::Tensor& y, int64_t c0, int64_t k0, bool accumulate,
+                      const std::optional<at::Tensor>& bias, int x_reuse) {
+  TORCH_CHECK(x_reuse >= 0 && x_reuse <= 2, "x_reuse must be 0 (once), 1 (keep) or 2 (kept)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, "x must be float32 [M, kn]");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == x.size(0) && y.stride(1) == 1,
+              "y must be float32 [M, nc] with contiguous rows");
+  TORCH_CHECK(c0 >= 0 && c0 + y.size(1) <= w.n() && k0 >= 0 && k0 + x.size(1) <= w.k(), "slab out of W's range");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == y.size(1) &&
+                        bias->is_contiguous()), "bias must be float32 [nc]");
+  pybind11::gil_scoped_release nogil;
+  return w.forward_slab(x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), y.stride(0),
+                        bias ? bias->data_ptr<float>() : nullptr, c0, y.size(1), k0, x.size(1), accumulate,
+                        static_cast<PackedWeight::XReuse>(x_reuse));
+}
+
 void register_packed_weight(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<PackedWeight, std::shared_ptr<PackedWeight>>(
@@ -170,6 +207,12 @@ void register_packed_weight(pybind11::module_& m) {
            py::arg("prompt_rows") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "act[M, N/2] = silu (gelu: gelu_tanh) of x @ gate.T times x @ up.T, W = [gate; up], where the format "
            "fuses it for these rows (packed_weight.h: forward_gated); returns whether it did (nothing written if not)")
+      .def("forward_slab", &packed_slab_into, py::arg("x"), py::arg("y"), py::arg("c0"), py::arg("k0"),
+           py::arg("accumulate"), py::arg("bias") = py::none(), py::arg("x_reuse") = 0,
+           "y (+)= x @ W[c0 : c0 + y.shape[1], k0 : k0 + x.shape[1]].T (+ bias), the fp32 accumulation over K carried "
+           "in y from the call over the K range before; x_reuse 1 keeps x's quantization, 2 reuses the kept one "
+           "(x unchanged since; packed_weight.h: forward_slab); whether the format did")
+      .def_property_readonly("takes_slabs", &PackedWeight::takes_slabs)
       .def("rows", &packed_rows, py::arg("ids"), py::call_guard<py::gil_scoped_release>(),
            "W[ids] as float32 [*ids.shape, K] (an embedding lookup); ids out of range raise")
       .def("dequantize", &PackedWeight::dequantize, "W as float32 [N, K]: the values the kernels multiply by")

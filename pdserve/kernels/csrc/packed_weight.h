@@ -44,6 +44,23 @@ class PackedWeight {
     (void)prompt_rows;
     forward(x, ldx, m, y, ldy, bias);
   }
+  // Slabs of the product, for an op that computes a long matrix product in pieces (a gated MLP slab by slab of I):
+  // y[r * ldy + j] = (accumulate ? y[r * ldy + j] : 0) + sum over k0 <= k < k0 + kn of x[r * ldx + k - k0] * W[c0 + j, k]
+  // (+ bias[j]) for r < m, j < nc, where the sum continues the fp32 accumulation over K that an earlier call over
+  // the K range before k0 left in y (accumulate), so calls over consecutive K ranges, bias in the last, give
+  // forward's bits. c0 a multiple of 16 and nc too (or reaching n), k0 and kn multiples of the format's block.
+  // takes_slabs: whether forward_slab computes them (false: it returns false; it also does for a misaligned slab,
+  // y then unspecified). x_reuse: kXOnce, or, for calls that multiply one x by several column slabs, kXKeep (the
+  // format keeps the calling thread's quantized x) then kXKept (x unchanged since: the kept quantization serves,
+  // where it was made for the same x, shape and format).
+  enum XReuse : int { kXOnce = 0, kXKeep = 1, kXKept = 2 };
+  virtual bool takes_slabs() const { return false; }
+  virtual bool forward_slab(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
+                            int64_t c0, int64_t nc, int64_t k0, int64_t kn, bool accumulate, XReuse x_reuse) const {
+    (void)x, (void)ldx, (void)m, (void)y, (void)ldy, (void)bias, (void)c0, (void)nc, (void)k0, (void)kn, (void)accumulate;
+    (void)x_reuse;
+    return false;
+  }
   // A gated MLP's gate/up projection (W = [gate; up], n = 2I): act[r * ld_act + j] = gated(y[r, :I], y[r, I:])[j]
   // for j < I, without writing y, when the format has a fused path for these rows (GGUF blocks on AMX, every row a
   // prompt row, I a multiple of 16); false (nothing written) otherwise. The same bits as forward_rows then gated.

@@ -78,6 +78,9 @@ class QgemmWeight final : public PackedWeight {
   std::string type_name() const override { return t_.name; }
   int64_t nbytes() const override { return packed_.numel(); }
   void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override;
+  bool takes_slabs() const override { return ops().decode_bf16 == nullptr; }
+  bool forward_slab(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias, int64_t c0,
+                    int64_t nc, int64_t k0, int64_t kn, bool accumulate, XReuse x_reuse) const override;
   void forward_rows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
                     const uint8_t* prompt_rows) const override;
   bool forward_gated(const float* x, int64_t ldx, int64_t m, float* act, int64_t ld_act, GatedMulFn gated,
@@ -86,12 +89,23 @@ class QgemmWeight final : public PackedWeight {
   void rows(const int64_t* ids, int64_t t, float* out) const override;
 
  private:
+  // What one pass multiplies: panels [p0, p1) (y and bias start at column 16 p0), chunks [ch0, ch0 + nch) of each
+  // (the Act's K), and whether the fp32 accumulators start from y (a later K range) or from zero.
+  struct Slab {
+    int64_t p0, p1, ch0, nch;
+    bool accumulate;
+    XReuse x_reuse;
+  };
   const uint8_t* panel(int64_t p) const { return packed_.data_ptr<uint8_t>() + p * nchunks_ * t_.chunk_bytes(); }
+  void run(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias, const Slab& sl) const;
   void run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
-               const float* bias) const;
+               const float* bias, const Slab& sl) const;
   void run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y, int64_t ldy,
-                const float* bias) const;
-  void store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy, const float* bias) const;
+                const float* bias, const Slab& sl) const;
+  // acc [rows][16] for panel p's rows r0..r0+mr: zero, or y's values (a later K range of the slab)
+  void load(float* acc, int64_t p, int64_t r0, int64_t mr, const float* y, int64_t ldy, const Slab& sl) const;
+  void store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy, const float* bias,
+             const Slab& sl) const;
   // Prompt rows on the amx level: bf16 AMX tiles (fgemm's kernel) over panels dequantized to bf16 per call.
   void forward_bf16(const qgemm::Ops& o, const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy,
                     const float* bias) const;
@@ -103,15 +117,32 @@ class QgemmWeight final : public PackedWeight {
   at::Tensor packed_;
 };
 
+void QgemmWeight::load(float* acc, int64_t p, int64_t r0, int64_t mr, const float* y, int64_t ldy,
+                       const Slab& sl) const {
+  std::fill(acc, acc + mr * kPanel, 0.0f);
+  if (!sl.accumulate) return;
+  const int64_t c0 = (p - sl.p0) * kPanel, nc = std::min<int64_t>(kPanel, n() - p * kPanel);
+  for (int64_t r = 0; r < mr; ++r) std::copy_n(y + (r0 + r) * ldy + c0, nc, acc + r * kPanel);
+}
+
 void QgemmWeight::store(const float* acc, int64_t p, int64_t r0, int64_t mr, float* y, int64_t ldy,
-                        const float* bias) const {
-  const int64_t c0 = p * kPanel, nc = std::min<int64_t>(kPanel, n() - c0);
+                        const float* bias, const Slab& sl) const {
+  const int64_t c0 = (p - sl.p0) * kPanel, nc = std::min<int64_t>(kPanel, n() - p * kPanel);
   for (int64_t r = 0; r < mr; ++r) {
     float* yr = y + (r0 + r) * ldy + c0;
     const float* ar = acc + r * kPanel;
     for (int64_t c = 0; c < nc; ++c) yr[c] = bias ? ar[c] + bias[c0 + c] : ar[c];
   }
 }
+
+// What a thread's kept activation quantization was made from (QgemmWeight::run): x, its shape and the format.
+struct KeptX {
+  const float* x = nullptr;
+  int64_t ldx = 0, m = 0, k = 0;
+  int type = -1;
+  const qgemm::Ops* level = nullptr;  // the ISA level (its quantizer and Act layout)
+  bool operator==(const KeptX& o) const = default;
+};
 
 // Rows from which the amx level multiplies on AMX tiles (all rows then: the activations are padded to 16-row tiles).
 // benchmarks/kernels_qgemm.py here: at 16 rows the VNNI tiles were as fast or faster (up to 1.25x), from 32 AMX won.
@@ -130,39 +161,41 @@ constexpr int64_t kFewRowsMax = 64;
 // all the row tiles. (A prefetch of the next group into L1 here, kept from an Intel measurement, made the AVX2 level
 // 1.6x slower on Zen 4 than no software prefetch; the L2 prefetch inside the decoders replaced it.)
 void QgemmWeight::run_few(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
-                          int64_t ldy, const float* bias) const {
+                          int64_t ldy, const float* bias, const Slab& sl) const {
   thread_local Scratch dec_buf, acc_buf;
   float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * kFewRowsMax));
   const int64_t cb = t_.chunk_bytes(), ns = t_.nsub(), group = std::max<int64_t>(1, 256 / t_.qb), step = o.max_rows;
   const qgemm::Dec d = qgemm::dec_view(t_, group, dec_buf.get(qgemm::dec_bytes(t_, group)));
   for (int64_t p = p0; p < p1; ++p) {
-    std::fill(acc, acc + m * kPanel, 0.0f);
+    const uint8_t* first = panel(p) + sl.ch0 * cb;
+    load(acc, p, 0, m, y, ldy, sl);
     // a level's gemv takes a (type, rows) or leaves it all to the decode path: the first row tile, the widest, tells
     bool in_registers = o.gemv != nullptr;
     for (int64_t r0 = 0; in_registers && r0 < m; r0 += step)
-      in_registers = o.gemv(t_, panel(p), nchunks_, a, r0, std::min(step, m - r0), acc + r0 * kPanel);
+      in_registers = o.gemv(t_, first, sl.nch, a, r0, std::min(step, m - r0), acc + r0 * kPanel);
     if (!in_registers) {
-      std::fill(acc, acc + m * kPanel, 0.0f);
-      for (int64_t c0 = 0; c0 < nchunks_; c0 += group) {
-        const int64_t g = std::min(group, nchunks_ - c0);
-        o.decode(t_, panel(p) + c0 * cb, g, d);  // prefetches the stream into L2 ahead of itself (prefetch_ahead)
+      load(acc, p, 0, m, y, ldy, sl);
+      for (int64_t c0 = 0; c0 < sl.nch; c0 += group) {
+        const int64_t g = std::min(group, sl.nch - c0);
+        o.decode(t_, first + c0 * cb, g, d);  // prefetches the stream into L2 ahead of itself (prefetch_ahead)
         for (int64_t r0 = 0; r0 < m; r0 += step)
           o.tile(t_, d, g * ns, a, c0 * ns, r0, std::min(step, m - r0), acc + r0 * kPanel);
       }
     }
-    store(acc, p, 0, m, y, ldy, bias);
+    store(acc, p, 0, m, y, ldy, bias, sl);
   }
 }
 
 // More rows: decode a block of panels whole (L2) and run every row tile over each (AMX tiles of 16 rows where the
 // level has them). As on the few-rows path, each output is one fixed sequence of operations over K (qgemm.h).
 void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, int64_t p0, int64_t p1, float* y,
-                           int64_t ldy, const float* bias) const {
+                           int64_t ldy, const float* bias, const Slab& sl) const {
   thread_local Scratch dec_buf, acc_buf;
   float* acc = reinterpret_cast<float*>(acc_buf.get(sizeof(float) * kPanel * 32));
   const bool amx = use_amx(o, m), pairs = !amx && o.tile2 != nullptr;
-  const int64_t ns = t_.nsub(), step = amx ? 16 : pairs ? o.max_rows2 : o.max_rows;
-  const size_t per = qgemm::dec_bytes(t_, nchunks_);
+  const int64_t ns = t_.nsub(), step = amx ? 16 : pairs ? o.max_rows2 : o.max_rows, nch = sl.nch;
+  const int64_t first = sl.ch0 * t_.chunk_bytes();  // a panel's first chunk of the slab
+  const size_t per = qgemm::dec_bytes(t_, nch);
   int64_t pb = std::clamp<int64_t>(static_cast<int64_t>(kBlockBytes / per), 1, 16);
   // blocks of whole pairs where the level pairs panels: an odd block's last panel ran alone, a broadcast per product
   // instead of per two (K = 8192 Q4_K: 3 panels a block; 2 pairs measured faster, BENCHMARKS.md)
@@ -171,24 +204,26 @@ void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, 
   for (int64_t b0 = p0; b0 < p1; b0 += pb) {
     const int64_t nb = std::min(pb, p1 - b0);
     for (int64_t j = 0; j < nb; ++j)
-      (amx ? o.decode16 : o.decode)(t_, panel(b0 + j), nchunks_, qgemm::dec_view(t_, nchunks_, buf + j * per));
+      (amx ? o.decode16 : o.decode)(t_, panel(b0 + j) + first, nch, qgemm::dec_view(t_, nch, buf + j * per));
     for (int64_t r0 = 0, mr; r0 < m; r0 += mr) {
       const int64_t tr = a.tile_rows();
       mr = std::min({step, m - r0, tr - r0 % tr});  // a row tile stays within one of Act's tiles
       for (int64_t j = 0; j < nb; ++j) {
-        const qgemm::Dec d = qgemm::dec_view(t_, nchunks_, buf + j * per);
+        const qgemm::Dec d = qgemm::dec_view(t_, nch, buf + j * per);
         const bool paired = pairs && j + 1 < nb;
-        std::fill(acc, acc + (paired ? 2 : 1) * step * kPanel, 0.0f);
         if (paired) {  // two panels a pass: each activation broadcast feeds both
           float* acc1 = acc + step * kPanel;
-          o.tile2(t_, d, qgemm::dec_view(t_, nchunks_, buf + (j + 1) * per), nchunks_ * ns, a, 0, r0, mr, acc, acc1);
-          store(acc, b0 + j, r0, mr, y, ldy, bias);
-          store(acc1, b0 + ++j, r0, mr, y, ldy, bias);
+          load(acc, b0 + j, r0, mr, y, ldy, sl);
+          load(acc1, b0 + j + 1, r0, mr, y, ldy, sl);
+          o.tile2(t_, d, qgemm::dec_view(t_, nch, buf + (j + 1) * per), nch * ns, a, 0, r0, mr, acc, acc1);
+          store(acc, b0 + j, r0, mr, y, ldy, bias, sl);
+          store(acc1, b0 + ++j, r0, mr, y, ldy, bias, sl);
           continue;
         }
-        if (amx) o.tile16(t_, d, nchunks_ * ns, a, 0, r0, acc);
-        else o.tile(t_, d, nchunks_ * ns, a, 0, r0, mr, acc);
-        store(acc, b0 + j, r0, mr, y, ldy, bias);
+        load(acc, b0 + j, r0, amx ? 16 : mr, y, ldy, sl);
+        if (amx) o.tile16(t_, d, nch * ns, a, 0, r0, acc);
+        else o.tile(t_, d, nch * ns, a, 0, r0, mr, acc);
+        store(acc, b0 + j, r0, mr, y, ldy, bias, sl);
       }
     }
   }
@@ -196,18 +231,42 @@ void QgemmWeight::run_many(const qgemm::Ops& o, const qgemm::Act& a, int64_t m, 
 }
 
 void QgemmWeight::forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const {
+  run(x, ldx, m, y, ldy, bias, Slab{0, npanels_, 0, nchunks_, false, kXOnce});
+}
+
+bool QgemmWeight::forward_slab(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
+                               int64_t c0, int64_t nc, int64_t k0, int64_t kn, bool accumulate,
+                               XReuse x_reuse) const {
+  const bool cols = c0 >= 0 && nc > 0 && c0 + nc <= n() && c0 % kPanel == 0 && (nc % kPanel == 0 || c0 + nc == n());
+  const bool ks = k0 >= 0 && kn > 0 && k0 + kn <= k() && k0 % t_.qb == 0 && kn % t_.qb == 0;
+  if (!takes_slabs() || !cols || !ks) return false;
+  run(x, ldx, m, y, ldy, bias,
+      Slab{c0 / kPanel, (c0 + nc + kPanel - 1) / kPanel, k0 / t_.qb, kn / t_.qb, accumulate, x_reuse});
+  return true;
+}
+
+void QgemmWeight::run(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
+                      const Slab& sl) const {
   const qgemm::Ops& o = ops();
-  thread_local Scratch act_buf;
-  const int64_t rows = use_amx(o, m) ? (m + 15) / 16 * 16 : m;  // AMX tiles read whole 16-row tiles
-  const qgemm::Act a = qgemm::act_view(t_, rows, k(), act_buf.get(qgemm::act_bytes(t_, rows, k())));
-  parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { o.quantize_act(t_, x, ldx, r0, r1, a); });
-  if (rows > m) qgemm::zero_rows(a, m, rows);
-  const int64_t threads = num_threads();
-  const int64_t grain = (npanels_ + threads - 1) / threads;  // even split: each thread one contiguous stream
+  // the calling thread's activation scratch, and the one whose quantization a caller may keep for later calls
+  // (Slab::x_reuse), with what it holds
+  thread_local Scratch act_buf, kept_buf;
+  thread_local KeptX kept;
+  const int64_t rows = use_amx(o, m) ? (m + 15) / 16 * 16 : m, kn = sl.nch * t_.qb;  // AMX tiles: whole 16-row tiles
+  const bool keep = sl.x_reuse != kXOnce;
+  const KeptX key{x, ldx, m, kn, t_.id, &o};
+  const qgemm::Act a = qgemm::act_view(t_, rows, kn, (keep ? kept_buf : act_buf).get(qgemm::act_bytes(t_, rows, kn)));
+  if (!(sl.x_reuse == kXKept && kept == key)) {
+    parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { o.quantize_act(t_, x, ldx, r0, r1, a); });
+    if (rows > m) qgemm::zero_rows(a, m, rows);
+    if (keep) kept = key;
+  }
+  const int64_t threads = num_threads(), np = sl.p1 - sl.p0;
+  const int64_t grain = (np + threads - 1) / threads;  // even split: each thread one contiguous stream
   const bool few = m <= o.max_rows || (o.few_rows && !use_amx(o, m) && m <= std::min(kFewRowsMax, o.few_rows(t_)));
-  parallel_for(0, npanels_, grain, [&](int64_t p0, int64_t p1) {
-    if (few) run_few(o, a, m, p0, p1, y, ldy, bias);
-    else run_many(o, a, m, p0, p1, y, ldy, bias);
+  parallel_for(sl.p0, sl.p1, grain, [&](int64_t p0, int64_t p1) {
+    if (few) run_few(o, a, m, p0, p1, y, ldy, bias, sl);
+    else run_many(o, a, m, p0, p1, y, ldy, bias, sl);
   });
 }
 
