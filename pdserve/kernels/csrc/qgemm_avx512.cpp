@@ -72,6 +72,16 @@ void quantize_rows(const QType& t, const float* x, int64_t ldx, int64_t r0, int6
   }
 }
 
+// The contract's fp32 steps of one sub-block for one row (qgemm.h): acc = fma(float(isum), dw * dx, acc), then for
+// types with a min acc = fma(mw, xs, acc) (mw: the sub-block's 16 mins). Every tile and GEMV here takes them from here.
+template <bool MIN>
+__attribute__((always_inline)) inline __m512 fp_step(__m512 acc, __m512i isum, __m512 dw, __m512 dx, const float* mw,
+                                                     float xs) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dx), acc);
+  if constexpr (MIN) acc = _mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(xs), acc);
+  return acc;
+}
+
 // One sub-block (global index s) for MR activation rows x the panel's 16 columns: each weight vector (wv(g), in a
 // register) feeds every row (MR independent vpdpbusd chains; short tiles split each row's sum over more chains:
 // integer adds, the same result), then each row takes the contract's fp32 steps with the sub-block's dw/mw.
@@ -104,8 +114,7 @@ inline void sub_step(WV wv, const float* dw, const float* mw, const Act& a, int6
   for (int r = 0; r < MR; ++r) {
     __m512i sum = isum[r][0];
     for (int h = 1; h < CH; ++h) sum = _mm512_add_epi32(sum, isum[r][h]);
-    c[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dws, _mm512_set1_ps(dx[r])), c[r]);
-    if (MIN) c[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(xs[r]), c[r]);
+    c[r] = fp_step<MIN>(c[r], sum, dws, _mm512_set1_ps(dx[r]), mw, MIN ? xs[r] : 0.0f);
   }
 }
 
@@ -162,13 +171,9 @@ void tile2_t(const Dec& d0, const Dec& d1, int64_t nsubs, const Act& a, int64_t 
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m512 dxr = _mm512_set1_ps(dx[r]);
-      c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(dw0, dxr), c0[r]);
-      c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(dw1, dxr), c1[r]);
-      if (MIN) {
-        const __m512 xsr = _mm512_set1_ps(xs[r]);
-        c0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(d0.mw + i * kPanel), xsr, c0[r]);
-        c1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(d1.mw + i * kPanel), xsr, c1[r]);
-      }
+      const float xsr = MIN ? xs[r] : 0.0f;
+      c0[r] = fp_step<MIN>(c0[r], i0[r], dw0, dxr, d0.mw + i * kPanel, xsr);
+      c1[r] = fp_step<MIN>(c1[r], i1[r], dw1, dxr, d1.mw + i * kPanel, xsr);
     }
   }
 #pragma GCC unroll 16
@@ -257,9 +262,8 @@ void gemv1_t(const QType& t, const uint8_t* packed, int64_t nchunks, const Act& 
   __m512 c = _mm512_loadu_ps(acc);
   auto step = [&](int j, __m512i isum) {  // sub-block j of the chunk: the fp32 steps
     const float dx = xdx[j * f.s / QK * XI];
-    c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_load_ps(dw + j * kPanel), _mm512_set1_ps(dx)),
-                        c);
-    if constexpr (f.min) c = _mm512_fmadd_ps(_mm512_load_ps(mw + j * kPanel), _mm512_set1_ps(xsum[j * XI]), c);
+    c = fp_step<f.min>(c, isum, _mm512_load_ps(dw + j * kPanel), _mm512_set1_ps(dx), mw + j * kPanel,
+                       f.min ? xsum[j * XI] : 0.0f);
   };
   const int64_t part = (cb / H + 63) / 64 * 64;  // the chunk's prefetch in H pieces, one per sub-block pair
   for (int64_t ch = 0; ch < nchunks; ++ch) {
@@ -336,8 +340,7 @@ void gemv1_q6k(const QType& t, const uint8_t* packed, int64_t nchunks, const Act
   __m512 c = _mm512_loadu_ps(acc);
   auto step = [&](int64_t s, int j, __m512i isum) {
     const float dx = a.dx[a.di(r0, s * 16 / QK)];
-    c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(_mm512_load_ps(dw + j * kPanel), _mm512_set1_ps(dx)),
-                        c);
+    c = fp_step<false>(c, isum, _mm512_load_ps(dw + j * kPanel), _mm512_set1_ps(dx), nullptr, 0.0f);
   };
   auto dot = [](__m512i sum, __m512i w, const int8_t* x) {
     int32_t xv;
