@@ -57,11 +57,8 @@ def drafts(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any, alphabet_mo
             "perturbed": _save(perturbed, tokenizer, root / "perturbed")}
 
 
-# Tests of the draft mechanics draft every step: the `auto` policy (its own tests) turns drafts off where it measures
-# them slower, by wall time, so on a busy or fast machine a test could see no drafts at all.
-ALWAYS = {"policy": "always"}
-
-
+# Tests of the draft mechanics pass policy="always" (draft every step): the `auto` policy (its own tests) turns drafts
+# off where it measures them slower, by wall time, so on a busy or fast machine a test could see no drafts at all.
 def _spec(path: str, k: int = 4, **extra: Any) -> dict[str, Any]:
     return {"method": "draft_model", "model": path, "num_speculative_tokens": k, **extra}
 
@@ -123,7 +120,8 @@ def test_draft_equal_to_target_accepts_everything(make_llm: Any, tokenizer: Any,
     base = make_llm(kernels=kernels, max_num_batched_tokens=96)
     prompts = _texts(tokenizer) + [_repetitive(base, tokenizer)]
     want = _run(base, prompts, GREEDY)
-    spec = make_llm(kernels=kernels, max_num_batched_tokens=96, speculative_config=_spec(drafts["same"], **ALWAYS))
+    spec = make_llm(kernels=kernels, max_num_batched_tokens=96,
+                    speculative_config=_spec(drafts["same"], policy="always"))
     assert _run(spec, prompts, GREEDY) == want
     stats = spec.engine.spec.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
@@ -146,7 +144,7 @@ def test_perturbed_draft_with_stops_max_tokens_n_logprobs(make_llm: Any, tokeniz
                              repetition_penalty=1.2)]
     prompts = [rep, rep, rep, rep, tokenizer.encode("你好，世界！请继续写下去。"), rep]
     want = base.generate([{"prompt_token_ids": p} for p in prompts], params)
-    spec = make_llm(kernels=kernels, speculative_config=_spec(drafts["perturbed"], 3, **ALWAYS))
+    spec = make_llm(kernels=kernels, speculative_config=_spec(drafts["perturbed"], 3, policy="always"))
     got = spec.generate([{"prompt_token_ids": p} for p in prompts], params)
     for w, g in zip(want, got):
         for cw, cg in zip(w.outputs, g.outputs, strict=True):
@@ -170,7 +168,7 @@ def test_greedy_equal_under_preemption(make_llm: Any, tokenizer: Any, drafts: di
     prompts = [rep, rep[:30], rep + rep[:10], *_texts(tokenizer)[:3]]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want = _run(base, prompts, params)
-    spec = make_llm(**opts, speculative_config=_spec(drafts["perturbed"], **ALWAYS))
+    spec = make_llm(**opts, speculative_config=_spec(drafts["perturbed"], policy="always"))
     assert _run(spec, prompts, params) == want
     assert spec.engine.scheduler.num_preemptions > 0 and spec.engine.spec.stats.num_accepted_tokens > 0
     assert _at_baseline(spec)
@@ -180,7 +178,7 @@ def test_draft_pool_follows_its_requests(make_llm: Any, tokenizer: Any, drafts: 
     """After every step each request's draft blocks cover exactly the tokens the draft computed (rejected drafts'
     blocks freed): the request's tokens less its newest, or, with proposals pending for its next step, all its
     tokens and all but the last of those drafts; abort frees everything."""
-    llm = make_llm(speculative_config=_spec(drafts["perturbed"], **ALWAYS), num_kv_blocks=64)
+    llm = make_llm(speculative_config=_spec(drafts["perturbed"], policy="always"), num_kv_blocks=64)
     eng, pool = llm.engine, _drafter(llm).pool
     rep = _repetitive(make_llm(), tokenizer)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -241,7 +239,7 @@ def test_full_draft_pool_falls_back_without_changing_output(make_llm: Any, token
     rep = _repetitive(base, tokenizer)
     prompts = [rep, rep[5:], rep[9:]]
     want = _run(base, prompts, GREEDY)
-    spec = make_llm(speculative_config=_spec(drafts["same"], **ALWAYS))
+    spec = make_llm(speculative_config=_spec(drafts["same"], policy="always"))
     _drafter(spec).pool = DraftKVPool(8, spec.engine.block_size)
     assert _run(spec, prompts, GREEDY) == want
     assert _drafter(spec).num_fallbacks > 0 and spec.engine.spec.stats.num_accepted_tokens > 0
@@ -256,7 +254,7 @@ def test_temperature_keeps_the_distribution(make_llm: Any, tokenizer: Any, draft
     rep = base_prompt + list(base.generate([{"prompt_token_ids": base_prompt}], GREEDY)[0].outputs[0].token_ids)
     n = 600
     samples = {}
-    spec = make_llm(**opts, speculative_config=_spec(drafts["perturbed"], **ALWAYS))
+    spec = make_llm(**opts, speculative_config=_spec(drafts["perturbed"], policy="always"))
     for name, llm in (("base", base), ("spec", spec)):
         first_seed = 0 if name == "base" else n  # independent samples
         params = [SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=first_seed + s)
@@ -277,7 +275,8 @@ def test_temperature_keeps_the_distribution(make_llm: Any, tokenizer: Any, draft
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> Iterator[ServerProc]:
     srv = start_server(tmp_path_factory.mktemp("spec-draft"), "--model", str(tiny_dir), "--dtype", "float32",
                        "--num-kv-blocks", "256", "--max-model-len", "2048", "--num-threads", "1",
-                       "--speculative-config", json.dumps(_spec(str(tiny_dir), **ALWAYS)), "--device-peaks", "off")
+                       "--speculative-config", json.dumps(_spec(str(tiny_dir), policy="always")),
+                       "--device-peaks", "off")
     yield srv
     srv.stop()
 
@@ -337,7 +336,7 @@ def test_real_model_q4_gguf_drafts_for_its_fp32_and_int8_weights(fp32_dir: str, 
                for c in chats]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
-    spec = LLM(**opts, speculative_config=_spec(resolve_model_path(None), 4, **ALWAYS))
+    spec = LLM(**opts, speculative_config=_spec(resolve_model_path(None), 4, policy="always"))
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     assert got == want
     stats = spec.engine.spec.stats

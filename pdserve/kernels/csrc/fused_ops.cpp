@@ -124,7 +124,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 
 namespace {
 
-void gated_and_mul(at::Tensor& out, const at::Tensor& x, GatedMulFn fn) {
+void run_gated(at::Tensor& out, const at::Tensor& x, GatedMulFn fn) {
   const int64_t t = x.size(0), i = out.dim() == 2 ? out.size(1) : 0;
   check_rows(out, "out", t, i);
   check_rows(x, "x", t, 2 * i);
@@ -136,9 +136,11 @@ void gated_and_mul(at::Tensor& out, const at::Tensor& x, GatedMulFn fn) {
 
 }  // namespace
 
-void silu_and_mul(at::Tensor& out, const at::Tensor& x) { gated_and_mul(out, x, kernels().silu_mul); }
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) { run_gated(out, x, kernels().silu_mul); }
 
-void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) { gated_and_mul(out, x, kernels().gelu_tanh_mul); }
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) { run_gated(out, x, kernels().gelu_tanh_mul); }
+
+void gated_and_mul(at::Tensor& out, const at::Tensor& x, bool gelu) { run_gated(out, x, gated_mul_kernel(gelu)); }
 
 GatedMulFn gated_mul_kernel(bool gelu) { return gelu ? kernels().gelu_tanh_mul : kernels().silu_mul; }
 

@@ -300,11 +300,8 @@ class NativeProgram {
                                      j0 == 0 ? PackedWeight::kXKeep : PackedWeight::kXKept) &&
                 gate_up.forward_slab(xp, x.stride(0), t, g + s, ld, gb ? gb + inter + j0 : nullptr, inter + j0, s, 0,
                                      hidden, false, PackedWeight::kXKept);
-      at::Tensor gu = gu_all.narrow(1, 0, 2 * s), act = gu_all.narrow(1, 0, s);
-      if (n[4] == 0)
-        silu_and_mul(act, gu);
-      else
-        gelu_tanh_and_mul(act, gu);
+      at::Tensor act = gu_all.narrow(1, 0, s);
+      gated_and_mul(act, gu_all.narrow(1, 0, 2 * s), n[4] != 0);
       ok = ok && down.forward_slab(g, ld, t, out.data_ptr<float>(), out.stride(0), j0 + s == inter ? db : nullptr, 0,
                                    down.n(), j0, s, j0 > 0, PackedWeight::kXOnce);
       TORCH_CHECK(ok, "gated_mlp: a weight refused a slab it takes");  // alignment holds by construction
@@ -348,10 +345,7 @@ class NativeProgram {
       const at::Tensor xc = x.narrow(0, r0, m);
       if (n[1] >= 0 || !packed_gated_into(w(n[0]), xc, act, n[4] != 0, kinds)) {  // fused: no [m, 2I] pass
         packed_linear_into(w(n[0]), xc, bias(n[1]), gu, kinds);
-        if (n[4] == 0)
-          silu_and_mul(act, gu);
-        else
-          gelu_tanh_and_mul(act, gu);
+        gated_and_mul(act, gu, n[4] != 0);
       }
       packed_linear_into(w(n[2]), act, bias(n[3]), y, kinds);
     }

@@ -27,6 +27,8 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                       const at::Tensor& sin, int64_t head_dim);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x);
+// One of the two: gelu_tanh_and_mul where gelu, else silu_and_mul.
+void gated_and_mul(at::Tensor& out, const at::Tensor& x, bool gelu);
 // The row kernel those two run on this CPU (gelu: gelu_tanh_and_mul's), for callers that fuse it into a GEMM.
 GatedMulFn gated_mul_kernel(bool gelu);
 

@@ -253,6 +253,8 @@ void QgemmWeight::run(const float* x, int64_t ldx, int64_t m, float* y, int64_t 
   thread_local Scratch act_buf, kept_buf;
   thread_local KeptX kept;
   const int64_t rows = use_amx(o, m) ? (m + 15) / 16 * 16 : m, kn = sl.nch * t_.qb;  // AMX tiles: whole 16-row tiles
+  // an accumulating slab reads y's rows back: never padding rows (slabs run below the amx level: takes_slabs)
+  TORCH_CHECK(!sl.accumulate || rows == m, "qgemm: an accumulating slab on padded AMX rows");
   const bool keep = sl.x_reuse != kXOnce;
   const KeptX key{x, ldx, m, kn, t_.id, &o};
   const qgemm::Act a = qgemm::act_view(t_, rows, kn, (keep ? kept_buf : act_buf).get(qgemm::act_bytes(t_, rows, kn)));
