@@ -223,27 +223,27 @@ inline int visible(const Scratch& s, int64_t r, int64_t kt, int n) {
 // The online-softmax step of the 16 rows of block b on their scores s.s [16][32] (lanes >= a row's visible keys
 // masked): updates m and l16, writes bf16(p) to s.p [16][32] (zero for rows that see no key of the tile) and the
 // factor for acc to alpha[16]; returns the mask of rows that see the tile. Lane i of every vector step is row i
-// alone.
+// alone; the rows' maxima come from one transpose tree (vec::reduce16_with), exp from exp16_scalef (arguments <= 0).
 inline __mmask16 softmax_block(Scratch& s, int64_t b, int64_t kt, int n, float* alpha) {
-  alignas(64) float mx[16];
   __mmask16 seen = 0;
   __mmask16 k0[16], k1[16];
+  __m512 rmax[16];
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
   for (int i = 0; i < 16; ++i) {
     const int nv = visible(s, 16 * b + i, kt, n);
     k0[i] = nv >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nv) - 1);
     k1[i] = nv >= 32 ? __mmask16(0xFFFF) : nv > 16 ? __mmask16((1u << (nv - 16)) - 1) : 0;
-    mx[i] = kNegInf;
-    if (nv == 0) continue;
-    seen |= __mmask16(1u << i);
-    mx[i] = _mm512_mask_reduce_max_ps(k0[i], _mm512_loadu_ps(s.s.data() + 32 * i));
-    if (k1[i]) mx[i] = std::max(mx[i], _mm512_mask_reduce_max_ps(k1[i], _mm512_loadu_ps(s.s.data() + 32 * i + 16)));
+    if (nv > 0) seen |= __mmask16(1u << i);
+    rmax[i] = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, k0[i], s.s.data() + 32 * i),
+                            _mm512_mask_loadu_ps(ninf, k1[i], s.s.data() + 32 * i + 16));
   }
   float* m = s.m.data() + 16 * b;
-  const __m512 mo = _mm512_loadu_ps(m), mn = _mm512_max_ps(mo, _mm512_load_ps(mx));
+  const __m512 mo = _mm512_loadu_ps(m);
+  const __m512 mn = _mm512_max_ps(mo, vec::reduce16_with(rmax, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
   // alpha = exp(m_old - m_new): exactly 1 when the max stays, 0 on a row's first tile (m_old = -inf)
-  __m512 al = _mm512_mask_mov_ps(vec::exp16(_mm512_sub_ps(mo, mn)), _mm512_cmp_ps_mask(mo, mn, _CMP_EQ_OQ),
+  __m512 al = _mm512_mask_mov_ps(vec::exp16_scalef(_mm512_sub_ps(mo, mn)), _mm512_cmp_ps_mask(mo, mn, _CMP_EQ_OQ),
                                  _mm512_set1_ps(1.f));
-  al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mo, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ), _mm512_setzero_ps());
+  al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
   _mm512_storeu_ps(alpha, al);
   _mm512_mask_storeu_ps(m, seen, mn);
   alignas(64) float mnv[16];
@@ -255,9 +255,10 @@ inline __mmask16 softmax_block(Scratch& s, int64_t b, int64_t kt, int n, float* 
       continue;
     }
     const __m512 mi = _mm512_set1_ps(mnv[i]);
-    const __m512 p0 = _mm512_maskz_mov_ps(k0[i], vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i), mi)));
+    const __m512 p0 =
+        _mm512_maskz_mov_ps(k0[i], vec::exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i), mi)));
     const __m512 p1 =
-        _mm512_maskz_mov_ps(k1[i], vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i + 16), mi)));
+        _mm512_maskz_mov_ps(k1[i], vec::exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i + 16), mi)));
     float* l16 = s.l16.data() + 16 * (16 * b + i);
     _mm512_storeu_ps(l16, _mm512_add_ps(_mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(alpha[i]), p0), p1));
     _mm512_storeu_si512(pb, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
