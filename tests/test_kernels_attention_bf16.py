@@ -33,7 +33,7 @@ def check_bf16(mod: Any, c: Case) -> None:
     group, d = c.q.shape[1] // c.kv.shape[3], c.q.shape[2]
     # q multiplied as two bf16 parts (q itself, to ~16 bits): AMX, and vdpbf16ps's rows kernel, which takes
     # generated rows (these cases have no prompt rows) at small G
-    if mod.active_isa() == "amx" or mod.attention_kernels(d, True, group)[1] == "avx512_bf16_rows":
+    if mod.active_isa() == "amx" or mod.attention_kernels(d, "bfloat16", group)[1] == "avx512_bf16_rows":
         want = reference(c)
     else:  # what vdpbf16ps multiplies: bf16(q * scale)
         qb = (c.q * c.scale).bfloat16().float()

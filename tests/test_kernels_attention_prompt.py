@@ -1,8 +1,8 @@
 """Prompt rows (`paged_attention(..., prompt_lens)`: a row at a position below its sequence's prompt length) run on
-the bf16 dot-product kernel of the level (AMX tiles, AVX512-BF16 vdpbf16ps) with a bf16 cache; every other row keeps
-the kernel it runs without prompt_lens. A row's
-kernel, and so its bits, follow from its position alone: a chunk that crosses the prompt's end (a preempted request's
-recompute) splits there."""
+the bf16 dot-product kernel of the level (AMX tiles, AVX512-BF16 vdpbf16ps) with a bf16 cache, and on fp32 FMAs in
+the same transposed key tiles at the avx512 level (test_kernels_attention_tiles.py); every other row keeps the kernel
+it runs without prompt_lens. A row's kernel, and so its bits, follow from its position alone: a chunk that crosses
+the prompt's end (a preempted request's recompute) splits there."""
 
 from __future__ import annotations
 
@@ -45,8 +45,12 @@ def test_prompt_rows_take_bf16_dot_products_others_keep_their_kernel(level: str,
             mod.set_attention_bf16_min_group(0)
             plain, mixed = run(mod, c, None), run(mod, c, torch.tensor(PROMPT, dtype=torch.int32))
             assert torch.equal(mixed[~mask], plain[~mask])  # generated rows: untouched
-            if level not in ("amx", "avx512_bf16"):  # no bf16 dot products: prompt_lens changes nothing
+            if level in ("generic", "avx2"):  # no tile kernel: prompt_lens changes nothing
                 assert torch.equal(mixed, plain)
+                continue
+            if level == "avx512":  # fp32 FMAs in transposed tiles
+                assert torch.equal(mixed[mask], run(mod, c, c.seq_lens)[mask])
+                assert not torch.equal(mixed[mask], plain[mask])
                 continue
             # every row a prompt row: every row on the level's tile kernel (AMX tiles, vdpbf16ps transposed tiles)
             tiles = run(mod, c, c.seq_lens)
@@ -57,9 +61,12 @@ def test_prompt_rows_take_bf16_dot_products_others_keep_their_kernel(level: str,
             if level == "amx":  # vdpbf16ps rounds q to bf16 too: test_kernels_attention_bf16.py bounds it
                 bound = 2.0**-8 * float(c.kv[1].float().nan_to_num(0).abs().max())  # p to bf16; q split, not rounded
                 assert float((mixed[mask].double() - reference(c)[mask]).abs().max()) <= bound
-            # a threshold above the group sends prompt rows to the fp32 kernels too
+            # a threshold above the group sends prompt rows to the fp32 tiles (the avx512 level's prompt rows)
             mod.set_attention_bf16_min_group(group + 1)
-            assert torch.equal(run(mod, c, torch.tensor(PROMPT, dtype=torch.int32)), run(mod, c, None))
+            fp32 = run(mod, c, torch.tensor(PROMPT, dtype=torch.int32))
+            assert torch.equal(fp32[~mask], run(mod, c, None)[~mask])
+            for avx512 in lowered(mod, "avx512"):
+                assert torch.equal(fp32[mask], run(avx512, c, torch.tensor(PROMPT, dtype=torch.int32))[mask])
         finally:
             mod.set_attention_bf16_min_group(before)
 
@@ -70,8 +77,9 @@ def test_prompt_rows_take_bf16_dot_products_others_keep_their_kernel(level: str,
 def test_prompt_rows_of_a_quantized_cache_read_its_rows_as_bf16(level: str, dtype: torch.dtype, group: int,
                                                                 d: int) -> None:
     """int8/fp8 caches: on CPUs with AVX512-BF16 (AMX ones too) prompt rows run the vdpbf16ps kernel over each key
-    tile converted to bf16(scale * code): the bits that kernel gives on a bf16 cache holding those values. Other
-    rows, and every row below avx512_bf16, keep the fp32 kernel over the codes."""
+    tile converted to bf16(scale * code): the bits that kernel gives on a bf16 cache holding those values; at avx512
+    the fp32 tiles over code x scale (exact in fp32): the bits of an f32 cache holding those values. Other rows, and
+    every row below avx512, keep the fp32 kernel over the codes."""
     for mod in lowered(module(), level):
         c = make_case(CTX, QLEN, 16, 2, group, d, torch.float32, 31 + d)
         codes = quantize_kv(c.kv, dtype)
@@ -79,8 +87,13 @@ def test_prompt_rows_of_a_quantized_cache_read_its_rows_as_bf16(level: str, dtyp
         mask, prompts = prompt_mask(c), torch.tensor(PROMPT, dtype=torch.int32)
         plain, mixed = run(mod, stored, None), run(mod, stored, prompts)
         assert torch.equal(mixed[~mask], plain[~mask])
-        if level not in ("amx", "avx512_bf16"):
+        if level in ("generic", "avx2"):
             assert torch.equal(mixed, plain)
+            continue
+        if level == "avx512":
+            as_f32 = Case(c.q, dequantize_kv(codes, dtype, torch.float32), c.block_table, c.qsl, c.seq_lens, c.scale)
+            assert torch.equal(mixed[mask], run(mod, as_f32, prompts)[mask])
+            assert not torch.equal(mixed[mask], plain[mask])
             continue
         as_bf16 = Case(c.q, dequantize_kv(codes, dtype, torch.bfloat16), c.block_table, c.qsl, c.seq_lens, c.scale)
         for bf16_level in lowered(mod, "avx512_bf16"):  # on amx, a bf16 cache's prompt rows take AMX tiles

@@ -63,10 +63,12 @@ def test_isa_can_be_lowered_by_environment() -> None:
 @pytest.mark.parametrize("level", ALL_LEVELS)
 def test_attention_path_says_each_rows_kernel(level: str) -> None:
     """The start-up log's attention line, per level: prompt rows on the bf16 dot-product kernel where the level has
-    one (AMX tiles, vdpbf16ps), generated rows by the level's group threshold (vdpbf16ps: on rows as stored below
-    G = 8, in transposed tiles from it); fp32 kernels for other caches, head sizes and soft-capping."""
+    one (AMX tiles, vdpbf16ps; int8 caches too), else on fp32 FMAs in transposed tiles from avx512 up; generated rows
+    by the level's group threshold (vdpbf16ps: on rows as stored below G = 8, in transposed tiles from it); fp32
+    row kernels for other caches, head sizes and soft-capping."""
     from kernel_levels import lowered, module
 
+    tiles = "AVX-512 FMA in transposed key tiles"
     for _ in lowered(module(), level):
         prompt, generated = kernels.attention_path("bfloat16", 3, 64)
         if level == "amx":
@@ -75,12 +77,20 @@ def test_attention_path_says_each_rows_kernel(level: str) -> None:
         elif level == "avx512_bf16":
             assert prompt == "AVX512-BF16 vdpbf16ps" and generated == "AVX512-BF16 vdpbf16ps on rows as stored"
             assert kernels.attention_path("bfloat16", 8, 128) == ("AVX512-BF16 vdpbf16ps",) * 2
+        elif level == "avx512":
+            assert prompt == tiles and generated.startswith("fp32 dot products (avx512)")
         else:
             assert prompt == generated and generated.startswith(f"fp32 dot products ({level})")
-        for args in (("float32", 3, 64, False), ("int8", 3, 64, False), ("bfloat16", 3, 256, False),
-                     ("bfloat16", 3, 64, True)):
+        bf16_dots = level in ("avx512_bf16", "amx")
+        for args, want in ((("float32", 3, 64, False), tiles), (("int8", 3, 64, False),
+                                                                 "AVX512-BF16 vdpbf16ps" if bf16_dots else tiles),
+                           (("bfloat16", 3, 256, False), None), (("bfloat16", 3, 64, True), None)):
             prompt, generated = kernels.attention_path(*args)
-            assert prompt == generated and generated.startswith("fp32 dot products"), args
+            assert generated.startswith("fp32 dot products"), args
+            if want is None or level in ("generic", "avx2"):
+                assert prompt == generated, args
+            else:
+                assert prompt == want, args
 
 
 @pytest.fixture(scope="module")

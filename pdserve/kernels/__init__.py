@@ -133,7 +133,8 @@ def gemm_path(type_name: str) -> str:
 
 
 _ATTENTION_KERNELS = {"amx": "AMX-BF16 tiles", "avx512_bf16": "AVX512-BF16 vdpbf16ps",
-                      "avx512_bf16_rows": "AVX512-BF16 vdpbf16ps on rows as stored"}
+                      "avx512_bf16_rows": "AVX512-BF16 vdpbf16ps on rows as stored",
+                      "avx512_tiles": "AVX-512 FMA in transposed key tiles"}
 
 
 def attention_path(kv_storage: str, group: int, head_dim: int, softcap: bool = False) -> tuple[str, str]:
@@ -155,5 +156,5 @@ def attention_path(kv_storage: str, group: int, head_dim: int, softcap: bool = F
                else "no bf16 dot products at this level")
         return f"fp32 dot products ({level}): {why}"
 
-    prompt, generated = mod.attention_kernels(head_dim, bf16, group, softcap)
+    prompt, generated = mod.attention_kernels(head_dim, kv_storage, group, softcap)
     return describe(prompt), describe(generated)

@@ -109,17 +109,20 @@ AttnFn pick_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
 // The kernel of prompt rows (a row whose position is below its sequence's prompt length, paged_attention's
 // prompt_lens): the bf16 dot-product kernel of the level (AMX tiles, vdpbf16ps) wherever the CPU has one and the
 // cache is bf16 (prefill rows come in blocks of 16 and more: ~2-3x the fp32 kernels at every G, BENCHMARKS.md);
-// vdpbf16ps on AMX CPUs too for int8/fp8 caches, whose key tiles it converts to bf16 once; else the same kernel as
-// every other row. Generated rows (decode, speculative verification, and generated tokens
-// recomputed after a preemption, whose positions are past the prompt) keep pick_kernel's: a row's kernel follows
-// from its position, never from the batch around it. A threshold set with set_attention_bf16_min_group above G
-// sends prompt rows to the fp32 kernels as well.
-AttnFn pick_prompt_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap) {
+// vdpbf16ps on AMX CPUs too for int8/fp8 caches, whose key tiles it converts to bf16 once; from avx512 up, every
+// other cache (f32 ones, and all of them below avx512_bf16) takes the same tiles with fp32 FMAs
+// (attention_avx512_tiles.cpp), except where scores are soft-capped or a sliding window makes every prompt group one
+// token (`windowed`): those keep every other row's kernel. Generated rows (decode, speculative verification, and
+// generated tokens recomputed after a preemption, whose positions are past the prompt) keep pick_kernel's: a row's
+// kernel follows from its position, never from the batch around it. A threshold set with
+// set_attention_bf16_min_group above G sends bf16 prompt rows to the fp32 tiles as well.
+AttnFn pick_prompt_kernel(int64_t d, KVFormat fmt, int64_t group, bool softcap, bool windowed) {
 #if defined(__x86_64__)
   const Isa level = active_isa();
   if ((level == Isa::kAmx || level == Isa::kAvx512Bf16) && (fmt == KVFormat::kBF16 || kv_quantized(fmt)) &&
       !softcap && (d == 64 || d == 128) && group >= g_bf16_min_group.load(std::memory_order_relaxed))
     return level == Isa::kAmx && fmt == KVFormat::kBF16 ? attn_item_amx : attn_item_avx512bf16;
+  if (level >= Isa::kAvx512 && !softcap && !windowed && (d == 64 || d == 128)) return attn_item_avx512_tiles;
 #endif
   return pick_kernel(d, fmt, group, softcap);
 }
@@ -131,6 +134,7 @@ const char* kernel_level(AttnFn fn) {
   if (fn == attn_item_avx512bf16) return "avx512_bf16";
   if (fn == attn_item_avx512bf16_rows) return "avx512_bf16_rows";
   if (fn == attn_item_avx512) return "avx512";
+  if (fn == attn_item_avx512_tiles) return "avx512_tiles";
   if (fn == attn_item_avx2) return "avx2";
 #endif
   return "generic";
@@ -345,10 +349,11 @@ void finish_group(const AttnArgs& a, AttnFn fn, const Group& gr) {
 }
 
 void run_tasks(const AttnArgs& a, const std::vector<Group>& groups, const std::vector<Task>& tasks,
-               int64_t nthreads) {
+               int64_t nthreads, bool windowed) {
   const int64_t g = a.hq / a.hkv;
   const bool cap = a.softcap > 0.f;
-  const AttnFn fns[2] = {pick_kernel(a.d, a.kv_format, g, cap), pick_prompt_kernel(a.d, a.kv_format, g, cap)};
+  const AttnFn fns[2] = {pick_kernel(a.d, a.kv_format, g, cap),
+                         pick_prompt_kernel(a.d, a.kv_format, g, cap, windowed)};
   std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[groups.size()]);
   for (size_t i = 0; i < groups.size(); ++i) left[i].store(groups[i].nparts, std::memory_order_relaxed);
   std::atomic<int64_t> next{0};
@@ -411,7 +416,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv,
                                           block_table.size(1), sliding_window, head_spans, nthreads);
   std::vector<float> parts;
   const std::vector<Task> tasks = make_tasks(groups, parts, nthreads, hq / hkv, d);
-  run_tasks(a, groups, tasks, nthreads);
+  run_tasks(a, groups, tasks, nthreads, sliding_window > 0);
 }
 
 at::Tensor prompt_row_mask(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -489,14 +494,23 @@ void register_attention(pybind11::module_& m) {
         "0: each level's own for generated rows (amx 4, avx512_bf16 1; prompt rows from 1)");
   m.def("effective_attention_bf16_min_group", [] { return bf16_min_group(active_isa()); },
         "the threshold the active ISA level uses");
-  m.def("attention_kernels", [](int64_t head_dim, bool bf16_cache, int64_t group, bool softcap) {
-          const KVFormat fmt = bf16_cache ? KVFormat::kBF16 : KVFormat::kF32;
-          return std::make_pair(std::string(kernel_level(pick_prompt_kernel(head_dim, fmt, group, softcap))),
-                                std::string(kernel_level(pick_kernel(head_dim, fmt, group, softcap))));
-        }, py::arg("head_dim"), py::arg("bf16_cache"), py::arg("group"), py::arg("softcap") = false,
-        "(prompt rows' kernel, generated rows' kernel) by ISA level: amx, avx512_bf16 (transposed tiles) and "
-        "avx512_bf16_rows (rows as stored) are the bf16 dot-product kernels, the others fp32 dot products; "
-        "int8/fp8 caches take the fp32 kernels as an fp32 cache does");
+  m.def("attention_kernels", [](int64_t head_dim, const std::string& kv_storage, int64_t group, bool softcap,
+                                 bool windowed) {
+          static const std::pair<const char*, KVFormat> kFormats[] = {
+              {"float32", KVFormat::kF32}, {"bfloat16", KVFormat::kBF16}, {"int8", KVFormat::kInt8},
+              {"float8_e4m3fn", KVFormat::kFp8E4M3}, {"float8_e5m2", KVFormat::kFp8E5M2}};
+          const auto* f = std::find_if(std::begin(kFormats), std::end(kFormats),
+                                       [&](const auto& x) { return kv_storage == x.first; });
+          TORCH_CHECK(f != std::end(kFormats), "kv_storage must be float32, bfloat16, int8, float8_e4m3fn or "
+                      "float8_e5m2, got ", kv_storage);
+          const AttnFn prompt = pick_prompt_kernel(head_dim, f->second, group, softcap, windowed);
+          return std::make_pair(std::string(kernel_level(prompt)),
+                                std::string(kernel_level(pick_kernel(head_dim, f->second, group, softcap))));
+        }, py::arg("head_dim"), py::arg("kv_storage"), py::arg("group"), py::arg("softcap") = false,
+        py::arg("windowed") = false,
+        "(prompt rows' kernel, generated rows' kernel) by ISA level for a cache stored as kv_storage: amx, "
+        "avx512_bf16 (transposed tiles) and avx512_bf16_rows (rows as stored) are the bf16 dot-product kernels, "
+        "avx512_tiles fp32 FMAs in transposed tiles, the others fp32 dot products; windowed: a sliding-window layer");
   m.def("set_attention_bf16_min_group", [](int64_t g) {
           TORCH_CHECK(g >= 0, "group must be >= 0 (0: each level's own)");
           g_bf16_min_group.store(g);

@@ -80,27 +80,6 @@ void pv_rows(Scratch& s, int64_t b, int i, const float* alpha) {
 }
 
 template <int D>
-void pv(Scratch& s, int64_t b, __mmask16 seen, const float* alpha) {
-  for (int i = 0; i < 16;) {
-    if (!(seen >> i & 1)) {
-      ++i;
-      continue;
-    }
-    int run = 1;  // seen rows from i on, up to 4: taken 4, 2 or 1 at a time
-    while (run < 4 && i + run < 16 && (seen >> (i + run) & 1)) ++run;
-    if (run == 4) {
-      pv_rows<D, 4>(s, b, i, alpha);
-    } else if (run >= 2) {
-      pv_rows<D, 2>(s, b, i, alpha);
-      run = 2;
-    } else {
-      pv_rows<D, 1>(s, b, i, alpha);
-    }
-    i += run;
-  }
-}
-
-template <int D>
 void run(const AttnArgs& a, const AttnItem& it) {
   thread_local Scratch s;
   attn_bf16::prepare<D>(a, it, s);
@@ -114,7 +93,9 @@ void run(const AttnArgs& a, const AttnItem& it) {
         for (; i + 1 < 16 && 16 * b + i + 1 < rows; i += 2) scores<D, 2>(s, b, i, s.s.data() + 32 * i);
         if (i < 16 && 16 * b + i < rows) scores<D, 1>(s, b, i, s.s.data() + 32 * i);
       },
-      [&](int64_t b, __mmask16 seen, const float* alpha) { pv<D>(s, b, seen, alpha); });
+      [&](int64_t b, __mmask16 seen, const float* alpha) {
+        attn_tiles::seen_runs(seen, [&](auto r, int i) { pv_rows<D, decltype(r)::value>(s, b, i, alpha); });
+      });
   attn_bf16::finish<D>(a, it, s);
 }
 

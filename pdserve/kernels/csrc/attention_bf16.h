@@ -30,19 +30,15 @@
 
 #include "attention_kernels.h"
 #include "attention_stored.h"
+#include "attention_tiles.h"
 #include "vec_avx512.h"
 
 namespace pdserve::attn_bf16 {
 
-constexpr int kTile = 32;  // keys per tile: one AMX K step of 32 bf16 in the P . V product
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The stored row of key `key` (plane 0: K, 1: V) of the item's KV head, in the cache's format (kv_quant.h).
-inline const uint8_t* stored_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key) {
-  const int64_t blk = a.block_table[it.seq * a.bt_stride + key / a.block_size];
-  const int64_t row = ((plane * a.num_blocks + blk) * a.block_size + key % a.block_size) * a.hkv + it.kvh;
-  return static_cast<const uint8_t*>(a.kv) + row * kv_row_bytes(a.kv_format, a.d);
-}
+using attn_tiles::kNegInf;
+using attn_tiles::kTile;
+using attn_tiles::stored_row;
+using attn_tiles::transpose16;
 
 // The same row of a bf16 cache.
 inline const uint16_t* kv_row(const AttnArgs& a, const AttnItem& it, int plane, int64_t key) {
@@ -108,30 +104,6 @@ void prepare(const AttnArgs& a, const AttnItem& it, Scratch& s) {
         _mm512_storeu_si512(s.qlo.data() + at, rest);
       }
     }
-  }
-}
-
-// 16 x 16 transpose of 32-bit elements: r[i] lane j -> r[j] lane i.
-inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int q = 0; q < 4; ++q) {  // u[4q + c] lane L: column 4L + c of rows 4q .. 4q + 3
-    u[4 * q + 0] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
-    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
-    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
-    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // a 4 x 4 transpose of 128-bit lanes per c
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
   }
 }
 
@@ -216,54 +188,14 @@ void prepare_kv(const AttnArgs& a, const AttnItem& it, int64_t kt, int n, Scratc
 }
 
 // Keys of the tile at kt (n of them) that row r sees: 0 (skip the row) .. n.
-inline int visible(const Scratch& s, int64_t r, int64_t kt, int n) {
-  return static_cast<int>(std::clamp<int64_t>(s.last[r] - kt + 1, 0, n));
-}
+inline int visible(const Scratch& s, int64_t r, int64_t kt, int n) { return attn_tiles::visible(s.last[r], kt, n); }
 
-// The online-softmax step of the 16 rows of block b on their scores s.s [16][32] (lanes >= a row's visible keys
-// masked): updates m and l16, writes bf16(p) to s.p [16][32] (zero for rows that see no key of the tile) and the
-// factor for acc to alpha[16]; returns the mask of rows that see the tile. Lane i of every vector step is row i
-// alone; the rows' maxima come from one transpose tree (vec::reduce16_with), exp from exp16_scalef (arguments <= 0).
+// attn_tiles::softmax_block on row block b: bf16(p) into s.p [16][32].
 inline __mmask16 softmax_block(Scratch& s, int64_t b, int64_t kt, int n, float* alpha) {
-  __mmask16 seen = 0;
-  __mmask16 k0[16], k1[16];
-  __m512 rmax[16];
-  const __m512 ninf = _mm512_set1_ps(kNegInf);
-  for (int i = 0; i < 16; ++i) {
-    const int nv = visible(s, 16 * b + i, kt, n);
-    k0[i] = nv >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nv) - 1);
-    k1[i] = nv >= 32 ? __mmask16(0xFFFF) : nv > 16 ? __mmask16((1u << (nv - 16)) - 1) : 0;
-    if (nv > 0) seen |= __mmask16(1u << i);
-    rmax[i] = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, k0[i], s.s.data() + 32 * i),
-                            _mm512_mask_loadu_ps(ninf, k1[i], s.s.data() + 32 * i + 16));
-  }
-  float* m = s.m.data() + 16 * b;
-  const __m512 mo = _mm512_loadu_ps(m);
-  const __m512 mn = _mm512_max_ps(mo, vec::reduce16_with(rmax, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); }));
-  // alpha = exp(m_old - m_new): exactly 1 when the max stays, 0 on a row's first tile (m_old = -inf)
-  __m512 al = _mm512_mask_mov_ps(vec::exp16_scalef(_mm512_sub_ps(mo, mn)), _mm512_cmp_ps_mask(mo, mn, _CMP_EQ_OQ),
-                                 _mm512_set1_ps(1.f));
-  al = _mm512_mask_mov_ps(al, _mm512_cmp_ps_mask(mo, ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
-  _mm512_storeu_ps(alpha, al);
-  _mm512_mask_storeu_ps(m, seen, mn);
-  alignas(64) float mnv[16];
-  _mm512_store_ps(mnv, mn);
-  for (int i = 0; i < 16; ++i) {
-    uint16_t* pb = s.p.data() + 32 * i;
-    if (!(seen >> i & 1)) {
-      _mm512_storeu_si512(pb, _mm512_setzero_si512());
-      continue;
-    }
-    const __m512 mi = _mm512_set1_ps(mnv[i]);
-    const __m512 p0 =
-        _mm512_maskz_mov_ps(k0[i], vec::exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i), mi)));
-    const __m512 p1 =
-        _mm512_maskz_mov_ps(k1[i], vec::exp16_scalef(_mm512_sub_ps(_mm512_loadu_ps(s.s.data() + 32 * i + 16), mi)));
-    float* l16 = s.l16.data() + 16 * (16 * b + i);
-    _mm512_storeu_ps(l16, _mm512_add_ps(_mm512_fmadd_ps(_mm512_loadu_ps(l16), _mm512_set1_ps(alpha[i]), p0), p1));
-    _mm512_storeu_si512(pb, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-  }
-  return seen;
+  return attn_tiles::softmax_block(s.s.data(), s.last.data() + 16 * b, s.m.data() + 16 * b,
+                                   s.l16.data() + 256 * b, kt, n, alpha, [&](int i, __m512 p0, __m512 p1) {
+                                     _mm512_storeu_si512(s.p.data() + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+                                   });
 }
 
 // The item's key tiles in order and, per tile, every row block with a row that sees it: scores(b) fills s.s with

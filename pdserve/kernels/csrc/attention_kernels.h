@@ -185,6 +185,9 @@ void attn_item_avx512bf16(const AttnArgs& a, const AttnItem& it);
 // takes items spanning several KV heads
 void attn_item_avx512bf16_rows(const AttnArgs& a, const AttnItem& it);
 void attn_item_amx(const AttnArgs& a, const AttnItem& it);
+// every format, d in {64, 128}, prompt rows: fp32 FMAs in the GEMM-shaped tiles of attention_tiles.h
+// (attention_avx512_tiles.cpp)
+void attn_item_avx512_tiles(const AttnArgs& a, const AttnItem& it);
 #endif
 
 }  // namespace pdserve
