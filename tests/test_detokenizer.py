@@ -385,3 +385,18 @@ def test_many_long_stop_strings_match_and_stay_cheap(tok: Any) -> None:
     assert s == "世界！ STOP" and d.output_text == text[: text.index("世界！ STOP")] == "".join(deltas)
     assert len(d.stop) == len(near) + 2  # duplicates searched once
     assert elapsed < 0.05 * len(out)  # generous: ~50 us per token in practice; guards against superlinear blowups
+
+
+def test_skipped_special_tokens_do_not_split_a_character(tok: Any) -> None:
+    """Under skip_special_tokens the decode drops special tokens before joining bytes: a character whose bytes lie
+    on both sides of them (here 0xC2 | <|endoftext|> x 3 | 0xA1, "¡") comes out whole, as tokenizer.decode gives it,
+    whatever number of special tokens come before (they once counted toward the pending-token bound)."""
+    c2, a1 = tok.convert_tokens_to_ids(["Â", "¡"])  # byte-level BPE tokens of the bytes 0xC2, 0xA1
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    for lead in (0, 5, 20):
+        ids = [eos] * lead + [c2, eos, eos, eos, a1]
+        for step in (1, 2):
+            d, deltas, _ = stream(tok, [], ids, step=step, skip_special_tokens=True)
+            assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=True) == "¡"
+            d, deltas, _ = stream(tok, [], ids, step=step, skip_special_tokens=False)
+            assert "".join(deltas) == d.output_text == tok.decode(ids, skip_special_tokens=False)

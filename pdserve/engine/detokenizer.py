@@ -27,6 +27,7 @@ many trailing characters, so no part of a stop string is ever streamed (unless i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,8 @@ from tokenizers import Tokenizer
 # Prompt tokens kept as decoding context (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5).
 _PROMPT_CONTEXT = 5
 # A genuinely incomplete character has at most 3 bytes pending, so it lies in the last 3 (non-empty)
-# byte-level / byte-fallback tokens.
+# byte-level / byte-fallback tokens. Tokens the decode drops (special tokens under skip_special_tokens) never enter
+# the window: a character's bytes join across them, as in tokenizer.decode.
 _MAX_CHAR_TOKENS = 3
 # If more tokens than this are pending and the decode still ends in U+FFFD, the earlier bytes are invalid,
 # not incomplete: confirm them (as U+FFFD, like tokenizer.decode) to bound the window.
@@ -95,6 +97,7 @@ class IncrementalDetokenizer:
             self._decode_fn = backend.decode
         else:
             self._decode_fn = tokenizer.decode
+        self._skipped = special_ids(tokenizer) if skip_special_tokens else frozenset()
 
         # Window state: ids[prefix_offset:read_offset] already emitted (context), ids[read_offset:] pending.
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:]) if _PROMPT_CONTEXT else []
@@ -136,6 +139,8 @@ class IncrementalDetokenizer:
             # chunking and the pending-token bound do not depend on how tokens were batched.
             parts: list[str] = []
             for tid in new_token_ids:
+                if tid in self._skipped:  # decodes to nothing, wherever it stands
+                    continue
                 self._ids.append(tid)
                 full = self._decode(self._ids[self._prefix_offset :])
                 if len(full) > len(self._prefix_text) and not full.endswith("\ufffd"):
@@ -253,3 +258,25 @@ class IncrementalDetokenizer:
             else:
                 self._chunks[-1] = last[: len(last) - n]
                 n = 0
+
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids decode(skip_special_tokens=True) drops: the special added tokens of the `tokenizers.Tokenizer` (or
+    a transformers tokenizer's backend), else the tokenizer's all_special_ids; computed once per tokenizer object."""
+    try:
+        return _SPECIAL_IDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer):
+        ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    else:
+        ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+    try:
+        _SPECIAL_IDS[tokenizer] = ids
+    except TypeError:  # not weakly referenceable: computed per detokenizer
+        pass
+    return ids
