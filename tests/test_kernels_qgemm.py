@@ -324,6 +324,11 @@ def test_stacked_parts_compute_what_each_part_does(mod: Any, m: int) -> None:
     assert torch.equal(stacked.rows(ids), stacked.dequantize()[ids])
     with pytest.raises(RuntimeError, match="differ in K"):
         mod.stack_packed([packed[0], pack(mod, random_blocks(rng, 4, 512, "Q4_K"), "Q4_K", 512)])
+    # parts of one type in a row share one quantization of x (a part of another type quantizes again): same bits
+    same = [pack(mod, random_blocks(rng, n, k, name), name, k) for name, n in (("Q4_K", 32), ("Q4_K", 16),
+                                                                              ("Q6_K", 16), ("Q4_K", 33))]
+    expected = torch.cat([p.forward(x) for p in same], dim=1)
+    assert torch.equal(mod.stack_packed(same).forward(x), expected)
 
 
 def test_prefetch_distance_changes_speed_not_results(mod: Any) -> None:

@@ -119,8 +119,11 @@ class StackedWeight final : public PackedWeight {
   void forward(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias) const override {
     forward_rows(x, ldx, m, y, ldy, bias, nullptr);
   }
+  // Where the parts take slabs (their forward_rows is forward), each part runs as one whole slab and they share
+  // one quantization of x (kXKeep, then kXKept: a part of another type quantizes again): the bits of forward.
   void forward_rows(const float* x, int64_t ldx, int64_t m, float* y, int64_t ldy, const float* bias,
                     const uint8_t* prompt_rows) const override {
+    if (parts_.size() > 1 && forward_slab(x, ldx, m, y, ldy, bias, 0, n(), 0, k(), false, kXKeep)) return;
     int64_t col = 0;
     for (const auto& p : parts_) {
       p->forward_rows(x, ldx, m, y + col, ldy, bias ? bias + col : nullptr, prompt_rows);
