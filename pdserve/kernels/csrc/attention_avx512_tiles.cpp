@@ -144,29 +144,23 @@ void pv_rows(Scratch& s, int64_t b, int i, int n, const float* alpha) {
 template <int D, KVFormat F>
 void run(const AttnArgs& a, const AttnItem& it) {
   thread_local Scratch s;
-  const int64_t rows = (it.t1 - it.t0) * (a.hq / a.hkv), g = a.hq / a.hkv;
+  const int64_t rows = (it.t1 - it.t0) * (a.hq / a.hkv);
   prepare<D>(a, it, s, rows);
   alignas(64) float alpha[16];
-  for (int64_t kt = it.k0; kt < it.k1; kt += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, it.k1 - kt));
-    const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
-    if (r0 >= rows) break;
-    for (int64_t k = kt + kTile; k < kt + 2 * kTile; k += 16)  // the next tile's rows into L2
-      KvRowsAhead(a, it, k, kv_row_bytes(a.kv_format, D)).prefetch(it.kvh, 3);
-    prepare_kv<D, F>(a, it, kt, n, s);
-    for (int64_t b = r0 / 16; b * 16 < rows; ++b) {
-      int i = 0;
-      for (; i + 3 < 16 && 16 * b + i + 3 < rows; i += 4) scores<D, 4>(s, b, i);
-      for (; i < 16 && 16 * b + i < rows; ++i) scores<D, 1>(s, b, i);
-      const __mmask16 seen = attn_tiles::softmax_block(
-          s.s.data(), s.last.data() + 16 * b, s.m.data() + 16 * b, s.l16.data() + 256 * b, kt, n, alpha,
-          [&](int r, __m512 p0, __m512 p1) {
-            _mm512_storeu_ps(s.p.data() + 32 * r, p0);
-            _mm512_storeu_ps(s.p.data() + 32 * r + 16, p1);
-          });
-      attn_tiles::seen_runs(seen, [&](auto r, int i) { pv_rows<D, decltype(r)::value>(s, b, i, n, alpha); });
-    }
-  }
+  attn_tiles::walk(
+      a, it, rows, [&](int64_t kt, int n) { prepare_kv<D, F>(a, it, kt, n, s); },
+      [&](int64_t b, int64_t kt, int n) {
+        int i = 0;
+        for (; i + 3 < 16 && 16 * b + i + 3 < rows; i += 4) scores<D, 4>(s, b, i);
+        for (; i < 16 && 16 * b + i < rows; ++i) scores<D, 1>(s, b, i);
+        const __mmask16 seen = attn_tiles::softmax_block(
+            s.s.data(), s.last.data() + 16 * b, s.m.data() + 16 * b, s.l16.data() + 256 * b, kt, n, alpha,
+            [&](int r, __m512 p0, __m512 p1) {
+              _mm512_storeu_ps(s.p.data() + 32 * r, p0);
+              _mm512_storeu_ps(s.p.data() + 32 * r + 16, p1);
+            });
+        attn_tiles::seen_runs(seen, [&](auto r, int i) { pv_rows<D, decltype(r)::value>(s, b, i, n, alpha); });
+      });
   for (int64_t r = 0; r < rows; ++r)
     finish_row(a, it, rows, r, s.acc.data() + r * D, s.m[r],
                _mm512_reduce_add_ps(_mm512_loadu_ps(s.l16.data() + 16 * r)));

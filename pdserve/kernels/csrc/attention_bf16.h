@@ -198,25 +198,18 @@ inline __mmask16 softmax_block(Scratch& s, int64_t b, int64_t kt, int n, float* 
                                    });
 }
 
-// The item's key tiles in order and, per tile, every row block with a row that sees it: scores(b) fills s.s with
-// the block's scores, softmax_block turns them into s.p, then pv(b, seen, alpha) adds P . V to the rows' acc.
+// The item's key tiles in order and, per tile, every row block with a row that sees it (attn_tiles::walk): scores(b)
+// fills s.s with the block's scores, softmax_block turns them into s.p, then pv(b, seen, alpha) adds P . V to the
+// rows' acc.
 template <int D, class Scores, class Pv>
 void walk(const AttnArgs& a, const AttnItem& it, Scratch& s, Scores scores, Pv pv) {
-  const int64_t rows = item_rows(a, it), g = a.hq / a.hkv;
   alignas(64) float alpha[16];
-  for (int64_t kt = it.k0; kt < it.k1; kt += kTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile, it.k1 - kt));
-    const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
-    if (r0 >= rows) break;
-    for (int64_t k = kt + kTile; k < kt + 2 * kTile; k += 16)  // the next tile's rows into L2
-      KvRowsAhead(a, it, k, kv_row_bytes(a.kv_format, D)).prefetch(it.kvh, 3);
-    prepare_kv<D>(a, it, kt, n, s);
-    for (int64_t b = r0 / 16; b * 16 < rows; ++b) {
-      scores(b);
-      const __mmask16 seen = softmax_block(s, b, kt, n, alpha);
-      pv(b, seen, alpha);
-    }
-  }
+  attn_tiles::walk(
+      a, it, item_rows(a, it), [&](int64_t kt, int n) { prepare_kv<D>(a, it, kt, n, s); },
+      [&](int64_t b, int64_t kt, int n) {
+        scores(b);
+        pv(b, softmax_block(s, b, kt, n, alpha), alpha);
+      });
 }
 
 // The item's results: normalised rows into out, or (it.part) acc, m, l for attention.cpp's fold.

@@ -101,6 +101,23 @@ inline __mmask16 softmax_block(const float* s, const int64_t* last, float* m, fl
   return seen;
 }
 
+// The item's key tiles in order (`rows`: the item's rows, 16 a block): per tile the next tile's K/V rows are asked
+// into L2, prepare_kv(kt, n) readies the tile's keys kt .. kt + n - 1, then block(b, kt, n) runs every row block b
+// with a row that sees the tile.
+template <class PrepareKv, class Block>
+void walk(const AttnArgs& a, const AttnItem& it, int64_t rows, PrepareKv prepare_kv, Block block) {
+  const int64_t g = a.hq / a.hkv;
+  for (int64_t kt = it.k0; kt < it.k1; kt += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, it.k1 - kt));
+    const int64_t r0 = std::max<int64_t>(0, kt - it.pos0) * g;  // earlier rows do not see key kt
+    if (r0 >= rows) break;
+    for (int64_t k = kt + kTile; k < kt + 2 * kTile; k += 16)
+      KvRowsAhead(a, it, k, kv_row_bytes(a.kv_format, a.d)).prefetch(it.kvh, 3);
+    prepare_kv(kt, n);
+    for (int64_t b = r0 / 16; b * 16 < rows; ++b) block(b, kt, n);
+  }
+}
+
 // The runs of rows of a block that see the tile (mask `seen`), up to four rows a run, taken 4, 2 or 1 at a time:
 // f(std::integral_constant<int, R>, first row).
 template <class F>
