@@ -155,3 +155,34 @@ def test_sdpa_reference_matches_native(isa: Any, dtype: torch.dtype) -> None:  #
     isa.paged_attention(out, q, mine, bt.int(), torch.tensor(starts, dtype=torch.int32),
                         torch.tensor(lens, dtype=torch.int32), d ** -0.5)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("d", [64, 24, 40])
+def test_vector_quantizers_match_on_ties_and_subnormal_codes(isa: Any, dtype: torch.dtype, d: int) -> None:  # noqa: F811
+    """Rows whose values sit exactly halfway between two codes (ties round to even), on both sides of the smallest
+    normal fp8 code, at the format's max and at zero, with d a multiple of 16, of 8 only, and of neither: each
+    level's quantizer (16 or 8 values a step, the scalar row for the rest) gives the PyTorch quantizer's bytes."""
+    name = str(dtype).removeprefix("torch.")
+    code_max = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[name]
+    g = torch.Generator().manual_seed(d)
+    s = 2.0**-5  # a bf16 scale: amax = code_max * s exactly
+    if dtype == torch.int8:
+        grid = torch.arange(-127, 127, dtype=torch.float32) + 0.5  # every tie
+    else:
+        codes = torch.arange(0, 127, dtype=torch.uint8).view(dtype).float()  # every non-negative code value
+        codes = codes[torch.isfinite(codes)]
+        grid = torch.cat([codes, (codes[:-1] + codes[1:]) / 2])  # the codes and the midpoints between them
+        grid = torch.cat([grid, -grid])
+    n = 64
+    x = grid[torch.randint(0, len(grid), (n, 3, d), generator=g)] * s
+    x[..., 0] = code_max * s  # every row's absmax maps onto the format's max
+    x[0, 0] = 0.0
+    x[1, 1, 1:] = -0.0
+    k, v = x[: n // 2], x[n // 2:]
+    nb, bs = 4, 16
+    cache = torch.zeros(2, nb, bs, 3, d + 2, dtype=torch.uint8)
+    slots = torch.arange(n // 2)
+    isa.reshape_and_cache(k, v, cache.view(dtype), slots)
+    assert torch.equal(cache[0].view(-1, 3, d + 2)[: n // 2], quantize_kv(k, dtype))
+    assert torch.equal(cache[1].view(-1, 3, d + 2)[: n // 2], quantize_kv(v, dtype))

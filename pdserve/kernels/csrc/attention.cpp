@@ -438,8 +438,14 @@ at::Tensor prompt_row_mask(const at::Tensor& query_start_loc, const at::Tensor& 
   return mask;
 }
 
-// One token's K or V rows [hkv][d] (src, heads adjacent) into its slot's row of a cache in format fmt (dst).
-void write_slot(KVFormat fmt, const float* src, int64_t hkv, int64_t d, void* dst) {
+// kv_quantize_row per ISA level (the same bits on every level).
+const IsaTable<KvQuantizeRowFn> kQuantizeRow = {
+    {Isa::kGeneric, kv_quantize_row},
+    PDSERVE_X86({Isa::kAvx2, kv_quantize_row_avx2}, {Isa::kAvx512, kv_quantize_row_avx512})};
+
+// One token's K or V rows [hkv][d] (src, heads adjacent) into its slot's row of a cache in format fmt (dst);
+// quantized formats through `quantize` (kQuantizeRow's pick).
+void write_slot(KVFormat fmt, const float* src, int64_t hkv, int64_t d, void* dst, KvQuantizeRowFn quantize) {
   if (fmt == KVFormat::kF32) {
     std::memcpy(dst, src, hkv * d * sizeof(float));
   } else if (fmt == KVFormat::kBF16) {
@@ -447,7 +453,7 @@ void write_slot(KVFormat fmt, const float* src, int64_t hkv, int64_t d, void* ds
     for (int64_t j = 0; j < hkv * d; ++j) out[j] = fp32_to_bf16(src[j]);
   } else {
     const int64_t rb = kv_row_bytes(fmt, d);
-    for (int64_t h = 0; h < hkv; ++h) kv_quantize_row(fmt, src + h * d, d, static_cast<uint8_t*>(dst) + h * rb);
+    for (int64_t h = 0; h < hkv; ++h) quantize(fmt, src + h * d, d, static_cast<uint8_t*>(dst) + h * rb);
   }
 }
 
@@ -467,11 +473,12 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv,
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   uint8_t* base = static_cast<uint8_t*>(kv.data_ptr());
+  const KvQuantizeRowFn quantize = kQuantizeRow.pick();
   parallel_for(0, t, std::max<int64_t>(1, 8192 / (hkv * d)), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       if (slot[i] < 0) continue;  // padding token: no slot
-      write_slot(fmt, kp + i * ks, hkv, d, base + slot[i] * row);
-      write_slot(fmt, vp + i * vs, hkv, d, base + plane + slot[i] * row);
+      write_slot(fmt, kp + i * ks, hkv, d, base + slot[i] * row, quantize);
+      write_slot(fmt, vp + i * vs, hkv, d, base + plane + slot[i] * row, quantize);
     }
   });
 }

@@ -86,6 +86,28 @@ inline void kv_quantize_row(KVFormat f, const float* x, int64_t d, uint8_t* dst)
   std::memcpy(dst + d, &s16, 2);
 }
 
+// kv_quantize_row's bits, 16 (avx512) or 8 (avx2) values a step for d a multiple of that (else the scalar row):
+// kv_quant_avx512.cpp, kv_quant_avx2.cpp. A prefill writes hkv rows a token per layer and plane.
+using KvQuantizeRowFn = void (*)(KVFormat f, const float* x, int64_t d, uint8_t* dst);
+#if defined(__x86_64__)
+void kv_quantize_row_avx2(KVFormat f, const float* x, int64_t d, uint8_t* dst);
+void kv_quantize_row_avx512(KVFormat f, const float* x, int64_t d, uint8_t* dst);
+#endif
+
+// fp8 codes of |y| <= the format's max, as integers (sign not included), by the bits of the float: below 2^emin
+// (subnormal codes) |y| x 2^(mant - emin) rounded to nearest even; above, the float's exponent and mantissa rounded
+// to mant bits (nearest even; a carry moves the exponent) and rebiased. The same codes as fp8_encode.
+template <int kMant, int kEmin, int kBias>
+struct Fp8Code {
+  static constexpr int kShift = 23 - kMant;
+  static constexpr uint32_t kHalfMinus1 = (1u << (kShift - 1)) - 1;
+  static constexpr uint32_t kRebias = static_cast<uint32_t>(127 - kBias) << kMant;
+  static constexpr float kSubScale = static_cast<float>(1 << (kMant - kEmin));
+  static constexpr float kMinNormal = 1.f / static_cast<float>(1 << -kEmin);
+};
+using Fp8E4M3 = Fp8Code<3, -6, 7>;
+using Fp8E5M2 = Fp8Code<2, -14, 15>;
+
 inline float kv_row_scale(const uint8_t* row, int64_t d) {
   uint16_t s16;
   std::memcpy(&s16, row + d, 2);
