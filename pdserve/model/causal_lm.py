@@ -80,10 +80,26 @@ class CausalLM(nn.Module):
         """Token ids -> the first layer's input (Gemma's embedding module scales it by sqrt(hidden))."""
         return self.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+        """float32 logits of `hidden`'s rows. `reuse`: into a buffer the model keeps, valid until the next reusing
+        call (a step's sampled rows: [rows, vocab] is 6-20 MB at 32 rows, and a fresh block that large is mmapped
+        and its pages zero-filled by the OS on every step: ~1,500 page faults a step at c=32 with the server's
+        allocator settings, BENCHMARKS.md)."""
+        if reuse and self.lm_head.writes_into:
+            logits = self._logits_buffer(hidden.shape[0])
+            self.lm_head.forward_into(hidden, logits)
+        else:
+            logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits  # Gemma 2's final soft-capping
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """The kept logits buffer's first `rows` rows (native kernels: on the CPU; grown in steps of 16 rows)."""
+        buf: torch.Tensor | None = getattr(self, "_logits_buf", None)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((-(-rows // 16) * 16, self.cfg.vocab_size), dtype=torch.float32)
+            self._logits_buf = buf
+        return buf[:rows]
 
     def place_kv(self, layout: KVCacheLayout) -> None:
         """Point each attention layer at its KV cache group and cache index (before the program is recorded)."""

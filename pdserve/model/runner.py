@@ -358,7 +358,9 @@ class ModelRunner:
                                                                                                 inp.meta))
             finally:
                 lora.mapping.clear()
-        return hidden, self.model.compute_logits(_rows(hidden, inp.sample_rows)) if inp.sample_rows else None
+        # the sampled rows' logits are consumed by this step's sampler before any other compute_logits call
+        logits = self.model.compute_logits(_rows(hidden, inp.sample_rows), reuse=True) if inp.sample_rows else None
+        return hidden, logits
 
     def _collect(self, sampled: list[ScheduledRequest], res: SamplerOutput, out: ModelRunnerOutput) -> None:
         """Per sampled request: the tokens it emitted, in order, into the output and its kept state; the drafter

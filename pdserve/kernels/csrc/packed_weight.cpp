@@ -206,6 +206,12 @@ void register_packed_weight(pybind11::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "y[M, N] = x[M, K] @ W.T (+ bias); x float32; prompt_rows (uint8/bool [M]): which rows are prompt rows "
            "(a format may multiply those by another fixed arithmetic; packed_weight.h)")
+      .def("forward_into",
+           [](const PackedWeight& w, const at::Tensor& x, at::Tensor& out, const std::optional<at::Tensor>& bias,
+              const std::optional<at::Tensor>& prompt_rows) { packed_linear_into(w, x, bias, out, prompt_rows); },
+           py::arg("x"), py::arg("out"), py::arg("bias") = py::none(),
+           py::arg("prompt_rows") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           "forward's product written into out (float32 [M, N], contiguous rows): no new tensor")
       .def("forward_gated", &packed_gated_into, py::arg("x"), py::arg("act"), py::arg("gelu") = false,
            py::arg("prompt_rows") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "act[M, N/2] = silu (gelu: gelu_tanh) of x @ gate.T times x @ up.T, W = [gate; up], where the format "

@@ -100,6 +100,17 @@ class Linear(_Matrix):
             return base
         return lambda x: hook(base, x)
 
+    @property
+    def writes_into(self) -> bool:
+        """forward_into is available: the native kernels multiply a packed weight, no LoRA hook."""
+        return self.lora is None and self.kernels.native is not None and hasattr(self.packed, "forward_into")
+
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """forward(x) written into `out` (float32 [rows, out_features]): the same product, no new tensor. Only
+        where writes_into."""
+        assert self.writes_into
+        self.packed.forward_into(x, out, self.bias)  # type: ignore[union-attr]
+
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
