@@ -82,9 +82,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, reuse: bool = False) -> torch.Tensor:
         """float32 logits of `hidden`'s rows. `reuse`: into a buffer the model keeps, valid until the next reusing
-        call (a step's sampled rows: [rows, vocab] is 6-20 MB at 32 rows, and a fresh block that large is mmapped
-        and its pages zero-filled by the OS on every step: ~1,500 page faults a step at c=32 with the server's
-        allocator settings, BENCHMARKS.md)."""
+        call (a step's sampled rows: [rows, vocab] is megabytes, and under the server's allocator settings a fresh
+        block that large is mmapped and its pages zero-filled by the OS on every step; BENCHMARKS.md)."""
         if reuse and self.lm_head.writes_into:
             logits = self._logits_buffer(hidden.shape[0])
             self.lm_head.forward_into(hidden, logits)

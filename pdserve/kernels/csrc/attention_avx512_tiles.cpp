@@ -2,7 +2,7 @@
 // walk of the bf16 dot-product kernels (attention_tiles.h) for CPUs without them, or for f32 caches. Per key tile
 // (32 keys) the K rows are widened to fp32 and transposed once into K^T [d][32] and the V rows widened into
 // [32][d] (quantized rows scaled: code x scale is exact in fp32), shared by every row block of the item:
-//   S = (q * scale) . K^T       8 rows share each K^T load, one chain per row and key half, d in order
+//   S = (q * scale) . K^T       4 rows share each K^T load, two chains per row and key half (even and odd d)
 //   online softmax per row (attn_tiles::softmax_block), p in fp32
 //   acc = acc * alpha + P . V   4 rows share each V load, one chain per row and 16-dim panel, keys in order
 // A row's chains and their order do not depend on how many rows share the loads: the same bits whatever the batch.
