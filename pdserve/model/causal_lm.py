@@ -43,6 +43,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.kernels = kernels
         self.program: Any = None  # the native whole-stack program, once build_native_program succeeded
+        self._logits_buf: torch.Tensor | None = None  # compute_logits(reuse=True)'s rows
 
     def build(self, layers: list[nn.Module], embed_scale: float | None = None) -> None:
         """The shared parts around an architecture's `layers`: embedding (times `embed_scale`), final norm, lm_head
@@ -86,7 +87,7 @@ class CausalLM(nn.Module):
         block that large is mmapped and its pages zero-filled by the OS on every step; BENCHMARKS.md)."""
         if reuse and self.lm_head.writes_into:
             logits = self._logits_buffer(hidden.shape[0])
-            self.lm_head.forward_into(hidden, logits)
+            self.lm_head.multiply_into(hidden, logits)
         else:
             logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
@@ -94,11 +95,9 @@ class CausalLM(nn.Module):
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """The kept logits buffer's first `rows` rows (native kernels: on the CPU; grown in steps of 16 rows)."""
-        buf: torch.Tensor | None = getattr(self, "_logits_buf", None)
-        if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((-(-rows // 16) * 16, self.cfg.vocab_size), dtype=torch.float32)
-            self._logits_buf = buf
-        return buf[:rows]
+        if self._logits_buf is None or self._logits_buf.shape[0] < rows:
+            self._logits_buf = torch.empty((-(-rows // 16) * 16, self.cfg.vocab_size), dtype=torch.float32)
+        return self._logits_buf[:rows]
 
     def place_kv(self, layout: KVCacheLayout) -> None:
         """Point each attention layer at its KV cache group and cache index (before the program is recorded)."""

@@ -101,6 +101,15 @@ class NativeOps:
             return weight.forward(x, bias, rows)
         return weight.forward(x, bias)
 
+    def writes_into(self, weight: Weight) -> bool:
+        """linear_into takes this weight: the kernels' own packed matrix (not a float tensor or another format)."""
+        return isinstance(weight, self.lib.PackedWeight)
+
+    def linear_into(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        """linear's product (every row a generated one) written into out (float32 [M, N]); where writes_into."""
+        assert isinstance(weight, self.lib.PackedWeight), "linear_into takes the kernels' own packed weights"
+        weight.forward_into(x, out, bias)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=torch.float32)
         self.lib.rms_norm(out, x, weight, eps)

@@ -102,14 +102,14 @@ class Linear(_Matrix):
 
     @property
     def writes_into(self) -> bool:
-        """forward_into is available: the native kernels multiply a packed weight, no LoRA hook."""
-        return self.lora is None and self.kernels.native is not None and hasattr(self.packed, "forward_into")
+        """multiply_into is available: the native kernels' own packed weight, no LoRA hook."""
+        native = self.kernels.native
+        return self.lora is None and native is not None and native.writes_into(self.stored)
 
-    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """forward(x) written into `out` (float32 [rows, out_features]): the same product, no new tensor. Only
-        where writes_into."""
-        assert self.writes_into
-        self.packed.forward_into(x, out, self.bias)  # type: ignore[union-attr]
+    def multiply_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """This module's product of x written into `out` (float32 [rows, out_features]): the same bits, no new
+        tensor. Only where writes_into."""
+        self.kernels.ops.linear_into(x, self.stored, self.bias, out)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None
