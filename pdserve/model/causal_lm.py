@@ -91,7 +91,9 @@ class CausalLM(nn.Module):
         else:
             logits = self.lm_head(hidden).float()
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits  # Gemma 2's final soft-capping
+        if cap:  # Gemma 2's final soft-capping, tanh(logits / cap) * cap, in place (the buffer stays the result)
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """The kept logits buffer's first `rows` rows (native kernels: on the CPU; grown in steps of 16 rows)."""

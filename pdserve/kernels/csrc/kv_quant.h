@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 
@@ -49,31 +50,40 @@ inline float kv_decode(KVFormat f, uint8_t c) {
   return fp16_to_fp32(fp8_to_half_bits(f, c)) * kv_code_factor(f);
 }
 
-// |x| <= the format's max, rounded to nearest even on the format's grid (mant_bits mantissa bits, smallest normal
-// exponent emin, subnormals below it), encoded.
-inline uint8_t fp8_encode(float x, int mant_bits, int emin, int bias) {
-  uint8_t sign = std::signbit(x) ? 0x80 : 0;
-  const float a = std::fabs(x);
-  if (a == 0.f) return sign;
-  int e;
-  std::frexp(a, &e);  // a in [2^(e-1), 2^e)
-  const int ea = std::max(e - 1, emin);
-  const float quantum = std::ldexp(1.f, ea - mant_bits);
-  const float r = std::nearbyint(a / quantum) * quantum;  // exact scaling by a power of two; ties to even
-  if (r == 0.f) return sign;
-  std::frexp(r, &e);
-  const int er = e - 1;
-  if (er < emin) return static_cast<uint8_t>(sign | static_cast<uint8_t>(std::ldexp(r, mant_bits - emin)));
-  const int mant = static_cast<int>(std::ldexp(r, mant_bits - er)) - (1 << mant_bits);
-  return static_cast<uint8_t>(sign | ((er + bias) << mant_bits) | mant);
+// The fp8 code of |y| <= the format's max, by the bits of the float: below 2^emin (subnormal codes) |y| x
+// 2^(mant - emin) rounded to nearest even; above, the float's exponent and mantissa rounded to mant bits (nearest
+// even; a carry moves the exponent) and rebiased; the sign bit on top. fp8_code is the rule; the vector quantizers
+// (kv_quant_avx512.cpp, kv_quant_avx2.cpp) apply it lane by lane.
+template <int kMant, int kEmin, int kBias>
+struct Fp8Code {
+  static constexpr int kShift = 23 - kMant;
+  static constexpr uint32_t kHalfMinus1 = (1u << (kShift - 1)) - 1;
+  static constexpr uint32_t kRebias = static_cast<uint32_t>(127 - kBias) << kMant;
+  static constexpr float kSubScale = static_cast<float>(1 << (kMant - kEmin));
+  static constexpr float kMinNormal = 1.f / static_cast<float>(1 << -kEmin);
+};
+using Fp8E4M3 = Fp8Code<3, -6, 7>;
+using Fp8E5M2 = Fp8Code<2, -14, 15>;
+
+template <class C>
+inline uint8_t fp8_code(float y) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof bits);
+  const uint32_t mag = bits & 0x7FFFFFFFu;
+  float a;
+  std::memcpy(&a, &mag, sizeof a);
+  const uint32_t code = a < C::kMinNormal ? static_cast<uint32_t>(std::nearbyint(a * C::kSubScale))
+                                          : ((mag + C::kHalfMinus1 + ((mag >> C::kShift) & 1u)) >> C::kShift) -
+                                                C::kRebias;
+  return static_cast<uint8_t>(code | ((bits >> 24) & 0x80u));
 }
 
 inline uint8_t kv_encode(KVFormat f, float x) {
   const float lim = kv_code_max(f);
   x = std::min(std::max(x, -lim), lim);
   if (f == KVFormat::kInt8) return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(x)));
-  if (f == KVFormat::kFp8E4M3) return fp8_encode(x, 3, -6, 7);
-  return fp8_encode(x, 2, -14, 15);
+  if (f == KVFormat::kFp8E4M3) return fp8_code<Fp8E4M3>(x);
+  return fp8_code<Fp8E5M2>(x);
 }
 
 // One row: x[0..d) -> dst[0..d) codes, dst[d..d+2) the bf16 scale.
@@ -94,19 +104,13 @@ void kv_quantize_row_avx2(KVFormat f, const float* x, int64_t d, uint8_t* dst);
 void kv_quantize_row_avx512(KVFormat f, const float* x, int64_t d, uint8_t* dst);
 #endif
 
-// fp8 codes of |y| <= the format's max, as integers (sign not included), by the bits of the float: below 2^emin
-// (subnormal codes) |y| x 2^(mant - emin) rounded to nearest even; above, the float's exponent and mantissa rounded
-// to mant bits (nearest even; a carry moves the exponent) and rebiased. The same codes as fp8_encode.
-template <int kMant, int kEmin, int kBias>
-struct Fp8Code {
-  static constexpr int kShift = 23 - kMant;
-  static constexpr uint32_t kHalfMinus1 = (1u << (kShift - 1)) - 1;
-  static constexpr uint32_t kRebias = static_cast<uint32_t>(127 - kBias) << kMant;
-  static constexpr float kSubScale = static_cast<float>(1 << (kMant - kEmin));
-  static constexpr float kMinNormal = 1.f / static_cast<float>(1 << -kEmin);
-};
-using Fp8E4M3 = Fp8Code<3, -6, 7>;
-using Fp8E5M2 = Fp8Code<2, -14, 15>;
+// row(std::integral_constant<KVFormat, F>) for the quantized format f (int8, fp8 e4m3, fp8 e5m2).
+template <class Row>
+inline void with_quantized_format(KVFormat f, Row&& row) {
+  if (f == KVFormat::kInt8) return row(std::integral_constant<KVFormat, KVFormat::kInt8>());
+  if (f == KVFormat::kFp8E4M3) return row(std::integral_constant<KVFormat, KVFormat::kFp8E4M3>());
+  row(std::integral_constant<KVFormat, KVFormat::kFp8E5M2>());
+}
 
 inline float kv_row_scale(const uint8_t* row, int64_t d) {
   uint16_t s16;

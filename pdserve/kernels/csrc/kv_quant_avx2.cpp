@@ -66,9 +66,7 @@ void quantize_row(const float* x, int64_t d, uint8_t* dst) {
 
 void kv_quantize_row_avx2(KVFormat f, const float* x, int64_t d, uint8_t* dst) {
   if (d % 8 != 0) return kv_quantize_row(f, x, d, dst);
-  if (f == KVFormat::kInt8) return quantize_row<KVFormat::kInt8>(x, d, dst);
-  if (f == KVFormat::kFp8E4M3) return quantize_row<KVFormat::kFp8E4M3>(x, d, dst);
-  quantize_row<KVFormat::kFp8E5M2>(x, d, dst);
+  with_quantized_format(f, [&](auto fmt) { quantize_row<decltype(fmt)::value>(x, d, dst); });
 }
 
 }  // namespace pdserve
