@@ -11,8 +11,8 @@
 // summing the pair j products; a key's D / 32 vectors accumulate in one vector, and reduce16's tree turns the 16
 // keys' vectors into one vector of 16 scores. q (pre-scaled) enters as two bf16 parts, hi = bf16(q) and
 // lo = bf16(q - hi), so the scores carry ~16 significant bits of q, not 8 (an error in a score is an error of the
-// same relative size in its probability). P . V: keys in pairs, the two V rows interleaved by one vpermt2w a 16-dim
-// half into [16 dims][2 keys] (vdpbf16ps's pair layout) and multiplied by the pair (bf16(p_i), bf16(p_i+1)): the
+// same relative size in its probability). P . V: keys in pairs, the two V rows interleaved into [dims][2 keys]
+// (vdpbf16ps's pair layout) and multiplied by the pair (bf16(p_i), bf16(p_i+1)): the
 // probabilities are rounded to bf16, as the prompt rows' bf16 kernels and bf16 flash attention on GPUs do.
 // Against the fp32 kernel, which widens every K and V element to fp32 and multiplies with FMAs: as many multiply
 // instructions for the scores (q in two parts), a quarter for P . V, and no widening.
@@ -82,12 +82,12 @@ struct DotRows {
 
   // acc_r += sum over the tile's key pairs of bf16 p . V for R rows (acc D apart, pp: the rows' bf16 probabilities of
   // the tile, ks apart). With few chains (R x NV <= 8) even and odd pairs accumulate apart, then add (R follows
-  // from G alone: a row's arithmetic is fixed).
+  // from G alone: a row's arithmetic is fixed). Two V rows interleave within 128-bit lanes (vpunpck{l,h}wd, on pipes
+  // the dot products do not use; the vpermt2w that kept dims in order took one of theirs), so acc holds each 32-dim
+  // chunk's dims in a fixed order of their own: unpermute() restores it once an item's keys are done.
   template <int R>
   void pv(float* acc, const uint16_t* pp, int64_t ks, int n) const {
     constexpr int NV = D / 16, SETS = R * NV <= 8 ? 2 : 1;
-    __m512i ilo, ihi;
-    attn_bf16::pair_indices(ilo, ihi);
     __m512 o[SETS][R][NV];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NV; ++j) {
@@ -98,8 +98,7 @@ struct DotRows {
       constexpr int S = decltype(set)::value;
       for (int c = 0; c < C; ++c) {
         const __m512i x = _mm512_loadu_si512(v[i] + 64 * c), y = _mm512_loadu_si512(v[i + 1] + 64 * c);
-        const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, ilo, y);
-        const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, ihi, y);
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
         for (int r = 0; r < R; ++r) {
           const __m512bh p2 = bcast_pair(pp + r * ks + i);
           o[S][r][2 * c] = _mm512_dpbf16_ps(o[S][r][2 * c], lo, p2);
@@ -119,6 +118,18 @@ struct DotRows {
         const __m512 x = SETS == 2 ? _mm512_add_ps(o[0][r][j], o[SETS - 1][r][j]) : o[0][r][j];
         _mm512_storeu_ps(acc + r * D + 16 * j, x);
       }
+  }
+
+  // One row's acc from pv's order to dims in order: in each 32-dim chunk, lane m of its first vector holds dim
+  // 8 (m / 4) + m % 4 and of its second that + 4.
+  static void unpermute(float* acc) {
+    const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int c = 0; c < C; ++c) {
+      const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+      _mm512_storeu_ps(acc + 32 * c, _mm512_permutex2var_ps(lo, i0, hi));
+      _mm512_storeu_ps(acc + 32 * c + 16, _mm512_permutex2var_ps(lo, i1, hi));
+    }
   }
 };
 
@@ -242,7 +253,10 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
       }
     }
   });
-  for (int64_t r = 0; r < nrows; ++r) finish_row(a, it, nrows, r, acc + r * D, m[r], l[r]);
+  for (int64_t r = 0; r < nrows; ++r) {
+    DotRows<D>::unpermute(acc + r * D);
+    finish_row(a, it, nrows, r, acc + r * D, m[r], l[r]);
+  }
 }
 
 }  // namespace
