@@ -12,8 +12,8 @@
 // keys' vectors into one vector of 16 scores. q (pre-scaled) enters as two bf16 parts, hi = bf16(q) and
 // lo = bf16(q - hi), so the scores carry ~16 significant bits of q, not 8 (an error in a score is an error of the
 // same relative size in its probability). P . V: keys in pairs, the two V rows interleaved into [dims][2 keys]
-// (vdpbf16ps's pair layout) and multiplied by the pair (bf16(p_i), bf16(p_i+1)): the
-// probabilities are rounded to bf16, as the prompt rows' bf16 kernels and bf16 flash attention on GPUs do.
+// (vdpbf16ps's pair layout) and multiplied by the pair (bf16(p_i), bf16(p_i+1)): the probabilities are rounded to
+// bf16, as the prompt rows' bf16 kernels and bf16 flash attention on GPUs do.
 // Against the fp32 kernel, which widens every K and V element to fp32 and multiplies with FMAs: as many multiply
 // instructions for the scores (q in two parts), a quarter for P . V, and no widening.
 #include "attention_kernels.h"
