@@ -96,9 +96,10 @@ class CausalLM(nn.Module):
         return logits
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
-        """The kept logits buffer's first `rows` rows (native kernels: on the CPU; grown in steps of 16 rows)."""
+        """The kept logits buffer's first `rows` rows, as wide as the lm_head's output (native kernels: on the CPU;
+        grown in steps of 16 rows)."""
         if self._logits_buf is None or self._logits_buf.shape[0] < rows:
-            self._logits_buf = torch.empty((-(-rows // 16) * 16, self.cfg.vocab_size), dtype=torch.float32)
+            self._logits_buf = torch.empty((-(-rows // 16) * 16, self.lm_head.out_features), dtype=torch.float32)
         return self._logits_buf[:rows]
 
     def place_kv(self, layout: KVCacheLayout) -> None:

@@ -269,13 +269,7 @@ void run(const AttnArgs& a, const AttnItem& it) {
 }  // namespace
 
 void attn_item_avx2(const AttnArgs& a, const AttnItem& it) {
-  if (a.d == 64) {
-    run<64>(a, it);
-  } else if (a.d == 128) {
-    run<128>(a, it);
-  } else {
-    run<256>(a, it);
-  }
+  with_head_dim<64, 128, 256>(a.d, [&](auto d) { run<decltype(d)::value>(a, it); });
 }
 
 }  // namespace pdserve

@@ -322,13 +322,7 @@ void run_format(const AttnArgs& a, const AttnItem& it) {
 }  // namespace
 
 void attn_item_avx512(const AttnArgs& a, const AttnItem& it) {
-  if (a.d == 64) {
-    run_format<64>(a, it);
-  } else if (a.d == 128) {
-    run_format<128>(a, it);
-  } else {
-    run_format<256>(a, it);
-  }
+  with_head_dim<64, 128, 256>(a.d, [&](auto d) { run_format<decltype(d)::value>(a, it); });
 }
 
 }  // namespace pdserve

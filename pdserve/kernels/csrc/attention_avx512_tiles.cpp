@@ -180,11 +180,7 @@ void run_format(const AttnArgs& a, const AttnItem& it) {
 }  // namespace
 
 void attn_item_avx512_tiles(const AttnArgs& a, const AttnItem& it) {
-  if (a.d == 64) {
-    run_format<64>(a, it);
-  } else {
-    run_format<128>(a, it);
-  }
+  with_head_dim<64, 128>(a.d, [&](auto d) { run_format<decltype(d)::value>(a, it); });
 }
 
 }  // namespace pdserve

@@ -262,11 +262,7 @@ void run_item(const AttnArgs& a, const AttnItem& it) {
 }  // namespace
 
 void attn_item_avx512bf16_rows(const AttnArgs& a, const AttnItem& it) {
-  if (a.d == 64) {
-    run_item<64>(a, it);
-  } else {
-    run_item<128>(a, it);
-  }
+  with_head_dim<64, 128>(a.d, [&](auto d) { run_item<decltype(d)::value>(a, it); });
 }
 
 }  // namespace pdserve

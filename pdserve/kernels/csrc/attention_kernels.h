@@ -169,6 +169,13 @@ inline void for_tile_rows(const AttnItem& it, int64_t kt, int n, int64_t g, int6
   }
 }
 
+// f(std::integral_constant<int, D>{}) with D the head size d among Ds, the sizes a kernel is compiled for (attention.cpp
+// admits only those): each kernel's entry point picks its template this way.
+template <int... Ds, class F>
+inline void with_head_dim(int64_t d, F&& f) {
+  (void)((d == Ds && (f(std::integral_constant<int, Ds>{}), true)) || ...);
+}
+
 // Keys per partition (attention.cpp): partitions start at multiples of this in every sequence, so a row's
 // arithmetic is the same whatever the batch (a multiple of every kernel's key tile).
 constexpr int64_t kPartition = 256;
