@@ -2,9 +2,10 @@
 // each sub-block's vpdpbusd? The qgemm tiles (qgemm_avx512.cpp) are bound by multiplies, not by loads or integer
 // work: every fp32 multiply takes a slot a vpdpbusd could use (vnni_fp_pipes.cpp), and the contract of qgemm.h puts
 // three after every sub-block of a Q4_K row (dw * dx, the FMA, the min's FMA), two after Q4_0's and Q6_K's. This
-// times the tiles as built next to the same 6-row x 2-panel loop with other steps after each sub-block, from the
-// steps no correct product can do without (the integer sums alone) to per-256 activation scales (llama.cpp's Q8_K
-// for K-quant files), so a contract change can be priced before it is built.
+// times the tiles as built next to a copy of their 6-row x 2-panel integer loop (`tile` below: tile2_t's, kept in
+// step by the row that runs it with Q4_K's steps) with other steps after each sub-block, from the integer sums alone
+// to per-256 activation scales (llama.cpp's Q8_K for K-quant files), so a contract change is priced before it is
+// built.
 //
 //     g++ -O3 -march=native -std=c++20 -Ipdserve/kernels/csrc -o /tmp/qgemm_fp_steps
 //         benchmarks/qgemm_fp_steps.cpp pdserve/kernels/csrc/qgemm_pack.cpp && /tmp/qgemm_fp_steps [K] [rows]
@@ -32,8 +33,8 @@ constexpr int MR = 6;  // tile2_t's widest row tile (kMaxRows2)
 struct Extra {
   std::vector<float> dx256;  // [rows][chunks]
   std::vector<int32_t> bsum2;  // [rows][nsub / 2]
-  std::vector<int32_t> m2;     // [nsub / 2][16]
-  std::vector<float> dmin;     // [chunks][16]
+  std::vector<int32_t> m2;     // [2 panels][nsub / 2][16]
+  std::vector<float> dmin;     // [2 panels][chunks][16]
 };
 
 // The 6 x 2 loop of tile2_t with STEP's fp32 work after every sub-block and END's after every 256 values.
@@ -122,10 +123,32 @@ struct Bench {
     e.dx256.assign(static_cast<size_t>(rows * nch), 0.01f);
     e.bsum2.resize(static_cast<size_t>(rows * ns / 2));
     for (auto& v : e.bsum2) v = (rand() % 2000) | ((rand() % 2000) << 16);
-    e.m2.resize(static_cast<size_t>(ns / 2 * kPanel));
+    e.m2.resize(static_cast<size_t>(2 * ns / 2 * kPanel));
     for (auto& v : e.m2) v = (rand() % 64) | ((rand() % 64) << 16);
-    e.dmin.assign(static_cast<size_t>(nch * kPanel), -0.002f);
+    e.dmin.assign(static_cast<size_t>(2 * nch * kPanel), -0.002f);
     acc0.assign(kPanel * MR, 0.0f), acc1.assign(kPanel * MR, 0.0f);
+  }
+
+  // Step: one FMA per sub-block into the registers' sums, c = fma(float(isum), dw, c).
+  auto fma_dw() const {
+    return [this](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
+      const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
+      for (int r = 0; r < MR; ++r)
+        c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), w0, c0[r]),
+        c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), w1, c1[r]);
+    };
+  }
+  // End of a chunk with per-256 activation scales: acc (in L1) += T * dx256, T (the registers' sums) back to zero.
+  auto chunk_end(int64_t r0) {
+    return [this, r0](int64_t ch, Vf c0, Vf c1) {
+      float *a0 = acc0.data(), *a1 = acc1.data();
+      for (int r = 0; r < MR; ++r) {
+        const __m512 dx = _mm512_set1_ps(e.dx256[(r0 + r) * (k / 256) + ch]);
+        _mm512_storeu_ps(a0 + r * kPanel, _mm512_fmadd_ps(c0[r], dx, _mm512_loadu_ps(a0 + r * kPanel)));
+        _mm512_storeu_ps(a1 + r * kPanel, _mm512_fmadd_ps(c1[r], dx, _mm512_loadu_ps(a1 + r * kPanel)));
+        c0[r] = _mm512_setzero_ps(), c1[r] = _mm512_setzero_ps();
+      }
+    };
   }
 
   // Best GMAC/s of `reps` passes of fn(r0) over every 6-row tile (within Act's 16-row tiles, as run_many keeps them).
@@ -169,37 +192,25 @@ int main(int argc, char** argv) {
       tile2_t<32, true, MR>(d0, d1, ns, a, 0, r0, acc0, acc1); }), peak);
     report("as built, Q4_0 layout (tile2_t<32, false>): mul dw*dx, FMA", b.rate([&](int64_t r0) {
       tile2_t<32, false, MR>(d0, d1, ns, a, 0, r0, acc0, acc1); }), peak);
+    report("this file's loop with the Q4_K steps (checks the copy: as tile2_t)", b.rate([&](int64_t r0) {
+      tile<32>(d0, d1, ns, a, r0, acc0, acc1, [&](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
+        const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
+        for (int r = 0; r < MR; ++r) {
+          const __m512 dx = _mm512_set1_ps(a.dx[a.di(r0 + r, i)]);
+          const float xs = a.xs[a.si(r0 + r, i)];
+          c0[r] = fp_step<true>(c0[r], i0[r], w0, dx, d0.mw + i * kPanel, xs);
+          c1[r] = fp_step<true>(c1[r], i1[r], w1, dx, d1.mw + i * kPanel, xs);
+        }
+      }, none); }), peak);
     report("integer sums only (convert, add): no fp32 multiply", b.rate([&](int64_t r0) {
       tile<32>(d0, d1, ns, a, r0, acc0, acc1, [](int64_t, Vf c0, Vf c1, Vi i0, Vi i1) {
         for (int r = 0; r < MR; ++r)
           c0[r] = _mm512_add_ps(c0[r], _mm512_cvtepi32_ps(i0[r])), c1[r] = _mm512_add_ps(c1[r], _mm512_cvtepi32_ps(i1[r]));
       }, none); }), peak);
     report("one FMA with dw (no activation scale, no min: not a product)", b.rate([&](int64_t r0) {
-      tile<32>(d0, d1, ns, a, r0, acc0, acc1, [&](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
-        const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
-        for (int r = 0; r < MR; ++r)
-          c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), w0, c0[r]),
-          c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), w1, c1[r]);
-      }, none); }), peak);
-    // Per-256 activation scales: T = sum over the chunk's sub-blocks of fma(float(isum), dw, T) (+ the mins), then
-    // acc += T * dx256 at the chunk's end (acc in L1: the tile's registers hold T).
-    const auto chunk_end = [&](int64_t r0) {
-      return [&, r0](int64_t ch, Vf c0, Vf c1) {
-        for (int r = 0; r < MR; ++r) {
-          const __m512 dx = _mm512_set1_ps(b.e.dx256[(r0 + r) * (k / 256) + ch]);
-          _mm512_storeu_ps(acc0 + r * kPanel, _mm512_fmadd_ps(c0[r], dx, _mm512_loadu_ps(acc0 + r * kPanel)));
-          _mm512_storeu_ps(acc1 + r * kPanel, _mm512_fmadd_ps(c1[r], dx, _mm512_loadu_ps(acc1 + r * kPanel)));
-          c0[r] = _mm512_setzero_ps(), c1[r] = _mm512_setzero_ps();
-        }
-      };
-    };
+      tile<32>(d0, d1, ns, a, r0, acc0, acc1, b.fma_dw(), none); }), peak);
     report("per-256 activations, no min (Q4_0-like): FMA; FMA per 256", b.rate([&](int64_t r0) {
-      tile<32>(d0, d1, ns, a, r0, acc0, acc1, [&](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
-        const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
-        for (int r = 0; r < MR; ++r)
-          c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), w0, c0[r]),
-          c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), w1, c1[r]);
-      }, chunk_end(r0)); }), peak);
+      tile<32>(d0, d1, ns, a, r0, acc0, acc1, b.fma_dw(), b.chunk_end(r0)); }), peak);
     report("per-256 activations, fp32 min: FMA, min FMA; FMA per 256", b.rate([&](int64_t r0) {
       tile<32>(d0, d1, ns, a, r0, acc0, acc1, [&](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
         const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
@@ -209,28 +220,25 @@ int main(int argc, char** argv) {
           c0[r] = _mm512_fmadd_ps(m0, bs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), w0, c0[r]));
           c1[r] = _mm512_fmadd_ps(m1, bs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), w1, c1[r]));
         }
-      }, chunk_end(r0)); }), peak);
+      }, b.chunk_end(r0)); }), peak);
     report("per-256 activations, integer min: FMA; vpdpwssd per 2; 2 FMA per 256", b.rate([&](int64_t r0) {
-      tile<32>(d0, d1, ns, a, r0, acc0, acc1, [&](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
-        const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
-        for (int r = 0; r < MR; ++r)
-          c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), w0, c0[r]),
-          c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), w1, c1[r]);
-      }, [&, r0](int64_t ch, Vf c0, Vf c1) {  // the chunk's mins: sum m * bsum in int32, 4 vpdpwssd an output
+      tile<32>(d0, d1, ns, a, r0, acc0, acc1, b.fma_dw(), [&, r0](int64_t ch, Vf c0, Vf c1) {
+        // the chunk's mins: sum m * bsum in int32 (4 vpdpwssd an output), one FMA with dmin
+        const int64_t mp = ns / 2 * kPanel, dp = k / 256 * kPanel;  // the second panel's mins and dmin
         const int32_t* m = b.e.m2.data() + ch * 4 * kPanel;
-        const __m512 dm = _mm512_loadu_ps(b.e.dmin.data() + ch * kPanel);
+        const __m512 dm0 = _mm512_loadu_ps(b.e.dmin.data() + ch * kPanel), dm1 = _mm512_loadu_ps(b.e.dmin.data() + dp + ch * kPanel);
         for (int r = 0; r < MR; ++r) {
           const int32_t* bs = b.e.bsum2.data() + ((r0 + r) * (k / 32) / 2) + ch * 4;
           __m512i mi0 = _mm512_setzero_si512(), mi1 = _mm512_setzero_si512();
           for (int p = 0; p < 4; ++p) {
             const __m512i x = _mm512_set1_epi32(bs[p]);
             mi0 = _mm512_dpwssd_epi32(mi0, _mm512_loadu_si512(m + p * kPanel), x);
-            mi1 = _mm512_dpwssd_epi32(mi1, _mm512_loadu_si512(m + p * kPanel), x);
+            mi1 = _mm512_dpwssd_epi32(mi1, _mm512_loadu_si512(m + mp + p * kPanel), x);
           }
-          c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mi0), dm, c0[r]);
-          c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mi1), dm, c1[r]);
+          c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mi0), dm0, c0[r]);
+          c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mi1), dm1, c1[r]);
         }
-        chunk_end(r0)(ch, c0, c1);
+        b.chunk_end(r0)(ch, c0, c1);
       }); }), peak);
   }
   {  // S = 16: Q6_K
@@ -241,19 +249,7 @@ int main(int argc, char** argv) {
     report("as built, Q6_K (tile2_t<16, false>): mul dw*dx, FMA per 16 values", b.rate([&](int64_t r0) {
       tile2_t<16, false, MR>(d0, d1, ns, b.a, 0, r0, acc0, acc1); }), peak);
     report("Q6_K, per-256 activations: FMA per 16 values, FMA per 256", b.rate([&](int64_t r0) {
-      tile<16>(d0, d1, ns, b.a, r0, acc0, acc1, [&](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
-        const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
-        for (int r = 0; r < MR; ++r)
-          c0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), w0, c0[r]),
-          c1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), w1, c1[r]);
-      }, [&, r0](int64_t ch, Vf c0, Vf c1) {
-        for (int r = 0; r < MR; ++r) {
-          const __m512 dx = _mm512_set1_ps(b.e.dx256[(r0 + r) * (k / 256) + ch]);
-          _mm512_storeu_ps(acc0 + r * kPanel, _mm512_fmadd_ps(c0[r], dx, _mm512_loadu_ps(acc0 + r * kPanel)));
-          _mm512_storeu_ps(acc1 + r * kPanel, _mm512_fmadd_ps(c1[r], dx, _mm512_loadu_ps(acc1 + r * kPanel)));
-          c0[r] = _mm512_setzero_ps(), c1[r] = _mm512_setzero_ps();
-        }
-      }); }), peak);
+      tile<16>(d0, d1, ns, b.a, r0, acc0, acc1, b.fma_dw(), b.chunk_end(r0)); }), peak);
     std::printf("\n(checksum %g)\n", static_cast<double>(acc0[0] + acc1[5]));
   }
   return 0;
