@@ -177,6 +177,10 @@ void report(const char* what, double gmacs, double peak) {
 int main(int argc, char** argv) {
   using namespace pdserve::qgemm;
   const int64_t k = argc > 1 ? std::atoll(argv[1]) : 2048, rows = argc > 2 ? std::atoll(argv[2]) : 96;
+  if (k <= 0 || k % 256 != 0 || rows < MR) {
+    std::fprintf(stderr, "K must be a positive multiple of 256 (whole K-quant chunks) and rows at least %d\n", MR);
+    return 2;
+  }
   const double peak = peak_vpdpbusd();
   std::printf("vpdpbusd alone: %.0f GMAC/s on one core; K = %lld, %lld rows\n\n", peak, static_cast<long long>(k),
               static_cast<long long>(rows));
