@@ -2,10 +2,9 @@
 // each sub-block's vpdpbusd? The qgemm tiles (qgemm_avx512.cpp) are bound by multiplies, not by loads or integer
 // work: every fp32 multiply takes a slot a vpdpbusd could use (vnni_fp_pipes.cpp), and the contract of qgemm.h puts
 // three after every sub-block of a Q4_K row (dw * dx, the FMA, the min's FMA), two after Q4_0's and Q6_K's. This
-// times the tiles as built next to a copy of their 6-row x 2-panel integer loop (`tile` below: tile2_t's, kept in
-// step by the row that runs it with Q4_K's steps) with other steps after each sub-block, from the integer sums alone
-// to per-256 activation scales (llama.cpp's Q8_K for K-quant files), so a contract change is priced before it is
-// built.
+// times the tiles as built next to the same 6-row x 2-panel integer sums (`tile` below: tile2_t's pair_sums, in
+// sub-block loops of one 256-value chunk) with other steps after each sub-block, from the integer sums alone to
+// per-256 activation scales (llama.cpp's Q8_K for K-quant files), so a contract change is priced before it is built.
 //
 //     g++ -O3 -march=native -std=c++20 -Ipdserve/kernels/csrc -o /tmp/qgemm_fp_steps
 //         benchmarks/qgemm_fp_steps.cpp pdserve/kernels/csrc/qgemm_pack.cpp && /tmp/qgemm_fp_steps [K] [rows]
@@ -37,7 +36,8 @@ struct Extra {
   std::vector<float> dmin;     // [2 panels][chunks][16]
 };
 
-// The 6 x 2 loop of tile2_t with STEP's fp32 work after every sub-block and END's after every 256 values.
+// tile2_t's 6 x 2 integer sums (pair_sums) with STEP's fp32 work after every sub-block and END's after every 256
+// values.
 // c0/c1: accumulators carried over K in registers (variants that keep per-chunk sums carry those instead and add
 // them into acc, in L1, at the chunk's end).
 template <int S, class Step, class End>
@@ -53,20 +53,7 @@ __attribute__((noinline)) void tile(const Dec& d0, const Dec& d1, int64_t nsubs,
       const int8_t* xi = a.q + a.qi(r0, i);
       const int32_t* init = a.init + a.si(r0, i);
       __m512i i0[MR], i1[MR];
-#pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) i0[r] = i1[r] = _mm512_set1_epi32(init[r]);
-#pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) {
-        const __m512i wa = _mm512_loadu_si512(w0 + g * kVec), wb = _mm512_loadu_si512(w1 + g * kVec);
-#pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          int32_t xv;
-          std::memcpy(&xv, xi + r * S + 4 * g, 4);
-          const __m512i x = _mm512_set1_epi32(xv);
-          i0[r] = _mm512_dpbusd_epi32(i0[r], wa, x);
-          i1[r] = _mm512_dpbusd_epi32(i1[r], wb, x);
-        }
-      }
+      pair_sums<S, MR>(w0, w1, xi, init, i0, i1);
       step(i, c0, c1, i0, i1);
     }
     end(ch, c0, c1);
@@ -196,7 +183,7 @@ int main(int argc, char** argv) {
       tile2_t<32, true, MR>(d0, d1, ns, a, 0, r0, acc0, acc1); }), peak);
     report("as built, Q4_0 layout (tile2_t<32, false>): mul dw*dx, FMA", b.rate([&](int64_t r0) {
       tile2_t<32, false, MR>(d0, d1, ns, a, 0, r0, acc0, acc1); }), peak);
-    report("this file's loop with the Q4_K steps (checks the copy: as tile2_t)", b.rate([&](int64_t r0) {
+    report("this file's loop with the Q4_K steps (tile2_t's in chunks of 8)", b.rate([&](int64_t r0) {
       tile<32>(d0, d1, ns, a, r0, acc0, acc1, [&](int64_t i, Vf c0, Vf c1, Vi i0, Vi i1) {
         const __m512 w0 = _mm512_loadu_ps(d0.dw + i * kPanel), w1 = _mm512_loadu_ps(d1.dw + i * kPanel);
         for (int r = 0; r < MR; ++r) {

@@ -133,6 +133,27 @@ void tile_t(const Dec& d, int64_t nsubs, const Act& a, int64_t s0, int64_t r0, f
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kPanel, c[r]);
 }
 
+// One sub-block's exact int32 sums for MR activation rows x two panels: w0/w1 the panels' S / 4 weight vectors,
+// row r's S activations at xi + r * S, its starting value init[r]; each activation broadcast feeds both panels.
+template <int S, int MR>
+__attribute__((always_inline)) inline void pair_sums(const uint8_t* w0, const uint8_t* w1, const int8_t* xi,
+                                                     const int32_t* init, __m512i (&i0)[MR], __m512i (&i1)[MR]) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) i0[r] = i1[r] = _mm512_set1_epi32(init[r]);
+#pragma GCC unroll 8
+  for (int g = 0; g < S / 4; ++g) {
+    const __m512i wa = _mm512_loadu_si512(w0 + g * kVec), wb = _mm512_loadu_si512(w1 + g * kVec);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, xi + r * S + 4 * g, 4);
+      const __m512i x = _mm512_set1_epi32(xv);
+      i0[r] = _mm512_dpbusd_epi32(i0[r], wa, x);
+      i1[r] = _mm512_dpbusd_epi32(i1[r], wb, x);
+    }
+  }
+}
+
 // Two panels' 16 columns each for MR rows: each activation broadcast feeds a vpdpbusd of both panels, so a sub-block
 // takes MR x G broadcasts for 2 x MR x G products (one panel's tile: as many broadcasts for half the products; it
 // pays on cores that issue two vpdpbusd a cycle, BENCHMARKS.md). MR x 2 chains per row block; a row's int32 sums
@@ -153,20 +174,7 @@ void tile2_t(const Dec& d0, const Dec& d1, int64_t nsubs, const Act& a, int64_t 
     const float* xs = a.xs + a.si(r0, s);
     const float* dx = a.dx + a.di(r0, s * S / QK);
     __m512i i0[MR], i1[MR];
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r) i0[r] = i1[r] = _mm512_set1_epi32(init[r]);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      const __m512i wa = _mm512_loadu_si512(w0 + g * kVec), wb = _mm512_loadu_si512(w1 + g * kVec);
-#pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        int32_t xv;
-        std::memcpy(&xv, xi + r * S + 4 * g, 4);
-        const __m512i x = _mm512_set1_epi32(xv);
-        i0[r] = _mm512_dpbusd_epi32(i0[r], wa, x);
-        i1[r] = _mm512_dpbusd_epi32(i1[r], wb, x);
-      }
-    }
+    pair_sums<S, MR>(w0, w1, xi, init, i0, i1);
     const __m512 dw0 = _mm512_loadu_ps(d0.dw + i * kPanel), dw1 = _mm512_loadu_ps(d1.dw + i * kPanel);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
