@@ -14,6 +14,7 @@
 // is the fraction of vpdpbusd's peak on this core (12 independent chains, measured here first). Values are random
 // and results unused beyond a checksum: only the instruction mix matters. Needs AVX-512 VNNI.
 #include "qgemm_avx512.cpp"  // the tiles as built (tile2_t), in this translation unit
+#include "vnni_loop.h"
 
 #include <algorithm>
 #include <chrono>
@@ -66,23 +67,6 @@ __attribute__((noinline)) void tile(const Dec& d0, const Dec& d1, int64_t nsubs,
 
 using Vf = __m512 (&)[MR];
 using Vi = __m512i (&)[MR];
-
-double peak_vpdpbusd() {
-  const long n = 20000000;
-  asm volatile("vpxord %%zmm30, %%zmm30, %%zmm30\n\tvpxord %%zmm31, %%zmm31, %%zmm31" ::: "memory", "xmm30", "xmm31");
-  const auto t0 = std::chrono::steady_clock::now();
-  for (long i = 0; i < n; ++i)
-    asm volatile(
-        "vpdpbusd %%zmm30, %%zmm31, %%zmm0\n\tvpdpbusd %%zmm30, %%zmm31, %%zmm1\n\t"
-        "vpdpbusd %%zmm30, %%zmm31, %%zmm2\n\tvpdpbusd %%zmm30, %%zmm31, %%zmm3\n\t"
-        "vpdpbusd %%zmm30, %%zmm31, %%zmm4\n\tvpdpbusd %%zmm30, %%zmm31, %%zmm5\n\t"
-        "vpdpbusd %%zmm30, %%zmm31, %%zmm6\n\tvpdpbusd %%zmm30, %%zmm31, %%zmm7\n\t"
-        "vpdpbusd %%zmm30, %%zmm31, %%zmm8\n\tvpdpbusd %%zmm30, %%zmm31, %%zmm9\n\t"
-        "vpdpbusd %%zmm30, %%zmm31, %%zmm10\n\tvpdpbusd %%zmm30, %%zmm31, %%zmm11" ::: "memory", "xmm0", "xmm1",
-        "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11");
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return 12.0 * 64 * n / s / 1e9;
-}
 
 struct Bench {
   const QType& t;
@@ -168,7 +152,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "K must be a positive multiple of 256 (whole K-quant chunks) and rows at least %d\n", MR);
     return 2;
   }
-  const double peak = peak_vpdpbusd();
+  const double peak = 64 * vpdpbusd_rate(20000000);
   std::printf("vpdpbusd alone: %.0f GMAC/s on one core; K = %lld, %lld rows\n\n", peak, static_cast<long long>(k),
               static_cast<long long>(rows));
   std::printf("| tile (6 rows x 2 panels), steps after each sub-block | GMAC/s | x peak |\n|---|---|---|\n");

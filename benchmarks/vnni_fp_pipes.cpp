@@ -9,15 +9,14 @@
 // compiler can neither fold nor reorder them. Prints dot products per second and the ratio to the loop alone: 1.00x
 // means the added instructions ran on other pipes; 0.60x for 8 added means each took a dot product's slot. Needs
 // AVX-512 VNNI; the vdpbf16ps table runs where the CPU has AVX512-BF16.
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 
-#define VNNI(i) "vpdpbusd %%zmm30, %%zmm31, %%zmm" #i "\n\t"
+#include "vnni_loop.h"
+
 #define BF16(i) "vdpbf16ps %%zmm30, %%zmm31, %%zmm" #i "\n\t"
 #define FMA(i) "vfmadd231ps %%zmm29, %%zmm28, %%zmm" #i "\n\t"
 #define CVT(i) "vcvtdq2ps %%zmm" #i ", %%zmm2" #i "\n\t"
-#define VNNI12 VNNI(0) VNNI(1) VNNI(2) VNNI(3) VNNI(4) VNNI(5) VNNI(6) VNNI(7) VNNI(8) VNNI(9) VNNI(10) VNNI(11)
 #define BF1612 BF16(0) BF16(1) BF16(2) BF16(3) BF16(4) BF16(5) BF16(6) BF16(7) BF16(8) BF16(9) BF16(10) BF16(11)
 #define X8(M) M(12) M(13) M(14) M(15) M(16) M(17) M(18) M(19)
 
@@ -44,13 +43,6 @@
 #define OP_INSERT256(i) "vinserti64x4 $1, (%0), %%zmm28, %%zmm" #i "\n\t"
 
 alignas(64) static uint8_t g_buf[64];
-
-template <class Body>
-double rate(long n, Body body) {
-  const auto t0 = std::chrono::steady_clock::now();
-  for (long i = 0; i < n; ++i) body();
-  return 12.0 * n / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
-}
 
 // 8 of each instruction after 12 dot products of the base (VNNI12 or BF1612), per iteration.
 #define TABLE(BASE12, NAME)                                                                                          \
@@ -85,7 +77,7 @@ int main() {
   const long n = 20000000;
   asm volatile("vpxord %%zmm28, %%zmm28, %%zmm28\n\tvpxord %%zmm29, %%zmm29, %%zmm29\n\t"
                "vpxord %%zmm30, %%zmm30, %%zmm30\n\tvpxord %%zmm31, %%zmm31, %%zmm31" ::: "memory");
-  const double base = rate(10 * n, [] { asm volatile(VNNI12 ::: "memory"); });
+  const double base = vpdpbusd_rate(10 * n);
   std::printf("12 vpdpbusd: %.3f G/s (%.0f GMAC/s)\n", base, 64 * base);
   const auto show = [&](const char* what, double r) { std::printf("%-40s %.3f G/s vpdpbusd (%.2fx)\n", what, r, r / base); };
   show("+ 2 FMA per 12", rate(10 * n, [] {
